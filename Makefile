@@ -1,0 +1,42 @@
+# quark — set-up, demo, tests, benchmarks. Every target installs what it needs (idempotent).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+# System packages the runtime and its tests use. Debian's python3-seccomp (libseccomp bindings)
+# and python3-pyverbs import into the venv because it is made with --system-site-packages.
+APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf3 \
+	redis-server redis-tools python3-venv python3-dev python3-seccomp python3-pyverbs \
+	iproute2 gcc libc6-dev procps util-linux
+
+.PHONY: install apt venv demo test test-unit bench clean
+install: apt venv
+
+apt:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing system packages:" $$missing; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: install
+	$(PY) -m qvisor.demo
+
+test: install
+	$(VENV)/bin/pytest -q -ra tests
+
+test-unit: install
+	$(VENV)/bin/pytest -q -ra tests/unit
+
+bench: install
+	$(PY) bench/startup.py
+
+clean:
+	rm -rf $(VENV) *.egg-info build
