@@ -1,0 +1,86 @@
+"""`quark`: the runc-compatible command line. One module per verb in qvisor/commands/."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import time
+
+from qvisor.errors import QuarkError
+
+# verb -> (module under qvisor.commands, one-line help). The table is the CLI.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "spec": ("spec", "create a new specification file (config.json)"),
+    "create": ("create", "create a container"),
+    "start": ("start", "execute the user-defined process in a created container"),
+    "run": ("run", "create and run a container"),
+    "state": ("state", "output the state of a container"),
+    "kill": ("kill", "send a signal to the container's init process"),
+    "delete": ("delete", "delete any resources held by the container"),
+    "exec": ("exec", "execute a new process inside the container"),
+    "ps": ("ps", "display the processes running inside a container"),
+    "list": ("list", "list containers started by quark with the given root"),
+    "pause": ("pause", "suspend all processes inside the container"),
+    "resume": ("resume", "resume all processes that have been previously paused"),
+    "features": ("features", "show the enabled features"),
+}
+
+DEFAULT_ROOT = "/run/quark"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quark", description="quark: a secure OCI container runtime")
+    p.add_argument("--root", default=DEFAULT_ROOT, help="root directory for container state (default: %(default)s)")
+    p.add_argument("--log", default="", help="log file (default: stderr)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="log format")
+    p.add_argument("--debug", action="store_true", help="enable debug logging")
+    p.add_argument("--systemd-cgroup", action="store_true",
+                   help="use systemd cgroup driver (not supported: quark manages cgroupfs directly)")
+    p.add_argument("--rootless", default="auto", help="accepted for runc compatibility; ignored")
+    p.add_argument("-v", "--version", action="version", version="quark 0.1.0 (spec 1.0.2)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(f"qvisor.commands.{module}").add_arguments(sp)
+    return p
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps({"level": record.levelname.lower(), "msg": record.getMessage(),
+                           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created))})
+
+
+def setup_logging(log: str, log_format: str, debug: bool) -> None:
+    handler: logging.Handler = logging.FileHandler(log) if log else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help(sys.stderr)
+        return 2
+    setup_logging(args.log, args.log_format, args.debug)
+    if args.systemd_cgroup:
+        logging.getLogger("quark").warning("--systemd-cgroup is not supported; using cgroupfs paths as given")
+    module = importlib.import_module(f"qvisor.commands.{COMMANDS[args.command][0]}")
+    try:
+        return module.run(args)
+    except QuarkError as e:
+        logging.getLogger("quark").debug("%s failed", args.command, exc_info=True)
+        print(f"quark: {e}", file=sys.stderr)
+        if args.log:
+            logging.getLogger("quark").error("%s", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

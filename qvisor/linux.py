@@ -1,0 +1,173 @@
+"""Thin ctypes layer over the Linux calls Python's os module lacks (namespaces, mounts, prctl, caps).
+
+Everything privileged and kernel-facing that qvisor needs goes through here, so the rest of the
+package is plain Python. Each function raises OSError with errno on failure.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+# namespaces (linux/sched.h)
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+CLONE_NEWTIME = 0x00000080
+
+# mount flags (linux/mount.h)
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_SYNCHRONOUS = 16
+MS_REMOUNT = 32
+MS_MANDLOCK = 64
+MS_DIRSYNC = 128
+MS_NOSYMFOLLOW = 256
+MS_NOATIME = 1024
+MS_NODIRATIME = 2048
+MS_BIND = 4096
+MS_MOVE = 8192
+MS_REC = 16384
+MS_SILENT = 32768
+MS_UNBINDABLE = 1 << 17
+MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
+MS_SHARED = 1 << 20
+MS_RELATIME = 1 << 21
+MS_STRICTATIME = 1 << 24
+MS_LAZYTIME = 1 << 25
+MNT_DETACH = 2
+
+# prctl
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_SET_KEEPCAPS = 8
+PR_CAPBSET_READ = 23
+PR_CAPBSET_DROP = 24
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_RAISE = 2
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+
+_SYS_PIVOT_ROOT = 155
+_SYS_SETNS = 308
+_SYS_PIDFD_SEND_SIGNAL = 424
+_SYS_PIDFD_OPEN = 434
+_SYS_CLOSE_RANGE = 436
+CLOSE_RANGE_CLOEXEC = 4
+
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def _check(ret: int, what: str, *paths: str) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}", *paths[:1])
+    return ret
+
+
+def _b(s: str | None) -> bytes | None:
+    return None if s is None else os.fsencode(s)
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def setns(fd: int, nstype: int = 0) -> None:
+    _check(_libc.syscall(_SYS_SETNS, ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int = 0, data: str | None = None) -> None:
+    _check(_libc.mount(_b(source), _b(target), _b(fstype), ctypes.c_ulong(flags), _b(data)), "mount", target)
+
+
+def umount2(target: str, flags: int = 0) -> None:
+    _check(_libc.umount2(_b(target), ctypes.c_int(flags)), "umount2", target)
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    _check(_libc.syscall(_SYS_PIVOT_ROOT, _b(new_root), _b(put_old)), "pivot_root", new_root)
+
+
+def sethostname(name: str) -> None:
+    b = name.encode()
+    _check(_libc.sethostname(b, ctypes.c_size_t(len(b))), "sethostname")
+
+
+def setdomainname(name: str) -> None:
+    b = name.encode()
+    _check(_libc.setdomainname(b, ctypes.c_size_t(len(b))), "setdomainname")
+
+
+def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
+    return _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg2), ctypes.c_ulong(arg3),
+                              ctypes.c_ulong(arg4), ctypes.c_ulong(arg5)), "prctl")
+
+
+def pidfd_open(pid: int) -> int:
+    return _check(_libc.syscall(_SYS_PIDFD_OPEN, ctypes.c_int(pid), ctypes.c_uint(0)), "pidfd_open")
+
+
+def pidfd_send_signal(pidfd: int, sig: int) -> None:
+    _check(_libc.syscall(_SYS_PIDFD_SEND_SIGNAL, ctypes.c_int(pidfd), ctypes.c_int(sig), None,
+                         ctypes.c_uint(0)), "pidfd_send_signal")
+
+
+def mark_fds_cloexec(first: int) -> None:
+    """Set FD_CLOEXEC on every fd >= first, so nothing of the runtime leaks through execve."""
+    _check(_libc.syscall(_SYS_CLOSE_RANGE, ctypes.c_uint(first), ctypes.c_uint(0xFFFFFFFF),
+                         ctypes.c_uint(CLOSE_RANGE_CLOEXEC)), "close_range")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def capset(effective: int, permitted: int, inheritable: int) -> None:
+    """Set this thread's capability sets from 64-bit masks."""
+    hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    for i in range(2):
+        shift = 32 * i
+        data[i].effective = (effective >> shift) & 0xFFFFFFFF
+        data[i].permitted = (permitted >> shift) & 0xFFFFFFFF
+        data[i].inheritable = (inheritable >> shift) & 0xFFFFFFFF
+    _check(_libc.capset(ctypes.byref(hdr), data), "capset")
+
+
+def last_cap() -> int:
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        return int(f.read())
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat: tells a live pid from a reused one. None if the pid is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # comm may contain spaces and parentheses: split after the last ')'
+    fields = data[data.rindex(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def winsize(rows: int, cols: int) -> bytes:
+    return struct.pack("HHHH", rows, cols, 0, 0)

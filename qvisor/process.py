@@ -1,0 +1,132 @@
+"""The last steps of a container process before execve: limits, identity, capabilities, seccomp.
+
+Runs in the forked child that becomes the container's init or an exec'd process, inside the
+container's namespaces. The order follows runc: rlimits and oom score while still privileged;
+seccomp early unless noNewPrivileges (installing a filter needs CAP_SYS_ADMIN or no_new_privs);
+bounding set; uid/gid with keep-caps; capsets; ambient; no_new_privs; seccomp late; exec.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import resource
+import signal
+from typing import Callable
+
+from qvisor import linux as L
+from qvisor.errors import SetupError
+from qvisor.spec import CAPABILITIES, RLIMITS, Capabilities, Process
+
+log = logging.getLogger("quark.process")
+
+
+def _mask(names: list[str], last: int) -> int:
+    m = 0
+    for n in names:
+        bit = CAPABILITIES[n]
+        if bit <= last:  # capabilities this kernel does not know are skipped, as runc does
+            m |= 1 << bit
+    return m
+
+
+def set_rlimits(proc: Process) -> None:
+    for r in proc.rlimits:
+        try:
+            resource.setrlimit(RLIMITS[r.type], (r.soft, r.hard))
+        except (OSError, ValueError) as e:
+            raise SetupError(f"process.rlimits: setting {r.type} to {r.soft}/{r.hard}: {e}") from None
+
+
+def set_oom_score_adj(value: int | None) -> None:
+    if value is None:
+        return
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(value))
+    except PermissionError:
+        # lowering the score needs CAP_SYS_RESOURCE in the initial namespace; some hosts refuse it
+        # even to root (containerd's restrict_oom_score_adj exists for this). Keep the inherited one.
+        log.warning("oomScoreAdj %d refused by the kernel (EACCES); keeping the inherited score", value)
+
+
+def _drop_bounding(caps: Capabilities, last: int) -> None:
+    keep = _mask(caps.bounding, last)
+    for bit in range(last + 1):
+        if not keep & (1 << bit):
+            L.prctl(L.PR_CAPBSET_DROP, bit)
+
+
+def _switch_user(proc: Process, in_userns_setgroups_denied: bool) -> None:
+    u = proc.user
+    if not in_userns_setgroups_denied:
+        os.setgroups(u.additional_gids)
+    os.setresgid(u.gid, u.gid, u.gid)
+    os.setresuid(u.uid, u.uid, u.uid)
+
+
+def _set_caps(caps: Capabilities, last: int) -> None:
+    L.capset(_mask(caps.effective, last), _mask(caps.permitted, last), _mask(caps.inheritable, last))
+    L.prctl(L.PR_CAP_AMBIENT, L.PR_CAP_AMBIENT_CLEAR_ALL)
+    for name in caps.ambient:
+        bit = CAPABILITIES[name]
+        if bit > last:
+            continue
+        try:
+            L.prctl(L.PR_CAP_AMBIENT, L.PR_CAP_AMBIENT_RAISE, bit)
+        except OSError as e:
+            # ambient caps must also be permitted and inheritable; runc warns and goes on
+            log.warning("ambient capability %s not raised: %s", name, e.strerror)
+
+
+def reset_signals() -> None:
+    """Python ignores SIGPIPE and SIGXFSZ and blocks nothing; a program expects defaults."""
+    signal.set_wakeup_fd(-1)
+    for sig in range(1, signal.NSIG):
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None],
+                    setgroups_allowed: bool = True) -> None:
+    """Apply the process spec and execve. Does not return; raises SetupError before exec."""
+    last = L.last_cap()
+    set_rlimits(proc)
+    set_oom_score_adj(proc.oom_score_adj)
+    if proc.user.umask is not None:
+        os.umask(proc.user.umask)
+    if not proc.no_new_privileges:
+        install_filter(False)
+    caps = proc.capabilities
+    try:
+        if caps is not None:
+            _drop_bounding(caps, last)
+        L.prctl(L.PR_SET_KEEPCAPS, 1)
+        _switch_user(proc, not setgroups_allowed)
+        L.prctl(L.PR_SET_KEEPCAPS, 0)
+    except OSError as e:
+        raise SetupError(f"process.user: switching to uid {proc.user.uid} gid {proc.user.gid}: {e.strerror}") from None
+    try:
+        os.chdir(proc.cwd)
+    except OSError as e:
+        raise SetupError(f"process.cwd: {proc.cwd}: {e.strerror}") from None
+    if caps is not None:
+        try:
+            _set_caps(caps, last)
+        except OSError as e:
+            raise SetupError(f"process.capabilities: {e.strerror}") from None
+    if proc.no_new_privileges:
+        L.prctl(L.PR_SET_NO_NEW_PRIVS, 1)
+        install_filter(True)
+    env = dict(e.split("=", 1) if "=" in e else (e, "") for e in proc.env)
+    reset_signals()
+    try:
+        os.execvpe(proc.args[0], proc.args, env)
+    except OSError as e:
+        what = "executable file not found in $PATH" if e.errno == errno.ENOENT else e.strerror
+        raise SetupError(f"exec: {proc.args[0]!r}: {what}") from None

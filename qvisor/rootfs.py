@@ -1,0 +1,229 @@
+"""The container's filesystem view, built inside its new mount namespace.
+
+Order (as runc): propagation of / -> bind the rootfs onto itself -> the spec's mounts -> device
+nodes -> pivot_root -> sysctls (by the caller) -> masked and read-only paths -> read-only root.
+Targets inside the rootfs are always opened with paths.open_in_root, never joined as strings.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from qvisor import linux as L
+from qvisor import mountopts, paths
+from qvisor.errors import SetupError
+from qvisor.spec import Device, Mount, Spec
+
+# (path, type, major, minor, mode): what every container gets, as in runc and the OCI spec
+DEFAULT_DEVICES = [
+    ("/dev/null", "c", 1, 3, 0o666), ("/dev/zero", "c", 1, 5, 0o666), ("/dev/full", "c", 1, 7, 0o666),
+    ("/dev/random", "c", 1, 8, 0o666), ("/dev/urandom", "c", 1, 9, 0o666), ("/dev/tty", "c", 5, 0, 0o666),
+]
+_DEV_SYMLINKS = [("/proc/self/fd", "/dev/fd"), ("/proc/self/fd/0", "/dev/stdin"),
+                 ("/proc/self/fd/1", "/dev/stdout"), ("/proc/self/fd/2", "/dev/stderr")]
+_LOCKED = {os.ST_NOSUID: L.MS_NOSUID, os.ST_NODEV: L.MS_NODEV, os.ST_NOEXEC: L.MS_NOEXEC,
+           os.ST_NOATIME: L.MS_NOATIME, os.ST_NODIRATIME: L.MS_NODIRATIME, os.ST_RELATIME: L.MS_RELATIME}
+
+
+def _fail(step: str, target: str, e: OSError) -> SetupError:
+    return SetupError(f"{step} {target}: {e.strerror or e}")
+
+
+def _kept_flags(path: str) -> int:
+    """Flags of the mount at path that a read-only remount must repeat (in a user namespace the
+    kernel refuses to clear locked ones)."""
+    f = os.statvfs(path).f_flag
+    return sum(bit for st, bit in _LOCKED.items() if f & st)
+
+
+def prepare(spec: Spec, cgroup_path: str, in_userns: bool) -> None:
+    """Everything before pivot_root. Runs in the container's new mount namespace."""
+    rootfs = spec.root.path
+    prop = mountopts.PROPAGATION.get(spec.linux.rootfs_propagation or "rslave")
+    if prop is None:
+        raise SetupError(f"linux.rootfsPropagation: unknown value {spec.linux.rootfs_propagation!r}")
+    L.mount(None, "/", None, prop)
+    L.mount(rootfs, rootfs, None, L.MS_BIND | L.MS_REC)
+    root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for m in spec.mounts:
+            _mount_one(root_fd, m, spec.bundle, cgroup_path)
+        _create_devices(root_fd, spec.linux.devices, in_userns)
+    finally:
+        os.close(root_fd)
+
+
+def _mount_one(root_fd: int, m: Mount, bundle: str, cgroup_path: str) -> None:
+    opts = mountopts.parse(m.options)
+    if m.type == "cgroup" or m.type == "cgroup2":
+        return _mount_cgroup(root_fd, m, opts, cgroup_path)
+    if opts.is_bind:
+        source = m.source if os.path.isabs(m.source) else os.path.join(bundle, m.source)
+        try:
+            is_dir = stat.S_ISDIR(os.stat(source).st_mode)
+        except OSError as e:
+            raise _fail("bind mount source", source, e) from None
+    else:
+        source, is_dir = m.source or m.type, True
+    try:
+        fd = paths.ensure_in_root(root_fd, m.destination, is_dir)
+    except OSError as e:
+        raise _fail("mount destination", m.destination, e) from None
+    target = paths.fd_path(fd)
+    try:
+        if opts.is_bind:
+            L.mount(source, target, None, opts.flags & (L.MS_BIND | L.MS_REC))
+            # a bind ignores other flags on the first call: apply them with a remount, as runc does
+            rest = opts.flags & ~(L.MS_BIND | L.MS_REC | L.MS_REMOUNT)
+            if rest:
+                L.mount(None, target, None, L.MS_BIND | L.MS_REMOUNT | rest | _kept_flags(target))
+        else:
+            L.mount(source, target, m.type, opts.flags, opts.data or None)
+        for p in opts.propagation or []:
+            L.mount(None, target, None, p)
+    except OSError as e:
+        raise _fail(f"mount {m.type or 'bind'}", m.destination, e) from None
+    finally:
+        os.close(fd)
+
+
+def _v1_hierarchies() -> list[tuple[str, str]]:
+    """(mount point, options) of each cgroup v1 hierarchy visible to this process."""
+    out = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, mnt, fstype, options = line.split()[:4]
+            if fstype == "cgroup":
+                out.append((mnt, options))
+    return out
+
+
+def _mount_cgroup(root_fd: int, m: Mount, opts: mountopts.MountOptions, cgroup_path: str) -> None:
+    """Give the container its own cgroup, never the host's tree: the container's cgroup directory of
+    each hierarchy is bound in (v1 under a tmpfs, v2 directly), read-only if asked."""
+    from qvisor import cgroups
+    ro = opts.flags & L.MS_RDONLY
+    flags = (opts.flags & ~L.MS_RDONLY) | L.MS_NOSUID | L.MS_NODEV | L.MS_NOEXEC
+    fd = paths.ensure_in_root(root_fd, m.destination, True)
+    target = paths.fd_path(fd)
+    try:
+        if cgroups.detect() == "v2":
+            src = "/sys/fs/cgroup" + cgroup_path
+            L.mount(src, target, None, L.MS_BIND | L.MS_REC)
+            if ro:
+                L.mount(None, target, None, L.MS_BIND | L.MS_REMOUNT | L.MS_RDONLY | flags)
+            return
+        L.mount("tmpfs", target, "tmpfs", flags, "mode=755")
+        for mnt, _ in _v1_hierarchies():
+            if not mnt.startswith("/sys/fs/cgroup/"):
+                continue
+            name = os.path.basename(mnt)
+            sub = paths.ensure_in_root(fd, name, True)
+            try:
+                src = mnt + cgroup_path
+                if os.path.isdir(src):
+                    L.mount(src, paths.fd_path(sub), None, L.MS_BIND)
+                    L.mount(None, paths.fd_path(sub), None,
+                            L.MS_BIND | L.MS_REMOUNT | flags | (L.MS_RDONLY if ro else 0))
+            finally:
+                os.close(sub)
+        if ro:
+            L.mount(None, target, None, L.MS_REMOUNT | L.MS_RDONLY | flags)
+    except OSError as e:
+        raise _fail("mount cgroup", m.destination, e) from None
+    finally:
+        os.close(fd)
+
+
+def _create_devices(root_fd: int, devices: list[Device], in_userns: bool) -> None:
+    wanted = [(p, t, ma, mi, mode, None, None) for p, t, ma, mi, mode in DEFAULT_DEVICES]
+    wanted += [(d.path, d.type, d.major, d.minor, d.file_mode if d.file_mode is not None else 0o666, d.uid, d.gid)
+               for d in devices]
+    for path, typ, major, minor, mode, uid, gid in wanted:
+        _make_device(root_fd, path, typ, major, minor, mode, uid, gid, in_userns)
+    for src, dst in _DEV_SYMLINKS + [("pts/ptmx", "/dev/ptmx")]:
+        parent = paths.ensure_in_root(root_fd, os.path.dirname(dst), True)
+        try:
+            name = os.path.basename(dst)
+            if dst == "/dev/ptmx":
+                try:
+                    os.unlink(name, dir_fd=parent)
+                except FileNotFoundError:
+                    pass
+            try:
+                os.symlink(src, name, dir_fd=parent)
+            except FileExistsError:
+                pass
+        finally:
+            os.close(parent)
+
+
+def _make_device(root_fd: int, path: str, typ: str, major: int, minor: int, mode: int,
+                 uid: int | None, gid: int | None, in_userns: bool) -> None:
+    parent = paths.ensure_in_root(root_fd, os.path.dirname(path), True)
+    name = os.path.basename(path)
+    try:
+        if in_userns:
+            # mknod is refused in a user namespace: bind the host's node instead (runc does the same)
+            fd = paths.ensure_in_root(root_fd, path, False)
+            try:
+                L.mount(path, paths.fd_path(fd), None, L.MS_BIND)
+            finally:
+                os.close(fd)
+            return
+        kind = {"c": stat.S_IFCHR, "u": stat.S_IFCHR, "b": stat.S_IFBLK, "p": stat.S_IFIFO}[typ]
+        try:
+            os.unlink(name, dir_fd=parent)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            raise SetupError(f"device {path}: a directory is in the way") from None
+        os.mknod(name, kind | (mode & 0o7777), os.makedev(major, minor), dir_fd=parent)
+        os.chmod(name, mode & 0o7777, dir_fd=parent)  # mknod is subject to the umask
+        if uid is not None or gid is not None:
+            os.chown(name, uid if uid is not None else -1, gid if gid is not None else -1, dir_fd=parent)
+    except OSError as e:
+        raise _fail("create device", path, e) from None
+    finally:
+        os.close(parent)
+
+
+def pivot(rootfs: str) -> None:
+    """Make rootfs the root. pivot_root(".", ".") stacks the old root under the new one, and the
+    detach unmounts it, so no path to the host's tree remains (runc's technique)."""
+    os.chdir(rootfs)
+    try:
+        L.pivot_root(".", ".")
+        L.mount(None, ".", None, L.MS_SLAVE | L.MS_REC)
+        L.umount2(".", L.MNT_DETACH)
+    except OSError as e:
+        raise _fail("pivot_root", rootfs, e) from None
+    os.chdir("/")
+
+
+def finalize(spec: Spec) -> None:
+    """After pivot_root: masked paths, read-only paths, read-only root."""
+    for p in spec.linux.readonly_paths:
+        try:
+            L.mount(p, p, None, L.MS_BIND | L.MS_REC)
+            L.mount(None, p, None, L.MS_BIND | L.MS_REMOUNT | L.MS_RDONLY | L.MS_REC | _kept_flags(p))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise _fail("readonly path", p, e) from None
+    for p in spec.linux.masked_paths:
+        try:
+            if os.path.isdir(p) and not os.path.islink(p):
+                L.mount("tmpfs", p, "tmpfs", L.MS_RDONLY, "size=0")
+            else:
+                L.mount("/dev/null", p, None, L.MS_BIND)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                continue
+            raise _fail("mask path", p, e) from None
+    if spec.root.readonly:
+        try:
+            L.mount(None, "/", None, L.MS_BIND | L.MS_REMOUNT | L.MS_RDONLY | _kept_flags("/"))
+        except OSError as e:
+            raise _fail("remount read-only", "/", e) from None

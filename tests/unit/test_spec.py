@@ -1,0 +1,232 @@
+"""config.json model: the default spec parses, each class of bad input names its field, `quark spec` works."""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+
+import pytest
+
+from qvisor import cli
+from qvisor.errors import ConfigError, QuarkError
+from qvisor.spec import (CAPABILITIES, RLIMITS, DeviceRule, Linux, Namespace, default_spec,
+                         load_spec, make_rootless, parse_spec)
+
+CFG = "/b/config.json"
+
+
+def _with_seccomp(s: dict, **rule_changes) -> None:
+    rule = {"names": ["personality"], "action": "SCMP_ACT_ALLOW",
+            "args": [{"index": 0, "value": 8, "op": "SCMP_CMP_EQ"}]}
+    for key, value in rule_changes.items():
+        if key.startswith("arg_"):
+            rule["args"][0][key[4:]] = value
+        else:
+            rule[key] = value
+    s["linux"]["seccomp"] = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [rule]}
+
+
+def _user_ns(s: dict) -> None:
+    s["linux"]["namespaces"].append({"type": "user"})
+
+
+# (id, mutation of default_spec(), field the error must name, text the message must contain)
+MUTATIONS = [
+    ("no-ociVersion", lambda s: s.pop("ociVersion"), "ociVersion", "is required"),
+    ("ociVersion-2", lambda s: s.update(ociVersion="2.0.0"), "ociVersion", "unsupported version"),
+    ("no-root", lambda s: s.pop("root"), "root", "is required"),
+    ("args-not-list", lambda s: s["process"].update(args="sh"), "process.args", "must be a non-empty list of strings"),
+    ("args-empty", lambda s: s["process"].update(args=[]), "process.args", "must be a non-empty list of strings"),
+    ("args-missing", lambda s: s["process"].pop("args"), "process.args", "must be a non-empty list of strings"),
+    ("relative-cwd", lambda s: s["process"].update(cwd="tmp"), "process.cwd", "absolute path"),
+    ("terminal-str", lambda s: s["process"].update(terminal="yes"), "process.terminal", "boolean"),
+    ("unknown-cap", lambda s: s["process"]["capabilities"]["bounding"].append("CAP_FOO"),
+     "process.capabilities.bounding[3]", 'unknown capability "CAP_FOO"'),
+    ("unknown-rlimit", lambda s: s["process"]["rlimits"][0].update(type="RLIMIT_FOO"),
+     "process.rlimits[0].type", 'unknown rlimit "RLIMIT_FOO"'),
+    ("soft-gt-hard", lambda s: s["process"]["rlimits"][0].update(soft=2048), "process.rlimits[0].soft", "exceeds"),
+    ("bool-uid", lambda s: s["process"]["user"].update(uid=True), "process.user.uid", "must be an integer"),
+    ("negative-gid", lambda s: s["process"]["user"].update(gid=-1), "process.user.gid", "negative"),
+    ("bad-ns-type", lambda s: s["linux"]["namespaces"][2].update(type="foo"),
+     "linux.namespaces[2].type", 'unknown namespace type "foo"'),
+    ("dup-ns", lambda s: s["linux"]["namespaces"].append({"type": "pid"}),
+     "linux.namespaces[5].type", 'duplicate namespace type "pid"'),
+    ("relative-ns-path", lambda s: s["linux"]["namespaces"][0].update(path="proc/1/ns/pid"),
+     "linux.namespaces[0].path", "absolute path"),
+    ("userns-no-maps", _user_ns, "linux.uidMappings", "required when a new user namespace"),
+    ("maps-no-userns", lambda s: s["linux"].update(gidMappings=[{"containerID": 0, "hostID": 1000, "size": 1}]),
+     "linux.gidMappings", "needs a user namespace"),
+    ("relative-mount", lambda s: s["mounts"][0].update(destination="proc"), "mounts[0].destination", "absolute"),
+    ("mount-opts-str", lambda s: s["mounts"][1].update(options="ro"), "mounts[1].options", "must be a list"),
+    ("bad-seccomp-action", lambda s: _with_seccomp(s, action="SCMP_ACT_NOPE"),
+     "linux.seccomp.syscalls[0].action", "unknown seccomp action"),
+    ("bad-seccomp-op", lambda s: _with_seccomp(s, arg_op="SCMP_CMP_XX"),
+     "linux.seccomp.syscalls[0].args[0].op", "unknown seccomp op"),
+    ("bad-seccomp-index", lambda s: _with_seccomp(s, arg_index=6),
+     "linux.seccomp.syscalls[0].args[0].index", "between 0 and 5"),
+    ("notify-no-listener", lambda s: _with_seccomp(s, action="SCMP_ACT_NOTIFY"),
+     "linux.seccomp.listenerPath", "SCMP_ACT_NOTIFY"),
+    ("relative-hook", lambda s: s.update(hooks={"prestart": [{"path": "bin/true"}]}),
+     "hooks.prestart[0].path", "absolute path"),
+    ("hook-timeout-0", lambda s: s.update(hooks={"poststop": [{"path": "/bin/true", "timeout": 0}]}),
+     "hooks.poststop[0].timeout", "between 1"),
+    ("device-rule-access", lambda s: s["linux"]["resources"]["devices"][0].update(access="rwx"),
+     "linux.resources.devices[0].access", "r, w and m"),
+    ("device-no-major", lambda s: s["linux"].update(devices=[{"path": "/dev/fuse", "type": "c", "minor": 229}]),
+     "linux.devices[0].major", "is required"),
+    ("bad-propagation", lambda s: s["linux"].update(rootfsPropagation="weird"),
+     "linux.rootfsPropagation", "unknown propagation"),
+    ("annotation-int", lambda s: s.update(annotations={"a": 1}), "annotations.a", "must be a string"),
+]
+
+
+@pytest.mark.parametrize("mutate,field,text", [m[1:] for m in MUTATIONS], ids=[m[0] for m in MUTATIONS])
+def test_bad_input_names_the_field(mutate, field, text):
+    data = default_spec()
+    mutate(data)
+    with pytest.raises(ConfigError) as exc:
+        parse_spec(data, CFG, "/b")
+    assert (exc.value.path, exc.value.field) == (CFG, field)
+    assert text in exc.value.message
+    assert str(exc.value).startswith(f"{CFG}: {field}: ")
+
+
+def test_default_spec_round_trips():
+    data = default_spec()
+    spec = parse_spec(copy.deepcopy(data), CFG, "/b")
+    assert spec.oci_version == "1.0.2" and spec.hostname == "quark"
+    assert spec.root.path == "/b/rootfs" and spec.root.readonly and spec.bundle == "/b"
+    p = spec.process
+    assert p is not None and p.terminal and p.args == ["sh"] and p.cwd == "/" and p.no_new_privileges
+    assert (p.user.uid, p.user.gid) == (0, 0)
+    assert p.capabilities is not None and p.capabilities.inheritable == []
+    assert p.capabilities.ambient == ["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"]
+    assert [(r.type, r.soft, r.hard) for r in p.rlimits] == [("RLIMIT_NOFILE", 1024, 1024)]
+    assert [m.destination for m in spec.mounts] == ["/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue",
+                                                   "/sys", "/sys/fs/cgroup"]
+    assert spec.mounts[0].options == [] and "ro" in spec.mounts[5].options
+    assert [ns.type for ns in spec.linux.namespaces] == ["pid", "network", "ipc", "uts", "mount"]
+    assert spec.linux.resources.devices == [DeviceRule(allow=False, type="a", major=None, minor=None, access="rwm")]
+    assert "/proc/kcore" in spec.linux.masked_paths and "/proc/sys" in spec.linux.readonly_paths
+    assert spec.raw == data
+    assert default_spec() is not default_spec()  # callers may mutate what they get
+
+
+def test_full_featured_spec_parses():
+    data = default_spec()
+    data["process"].update(consoleSize={"height": 24, "width": 80}, oomScoreAdj=-500,
+                           user={"uid": 1000, "gid": 1000, "umask": 0o22, "additionalGids": [5, 10]})
+    data["hooks"] = {"createRuntime": [{"path": "/usr/bin/hook", "args": ["hook", "x"], "timeout": 5}]}
+    _user_ns(data)
+    data["linux"].update(
+        uidMappings=[{"containerID": 0, "hostID": 100000, "size": 65536}],
+        gidMappings=[{"containerID": 0, "hostID": 100000, "size": 65536}],
+        devices=[{"path": "/dev/fuse", "type": "c", "major": 10, "minor": 229, "fileMode": 0o666},
+                 {"path": "/dev/myfifo", "type": "p"}],
+        resources={"memory": {"limit": 1 << 30, "swap": -1}, "cpu": {"shares": 512, "quota": 50000, "cpus": "0-1"},
+                   "pids": {"limit": 64}, "devices": [{"allow": True, "type": "c", "major": 1, "minor": -1}],
+                   "unified": {"io.weight": "100"}},
+        sysctl={"net.ipv4.ip_forward": "1"}, rootfsPropagation="rslave", cgroupsPath="/quark/x",
+        seccomp={"defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": 1, "architectures": ["SCMP_ARCH_X86_64"],
+                 "listenerPath": "/run/seccomp.sock",
+                 "syscalls": [{"names": ["mkdir"], "action": "SCMP_ACT_NOTIFY"},
+                              {"names": ["clone"], "action": "SCMP_ACT_ALLOW", "args": [
+                                  {"index": 0, "value": 0x10000000, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}]}]})
+    spec = parse_spec(data, CFG, "/b")
+    p = spec.process
+    assert p.console_size == (24, 80) and p.oom_score_adj == -500 and p.user.additional_gids == [5, 10]
+    assert spec.hooks.create_runtime[0].timeout == 5 and spec.hooks.prestart == []
+    assert spec.linux.uid_mappings[0].host_id == 100000 and spec.linux.gid_mappings[0].size == 65536
+    assert spec.linux.devices[1].major == 0 and spec.linux.devices[0].file_mode == 0o666
+    res = spec.linux.resources
+    assert res.memory.limit == 1 << 30 and res.memory.swap == -1 and res.cpu.cpus == "0-1" and res.pids_limit == 64
+    assert res.devices[0].minor is None and res.raw["unified"] == {"io.weight": "100"}
+    sc = spec.linux.seccomp
+    assert sc.default_errno_ret == 1 and sc.syscalls[1].args[0].op == "SCMP_CMP_MASKED_EQ"
+    assert spec.linux.namespace("user") == Namespace("user", "") and spec.linux.namespace("time") is None
+
+
+def test_partial_spec_gets_defaults():
+    spec = parse_spec({"ociVersion": "1.1.0", "root": {"path": "/abs/rootfs"}}, CFG, "/b")
+    assert spec.process is None and spec.root.path == "/abs/rootfs" and spec.mounts == []
+    assert spec.linux == Linux()
+
+
+def test_capability_and_rlimit_tables():
+    assert CAPABILITIES["CAP_CHOWN"] == 0 and CAPABILITIES["CAP_SYS_ADMIN"] == 21
+    assert CAPABILITIES["CAP_CHECKPOINT_RESTORE"] == 40 and len(CAPABILITIES) == 41
+    assert RLIMITS["RLIMIT_NOFILE"] == resource.RLIMIT_NOFILE and RLIMITS["RLIMIT_LOCKS"] == 10
+    assert len(RLIMITS) == 16
+
+
+def test_load_spec_resolves_root_against_bundle(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(default_spec()))
+    spec = load_spec(str(tmp_path))
+    assert spec.root.path == str(tmp_path / "rootfs") and spec.bundle == str(tmp_path)
+
+
+def test_load_spec_invalid_json_gives_line(tmp_path):
+    (tmp_path / "config.json").write_text('{\n  "ociVersion": "1.0.2",\n  "root": {,}\n}')
+    with pytest.raises(ConfigError) as exc:
+        load_spec(str(tmp_path))
+    assert exc.value.path == str(tmp_path / "config.json")
+    assert "invalid JSON at line 3 column" in str(exc.value)
+
+
+def test_load_spec_not_an_object(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must contain a JSON object"):
+        load_spec(str(tmp_path))
+
+
+def test_load_spec_missing_file(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        load_spec(str(tmp_path))
+    assert exc.value.path == str(tmp_path / "config.json") and "no such file" in str(exc.value)
+
+
+def test_make_rootless():
+    data = make_rootless(default_spec(), 1000, 1001)
+    spec = parse_spec(data, CFG, "/b")
+    assert spec.linux.namespace("network") is None and spec.linux.namespace("user") is not None
+    assert (spec.linux.uid_mappings[0].host_id, spec.linux.gid_mappings[0].host_id) == (1000, 1001)
+    sys_mount = next(m for m in spec.mounts if m.destination == "/sys")
+    assert sys_mount.type == "none" and sys_mount.source == "/sys" and "rbind" in sys_mount.options
+    assert all(not o.startswith(("uid=", "gid=")) for m in spec.mounts for o in m.options)
+    assert "resources" not in data["linux"]
+
+
+@pytest.fixture
+def spec_only_cli(monkeypatch):
+    # build_parser imports every verb's module; keep this test independent of the other verbs.
+    monkeypatch.setattr(cli, "COMMANDS", {"spec": cli.COMMANDS["spec"]})
+
+
+def test_quark_spec_writes_loadable_config_and_refuses_overwrite(tmp_path, spec_only_cli, capsys):
+    assert cli.main(["spec", "--bundle", str(tmp_path)]) == 0
+    text = (tmp_path / "config.json").read_text()
+    assert text.startswith('{\n\t"ociVersion": "1.0.2"') and json.loads(text) == default_spec()
+    assert load_spec(str(tmp_path)).process.args == ["sh"]
+    assert cli.main(["spec", "--bundle", str(tmp_path)]) == 1
+    assert "exists. Remove it first" in capsys.readouterr().err
+    assert (tmp_path / "config.json").read_text() == text
+
+
+def test_quark_spec_rootless(tmp_path, spec_only_cli):
+    assert cli.main(["spec", "--rootless", "--bundle", str(tmp_path)]) == 0
+    spec = load_spec(str(tmp_path))
+    assert spec.linux.uid_mappings[0].host_id == os.geteuid() and spec.linux.namespace("network") is None
+
+
+def test_quark_spec_default_bundle_is_cwd(tmp_path, spec_only_cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["spec"]) == 0
+    assert (tmp_path / "config.json").exists()
+
+
+def test_quark_spec_missing_bundle(tmp_path):
+    from qvisor.commands import spec as spec_cmd
+    with pytest.raises(QuarkError, match="does not exist"):
+        spec_cmd.run(argparse.Namespace(bundle=str(tmp_path / "nope"), spec_rootless=False))
