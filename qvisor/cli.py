@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pause": ("pause", "suspend all processes inside the container"),
     "resume": ("resume", "resume all processes that have been previously paused"),
     "features": ("features", "show the enabled features"),
+    "wait": ("wait", "wait for the container's init or an exec'd process to exit (quark extension)"),
+    "syscalls": ("syscalls", "print the syscall table: what quark does with each syscall"),
 }
 
 DEFAULT_ROOT = "/run/quark"
@@ -39,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systemd-cgroup", action="store_true",
                    help="use systemd cgroup driver (not supported: quark manages cgroupfs directly)")
     p.add_argument("--rootless", default="auto", help="accepted for runc compatibility; ignored")
+    p.add_argument("--platform", default=None, choices=("seccomp", "ptrace"),
+                   help="syscall interception platform (default: /etc/quark/config.yaml, else seccomp)")
     p.add_argument("-v", "--version", action="version", version="quark 0.1.0 (spec 1.0.2)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
@@ -73,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("quark").warning("--systemd-cgroup is not supported; using cgroupfs paths as given")
     module = importlib.import_module(f"qvisor.commands.{COMMANDS[args.command][0]}")
     try:
+        if args.command in ("create", "run", "syscalls"):
+            import qkernel
+            args.platform = qkernel.load_platform(args.platform)
         return module.run(args)
     except QuarkError as e:
         logging.getLogger("quark").debug("%s failed", args.command, exc_info=True)

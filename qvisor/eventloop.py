@@ -29,6 +29,12 @@ class Loop:
     def add_writer(self, fd: int, callback: Callback) -> None:
         self._modify(fd, selectors.EVENT_WRITE, callback, 1)
 
+    def has_reader(self, fd: int) -> bool:
+        try:
+            return self._sel.get_key(fd).data[0] is not None
+        except KeyError:
+            return False
+
     def remove_reader(self, fd: int) -> None:
         self._drop(fd, selectors.EVENT_READ, 0)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from qvisor import linux as L
 
 # option -> (clear, set): "ro" sets MS_RDONLY, "rw" clears it, and so on.
-_FLAGS: dict[str, tuple[bool, int]] = {
+FLAGS: dict[str, tuple[bool, int]] = {
     "ro": (False, L.MS_RDONLY), "rw": (True, L.MS_RDONLY),
     "nosuid": (False, L.MS_NOSUID), "suid": (True, L.MS_NOSUID),
     "nodev": (False, L.MS_NODEV), "dev": (True, L.MS_NODEV),
@@ -30,7 +30,7 @@ PROPAGATION: dict[str, int] = {
     "unbindable": L.MS_UNBINDABLE, "runbindable": L.MS_UNBINDABLE | L.MS_REC,
 }
 # accepted and meaningless for a fresh mount (defaults), like runc
-_IGNORED = {"defaults", "loud", "acl", "noacl", "iversion", "noiversion"}
+IGNORED = {"defaults", "loud", "acl", "noacl", "iversion", "noiversion"}
 
 
 @dataclass
@@ -47,12 +47,12 @@ class MountOptions:
 def parse(options: list[str]) -> MountOptions:
     flags, prop, data = 0, [], []
     for opt in options:
-        if opt in _FLAGS:
-            clear, bit = _FLAGS[opt]
+        if opt in FLAGS:
+            clear, bit = FLAGS[opt]
             flags = flags & ~bit if clear else flags | bit
         elif opt in PROPAGATION:
             prop.append(PROPAGATION[opt])
-        elif opt in _IGNORED:
+        elif opt in IGNORED:
             continue
         else:
             data.append(opt)

@@ -57,10 +57,9 @@ def _drop_bounding(caps: Capabilities, last: int) -> None:
             L.prctl(L.PR_CAPBSET_DROP, bit)
 
 
-def _switch_user(proc: Process, in_userns_setgroups_denied: bool) -> None:
+def _switch_user(proc: Process) -> None:
     u = proc.user
-    if not in_userns_setgroups_denied:
-        os.setgroups(u.additional_gids)
+    os.setgroups(u.additional_gids)
     os.setresgid(u.gid, u.gid, u.gid)
     os.setresuid(u.uid, u.uid, u.uid)
 
@@ -92,8 +91,7 @@ def reset_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
-def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None],
-                    setgroups_allowed: bool = True) -> None:
+def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None]) -> None:
     """Apply the process spec and execve. Does not return; raises SetupError before exec."""
     last = L.last_cap()
     set_rlimits(proc)
@@ -107,7 +105,7 @@ def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None],
         if caps is not None:
             _drop_bounding(caps, last)
         L.prctl(L.PR_SET_KEEPCAPS, 1)
-        _switch_user(proc, not setgroups_allowed)
+        _switch_user(proc)
         L.prctl(L.PR_SET_KEEPCAPS, 0)
     except OSError as e:
         raise SetupError(f"process.user: switching to uid {proc.user.uid} gid {proc.user.gid}: {e.strerror}") from None

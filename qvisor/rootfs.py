@@ -12,14 +12,10 @@ import stat
 
 from qvisor import linux as L
 from qvisor import mountopts, paths
+from qvisor.devices import DEFAULT_DEVICES
 from qvisor.errors import SetupError
 from qvisor.spec import Device, Mount, Spec
 
-# (path, type, major, minor, mode): what every container gets, as in runc and the OCI spec
-DEFAULT_DEVICES = [
-    ("/dev/null", "c", 1, 3, 0o666), ("/dev/zero", "c", 1, 5, 0o666), ("/dev/full", "c", 1, 7, 0o666),
-    ("/dev/random", "c", 1, 8, 0o666), ("/dev/urandom", "c", 1, 9, 0o666), ("/dev/tty", "c", 5, 0, 0o666),
-]
 _DEV_SYMLINKS = [("/proc/self/fd", "/dev/fd"), ("/proc/self/fd/0", "/dev/stdin"),
                  ("/proc/self/fd/1", "/dev/stdout"), ("/proc/self/fd/2", "/dev/stderr")]
 _LOCKED = {os.ST_NOSUID: L.MS_NOSUID, os.ST_NODEV: L.MS_NODEV, os.ST_NOEXEC: L.MS_NOEXEC,
@@ -70,16 +66,19 @@ def _mount_one(root_fd: int, m: Mount, bundle: str, cgroup_path: str) -> None:
         fd = paths.ensure_in_root(root_fd, m.destination, is_dir)
     except OSError as e:
         raise _fail("mount destination", m.destination, e) from None
-    target = paths.fd_path(fd)
     try:
         if opts.is_bind:
-            L.mount(source, target, None, opts.flags & (L.MS_BIND | L.MS_REC))
-            # a bind ignores other flags on the first call: apply them with a remount, as runc does
-            rest = opts.flags & ~(L.MS_BIND | L.MS_REC | L.MS_REMOUNT)
-            if rest:
-                L.mount(None, target, None, L.MS_BIND | L.MS_REMOUNT | rest | _kept_flags(target))
+            L.mount(source, paths.fd_path(fd), None, opts.flags & (L.MS_BIND | L.MS_REC))
         else:
-            L.mount(source, target, m.type, opts.flags, opts.data or None)
+            L.mount(source, paths.fd_path(fd), m.type, opts.flags, opts.data or None)
+        # the fd still names the directory under the new mount: reopen to reach the mount itself
+        os.close(fd)
+        fd = paths.open_in_root(root_fd, m.destination)
+        target = paths.fd_path(fd)
+        # a bind ignores other flags on the first call: apply them with a remount, as runc does
+        rest = opts.flags & ~(L.MS_BIND | L.MS_REC | L.MS_REMOUNT)
+        if opts.is_bind and rest:
+            L.mount(None, target, None, L.MS_BIND | L.MS_REMOUNT | rest | _kept_flags(target))
         for p in opts.propagation or []:
             L.mount(None, target, None, p)
     except OSError as e:
@@ -106,30 +105,33 @@ def _mount_cgroup(root_fd: int, m: Mount, opts: mountopts.MountOptions, cgroup_p
     ro = opts.flags & L.MS_RDONLY
     flags = (opts.flags & ~L.MS_RDONLY) | L.MS_NOSUID | L.MS_NODEV | L.MS_NOEXEC
     fd = paths.ensure_in_root(root_fd, m.destination, True)
-    target = paths.fd_path(fd)
     try:
         if cgroups.detect() == "v2":
-            src = "/sys/fs/cgroup" + cgroup_path
-            L.mount(src, target, None, L.MS_BIND | L.MS_REC)
+            L.mount("/sys/fs/cgroup" + cgroup_path, paths.fd_path(fd), None, L.MS_BIND | L.MS_REC)
             if ro:
-                L.mount(None, target, None, L.MS_BIND | L.MS_REMOUNT | L.MS_RDONLY | flags)
+                os.close(fd)
+                fd = paths.open_in_root(root_fd, m.destination)
+                L.mount(None, paths.fd_path(fd), None, L.MS_BIND | L.MS_REMOUNT | L.MS_RDONLY | flags)
             return
-        L.mount("tmpfs", target, "tmpfs", flags, "mode=755")
+        L.mount("tmpfs", paths.fd_path(fd), "tmpfs", flags, "mode=755")
+        os.close(fd)
+        fd = paths.open_in_root(root_fd, m.destination)  # now the tmpfs
         for mnt, _ in _v1_hierarchies():
-            if not mnt.startswith("/sys/fs/cgroup/"):
+            src = mnt + cgroup_path
+            if not mnt.startswith("/sys/fs/cgroup/") or not os.path.isdir(src):
                 continue
-            name = os.path.basename(mnt)
-            sub = paths.ensure_in_root(fd, name, True)
+            sub = paths.ensure_in_root(fd, os.path.basename(mnt), True)
             try:
-                src = mnt + cgroup_path
-                if os.path.isdir(src):
-                    L.mount(src, paths.fd_path(sub), None, L.MS_BIND)
-                    L.mount(None, paths.fd_path(sub), None,
-                            L.MS_BIND | L.MS_REMOUNT | flags | (L.MS_RDONLY if ro else 0))
+                L.mount(src, paths.fd_path(sub), None, L.MS_BIND)
+            finally:
+                os.close(sub)
+            sub = paths.open_in_root(fd, os.path.basename(mnt))
+            try:
+                L.mount(None, paths.fd_path(sub), None, L.MS_BIND | L.MS_REMOUNT | flags | (L.MS_RDONLY if ro else 0))
             finally:
                 os.close(sub)
         if ro:
-            L.mount(None, target, None, L.MS_REMOUNT | L.MS_RDONLY | flags)
+            L.mount(None, paths.fd_path(fd), None, L.MS_REMOUNT | L.MS_RDONLY | flags)
     except OSError as e:
         raise _fail("mount cgroup", m.destination, e) from None
     finally:

@@ -553,6 +553,11 @@ def parse_spec(data: Any, path: str, bundle: str) -> Spec:
         linux=r.get(data, "", "linux", _linux, Linux()), bundle=bundle, raw=data)
 
 
+def parse_process(data: Any, path: str) -> Process:
+    """Validate a lone process object (`quark exec --process FILE`); errors name `path`."""
+    return _process(_Reader(path), "process", data) if isinstance(data, dict) else _Reader(path).fail("", "must contain a JSON object")
+
+
 def load_spec(bundle: str) -> Spec:
     """Read and validate `<bundle>/config.json`."""
     path = os.path.join(bundle, "config.json")

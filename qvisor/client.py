@@ -1,0 +1,39 @@
+"""The CLI's side of the supervisor's control socket."""
+from __future__ import annotations
+
+import socket
+
+from qvisor import channel
+from qvisor.errors import InvalidState, QuarkError
+from qvisor.supervisor import SOCK_NAME
+
+
+class Connection:
+    def __init__(self, state_dir: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self.sock.connect(f"{state_dir}/{SOCK_NAME}")
+        except (FileNotFoundError, ConnectionRefusedError):
+            self.sock.close()
+            raise InvalidState("the container's supervisor is not running") from None
+        self.reader = channel.LineReader(self.sock)
+
+    def call(self, msg: dict, fds: list[int] | tuple[int, ...] = ()) -> tuple[dict, list[int]]:
+        """Send one request and return the reply; an {"error"} reply raises QuarkError."""
+        channel.send(self.sock, msg, fds)
+        try:
+            reply, rfds = self.reader.read()
+        except channel.ChannelClosed:
+            raise QuarkError("the container's supervisor closed the connection") from None
+        if "error" in reply:
+            raise QuarkError(reply["error"])
+        return reply, rfds
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,25 @@
+"""quark create: set up the sandbox and leave its process waiting for `start`."""
+from __future__ import annotations
+
+import argparse
+
+from qvisor import container
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-b", "--bundle", default=".", help="path to the bundle directory (default: current)")
+    p.add_argument("--pid-file", default="", help="file to write the container init's pid to")
+    p.add_argument("--console-socket", default="", help="unix socket that receives the pty master")
+    p.add_argument("--no-pivot", action="store_true", help="accepted for runc compatibility; quark always pivots")
+    p.add_argument("--no-new-keyring", action="store_true", help="accepted for runc compatibility")
+    p.add_argument("--preserve-fds", type=int, default=0, help="not supported: must be 0")
+    p.add_argument("id")
+
+
+def run(args: argparse.Namespace) -> int:
+    from qvisor.errors import Unsupported
+    if args.preserve_fds:
+        raise Unsupported("--preserve-fds is not supported")
+    container.create(args.root, args.id, args.bundle, pid_file=args.pid_file,
+                     console_socket=args.console_socket, platform=args.platform, log_file=args.log)
+    return 0

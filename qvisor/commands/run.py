@@ -1,0 +1,59 @@
+"""quark run: create + start, then (unless -d) wait, forward signals, and delete; exits with the
+container's exit status (128+N for a signal), as runc does."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+
+from qvisor import container
+from qvisor.spec import load_spec
+
+# what runc forwards to the container; SIGCHLD, SIGPIPE and SIGWINCH are its own business
+FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-b", "--bundle", default=".", help="path to the bundle directory (default: current)")
+    p.add_argument("-d", "--detach", action="store_true", help="detach from the container's process")
+    p.add_argument("--pid-file", default="", help="file to write the container init's pid to")
+    p.add_argument("--console-socket", default="", help="unix socket that receives the pty master")
+    p.add_argument("--keep", action="store_true", help="do not delete the container after it exits")
+    p.add_argument("--no-pivot", action="store_true", help="accepted for runc compatibility")
+    p.add_argument("--no-new-keyring", action="store_true", help="accepted for runc compatibility")
+    p.add_argument("id")
+
+
+def run(args: argparse.Namespace) -> int:
+    from qvisor import console
+    terminal = bool(load_spec(os.path.abspath(args.bundle)).process and
+                    load_spec(os.path.abspath(args.bundle)).process.terminal)
+    own_console = terminal and not args.console_socket and not args.detach
+    with (console.console_socket() if own_console else contextlib.nullcontext((args.console_socket, None))) as (path, listener):
+        st = container.create(args.root, args.id, args.bundle, pid_file=args.pid_file, console_socket=path,
+                              platform=args.platform, log_file=args.log)
+        master = console.receive_master(listener) if listener is not None else -1
+    try:
+        container.start(args.root, args.id)
+    except BaseException:
+        container.delete(args.root, args.id, force=True)
+        raise
+    if args.detach:
+        return 0
+    for sig in FORWARDED:
+        signal.signal(sig, lambda s, _f: _forward(args.root, args.id, s))
+    if master >= 0:
+        console.proxy(master)
+        os.close(master)
+    result = container.wait(args.root, args.id, st.pid)
+    if not args.keep:
+        container.delete(args.root, args.id, force=True)
+    return result["exit_status"]
+
+
+def _forward(root: str, cid: str, sig: int) -> None:
+    try:
+        container.kill(root, cid, sig)
+    except Exception:
+        pass

@@ -1,0 +1,15 @@
+"""quark start: run the user's process in a created container."""
+from __future__ import annotations
+
+import argparse
+
+from qvisor import container
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("id")
+
+
+def run(args: argparse.Namespace) -> int:
+    container.start(args.root, args.id)
+    return 0

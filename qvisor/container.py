@@ -1,0 +1,266 @@
+"""Container operations behind the CLI verbs (and usable as a library, e.g. by the shim).
+
+Every function takes the state root and the container id, validates the container's status the
+way runc does, and raises a QuarkError subclass that says what is wrong.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+
+from qvisor import cgroups
+from qvisor import linux as L
+from qvisor.client import Connection
+from qvisor.errors import InvalidState, QuarkError, Unsupported
+from qvisor.spec import Spec, load_spec
+from qvisor.state import (CREATED, CREATING, PAUSED, RUNNING, STOPPED, ContainerState, StateStore,
+                          init_alive, now_rfc3339)
+
+log = logging.getLogger("quark")
+CONFIG_COPY = "config.json"
+
+# sysctls that belong to a namespace (runc's list): anything else would change the host
+_IPC_SYSCTLS = {"kernel.msgmax", "kernel.msgmnb", "kernel.msgmni", "kernel.sem", "kernel.shmall",
+                "kernel.shmmax", "kernel.shmmni", "kernel.shm_rmid_forced"}
+
+
+def check_supported(spec: Spec) -> None:
+    """Refuse, before anything is made, what quark cannot honour."""
+    if spec.process is None:
+        raise QuarkError(f"{spec.bundle}/config.json: process: is required to create a container")
+    if not os.path.isdir(spec.root.path):
+        raise QuarkError(f"{spec.bundle}/config.json: root.path: {spec.root.path} is not a directory")
+    types = {ns.type: ns for ns in spec.linux.namespaces}
+    if "mount" not in types or types["mount"].path:
+        raise Unsupported("linux.namespaces: quark needs a new mount namespace for the container")
+    for key in spec.linux.sysctl:
+        netns = key.startswith("net.") and "network" in types
+        if not (key in _IPC_SYSCTLS or key.startswith("fs.mqueue.")) and not netns and \
+                not (key in ("kernel.hostname", "kernel.domainname") and "uts" in types):
+            raise Unsupported(f"linux.sysctl: {key} is not in a namespace the container has its own of")
+    if spec.linux.seccomp is not None and spec.linux.seccomp.listener_path:
+        raise Unsupported("linux.seccomp.listenerPath: seccomp agents are not supported "
+                          "(quark's own kernel services the notifications)")
+
+
+def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", console_socket: str = "",
+           platform: str = "seccomp", log_file: str = "") -> ContainerState:
+    from qvisor.supervisor import Supervisor
+    store = StateStore(root)
+    bundle = os.path.abspath(bundle)
+    spec = load_spec(bundle)
+    check_supported(spec)
+    if spec.process.terminal and not console_socket:
+        raise QuarkError("process.terminal is true: --console-socket is required to receive the pty master")
+    store.reserve(container_id)
+    try:
+        shutil.copyfile(os.path.join(bundle, "config.json"), store.path(container_id, CONFIG_COPY))
+        st = ContainerState(id=container_id, bundle=bundle, created=now_rfc3339(),
+                            annotations=spec.annotations, rootfs=spec.root.path, platform=platform,
+                            cgroup_path=cgroups.open_cgroup(spec.linux.cgroups_path or
+                                                            cgroups.default_path(container_id)).path)
+        r, w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:  # detach: a new session, and the supervisor is the grandchild
+            try:
+                os.close(r)
+                os.setsid()
+                if os.fork() == 0:
+                    _log_to(log_file or store.path(container_id, "supervisor.log"))
+                    st.supervisor_pid = os.getpid()
+                    Supervisor(store, st, spec, platform, console_socket, w).main()
+            finally:
+                os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        reply = _read_line(r)
+        os.close(r)
+    except BaseException:
+        store.remove(container_id)
+        raise
+    if "error" in reply or "ok" not in reply:
+        if os.path.isdir(store.dir(container_id)) and not os.path.exists(store.path(container_id, "state.json")):
+            store.remove(container_id)
+        raise QuarkError(reply.get("error", "the supervisor exited before the container was created"))
+    if pid_file:
+        write_pid_file(pid_file, reply["pid"])
+    return store.load(container_id)
+
+
+def _log_to(path: str) -> None:
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(min(root.level, logging.INFO) or logging.INFO)
+
+
+def _read_line(fd: int) -> dict:
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        buf += chunk
+    try:
+        return json.loads(buf) if buf.strip() else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def write_pid_file(path: str, pid: int) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(pid))
+    os.rename(tmp, path)
+
+
+def state(root: str, container_id: str) -> ContainerState:
+    return StateStore(root).load(container_id)
+
+
+def start(root: str, container_id: str) -> None:
+    st = state(root, container_id)
+    if st.status != CREATED:
+        raise InvalidState(f"cannot start a container in the {st.status} state")
+    with Connection(StateStore(root).dir(container_id)) as c:
+        c.call({"op": "start"})
+
+
+def wait(root: str, container_id: str, pid: int = 0) -> dict:
+    """Block until the init (or the exec'd process `pid`) exits; its exit status and time."""
+    store = StateStore(root)
+    st = store.load(container_id)
+    try:
+        with Connection(store.dir(container_id)) as c:
+            reply, _ = c.call({"op": "wait", "pid": pid or st.pid})
+            return reply
+    except InvalidState:
+        pass
+    st = store.load_raw(container_id)  # the supervisor is gone: the state file has the last word
+    if pid and pid != st.pid:
+        raise QuarkError(f"process {pid} is not known: the container's supervisor has exited")
+    if st.exit_status is None:
+        raise QuarkError("the container's supervisor died before recording an exit status")
+    return {"pid": st.pid, "exit_status": st.exit_status, "exited_at": st.exited_at}
+
+
+def parse_signal(text: str) -> int:
+    t = text.upper()
+    if t.isdigit():
+        n = int(t)
+        if 0 < n < signal.NSIG:
+            return n
+        raise QuarkError(f"invalid signal {text!r}")
+    name = t if t.startswith("SIG") else "SIG" + t
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        raise QuarkError(f"unknown signal {text!r}") from None
+
+
+def kill(root: str, container_id: str, sig: int, all_processes: bool = False) -> None:
+    st = state(root, container_id)
+    if st.status not in (CREATED, RUNNING, PAUSED):
+        raise InvalidState(f"container {container_id!r} is not running (status {st.status})")
+    if all_processes:
+        cgroups.open_cgroup(st.cgroup_path).kill_all(sig)
+        return
+    # a pidfd taken after the start-time check pins the process: the signal cannot hit a reused pid
+    fd = L.pidfd_open(st.pid)
+    try:
+        if not init_alive(st):
+            raise InvalidState(f"container {container_id!r} is not running")
+        L.pidfd_send_signal(fd, sig)
+    finally:
+        os.close(fd)
+
+
+def _wait_stopped(store: StateStore, st: ContainerState, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sup_alive = st.supervisor_pid and L.proc_start_time(st.supervisor_pid) is not None \
+            and os.path.exists(store.path(st.id, "sv.sock"))
+        if not init_alive(st) and not sup_alive:
+            return
+        time.sleep(0.01)
+    raise QuarkError(f"container {st.id!r} did not stop within {timeout:.0f}s")
+
+
+def delete(root: str, container_id: str, force: bool = False) -> None:
+    store = StateStore(root)
+    st = store.load(container_id)
+    if st.status == CREATING and not force:
+        raise InvalidState(f"container {container_id!r} is being created (use --force to remove a failed one)")
+    if st.status in (RUNNING, PAUSED) and not force:
+        raise InvalidState(f"cannot delete container {container_id!r} that is not stopped: {st.status}")
+    cg = cgroups.open_cgroup(st.cgroup_path) if st.cgroup_path else None
+    if st.status in (CREATED, RUNNING, PAUSED):
+        if cg is not None:
+            cg.kill_all(signal.SIGKILL)
+        try:
+            fd = L.pidfd_open(st.pid)
+            if init_alive(st):
+                L.pidfd_send_signal(fd, signal.SIGKILL)
+            os.close(fd)
+        except OSError:
+            pass
+        _wait_stopped(store, st)
+    if cg is not None:
+        cg.kill_all(signal.SIGKILL)
+        cg.destroy()
+    _run_poststop(store, st)
+    store.remove(container_id)
+
+
+def _run_poststop(store: StateStore, st: ContainerState) -> None:
+    from qvisor import hooks
+    from qvisor.spec import parse_spec
+    try:
+        with open(store.path(st.id, CONFIG_COPY)) as f:
+            spec = parse_spec(json.load(f), store.path(st.id, CONFIG_COPY), st.bundle)
+    except (OSError, ValueError, QuarkError):
+        return
+    st.status = STOPPED
+    hooks.run_hooks("poststop", spec.hooks.poststop, st.oci(), fatal=False)
+
+
+def pause(root: str, container_id: str) -> None:
+    st = state(root, container_id)
+    if st.status != RUNNING:
+        raise InvalidState(f"container {container_id!r} is not running (status {st.status})")
+    cgroups.open_cgroup(st.cgroup_path).freeze()
+
+
+def resume(root: str, container_id: str) -> None:
+    st = state(root, container_id)
+    if st.status != PAUSED:
+        raise InvalidState(f"container {container_id!r} is not paused (status {st.status})")
+    cgroups.open_cgroup(st.cgroup_path).thaw()
+
+
+def pids(root: str, container_id: str) -> list[int]:
+    st = state(root, container_id)
+    if st.status == STOPPED:
+        return []
+    return sorted(cgroups.open_cgroup(st.cgroup_path).pids())
+
+
+def exec_process(root: str, container_id: str, process: dict, fds: list[int]) -> tuple[int, list[int]]:
+    """Start `process` in the container; returns its host pid and, with a terminal, the pty master."""
+    st = state(root, container_id)
+    if st.status != RUNNING:
+        raise InvalidState(f"cannot exec in container {container_id!r}: it is {st.status}")
+    with Connection(StateStore(root).dir(container_id)) as c:
+        reply, rfds = c.call({"op": "exec", "process": process}, fds)
+    return reply["pid"], rfds
+
+
+def config_process(root: str, container_id: str) -> dict:
+    """The container's own process object, the base of `quark exec ARGS`."""
+    with open(StateStore(root).path(container_id, CONFIG_COPY)) as f:
+        return dict(json.load(f).get("process") or {})

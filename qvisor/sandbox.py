@@ -1,0 +1,185 @@
+"""The code that runs in the processes the supervisor forks into a container.
+
+Creating a container is two forks: stage 1 joins the namespaces given by path, creates the new
+ones (a new pid namespace only applies to children), then forks the init and exits; the init is
+reparented to the supervisor, a child subreaper. An exec'd process goes the same way, joining the
+init's namespaces through a pidfd. Each reports to the supervisor over a SOCK_SEQPACKET channel;
+the channel is close-on-exec, so EOF after "go" means the execve succeeded.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import termios
+import traceback
+from typing import Callable, NoReturn
+
+from qvisor import channel, hooks, process, rootfs
+from qvisor import linux as L
+from qvisor.errors import QuarkError, SetupError
+from qvisor.spec import Process, Spec
+
+NS_FLAGS = {"user": L.CLONE_NEWUSER, "mount": L.CLONE_NEWNS, "pid": L.CLONE_NEWPID, "network": L.CLONE_NEWNET,
+            "ipc": L.CLONE_NEWIPC, "uts": L.CLONE_NEWUTS, "cgroup": L.CLONE_NEWCGROUP, "time": L.CLONE_NEWTIME}
+PROC_NS_NAMES = {"user": "user", "mount": "mnt", "pid": "pid", "network": "net", "ipc": "ipc", "uts": "uts",
+                 "cgroup": "cgroup", "time": "time"}
+
+
+def run_child(sock: socket.socket, body: Callable[[], None]) -> NoReturn:
+    """Run `body` in a forked child; report any failure to the supervisor; never return."""
+    code = 0
+    try:
+        body()
+    except BaseException as e:  # a forked child must never unwind into the parent's code
+        code = 1
+        msg = str(e) if isinstance(e, QuarkError) else f"{type(e).__name__}: {e}"
+        if not isinstance(e, (QuarkError, OSError)):
+            msg += "\n" + traceback.format_exc()
+        try:
+            channel.send(sock, {"type": "error", "error": msg})
+        except OSError:
+            pass
+    os._exit(code)
+
+
+def _expect(sock: socket.socket, kind: str) -> dict:
+    msg, _ = channel.recv_packet(sock)
+    if msg.get("type") == "error":
+        raise SetupError(msg.get("error", "supervisor reported an error"))
+    if msg.get("type") != kind:
+        raise SetupError(f"protocol: expected {kind!r}, got {msg.get('type')!r}")
+    return msg
+
+
+def stage1(sock: socket.socket, spec: Spec) -> None:
+    """Namespaces, then fork the init (pid 1 of a new pid namespace)."""
+    L.prctl(L.PR_SET_DUMPABLE, 0)  # nothing in the container may open /proc/<us>/exe or /mem
+    _expect(sock, "go")  # the supervisor has put us in the cgroup
+    joined = sorted((ns for ns in spec.linux.namespaces if ns.path), key=lambda ns: ns.type != "user")
+    for ns in joined:
+        try:
+            fd = os.open(ns.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise SetupError(f"linux.namespaces: {ns.type} path {ns.path}: {e.strerror}") from None
+        try:
+            L.setns(fd, NS_FLAGS[ns.type])
+        except OSError as e:
+            raise SetupError(f"linux.namespaces: joining {ns.type} namespace {ns.path}: {e.strerror}") from None
+        finally:
+            os.close(fd)
+    new = {ns.type for ns in spec.linux.namespaces if not ns.path}
+    if "user" in new:
+        L.unshare(L.CLONE_NEWUSER)
+        channel.send(sock, {"type": "userns"})
+        _expect(sock, "userns-ok")  # the supervisor wrote our uid_map/gid_map
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
+    flags = 0
+    for t in new - {"user"}:
+        flags |= NS_FLAGS[t]
+    try:
+        L.unshare(flags)
+    except OSError as e:
+        raise SetupError(f"linux.namespaces: creating {sorted(new - {'user'})}: {e.strerror}") from None
+    pid = os.fork()
+    if pid == 0:
+        run_child(sock, lambda: init(sock, spec, "user" in new or any(ns.type == "user" for ns in joined)))
+    channel.send(sock, {"type": "pid", "pid": pid})
+
+
+def _sysctls(spec: Spec) -> None:
+    for key, value in spec.linux.sysctl.items():
+        try:
+            with open("/proc/sys/" + key.replace(".", "/"), "w") as f:
+                f.write(value)
+        except OSError as e:
+            raise SetupError(f"linux.sysctl: {key}={value}: {e.strerror}") from None
+
+
+def _terminal(sock: socket.socket, proc: Process) -> None:
+    """Make a pty in the container's devpts, hand the master to the supervisor, use the slave."""
+    try:
+        master, slave = os.openpty()
+    except OSError as e:
+        raise SetupError(f"process.terminal: cannot allocate a pty in the container: {e.strerror}") from None
+    if proc.console_size:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, L.winsize(*proc.console_size))
+    channel.send(sock, {"type": "console", "name": os.ttyname(slave)}, [master])
+    os.close(master)
+    fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+    for fd in (0, 1, 2):
+        os.dup2(slave, fd)
+    if slave > 2:
+        os.close(slave)
+
+
+def init(sock: socket.socket, spec: Spec, in_userns: bool) -> None:
+    """The container's init, until it execs the user's process."""
+    L.prctl(L.PR_SET_DUMPABLE, 0)
+    os.setsid()
+    msg = _expect(sock, "prepare")
+    rootfs.prepare(spec, msg["cgroup_path"], in_userns)
+    channel.send(sock, {"type": "create-runtime"})  # prestart and createRuntime hooks, in the runtime namespace
+    state = _expect(sock, "create-runtime-ok")["state"]
+    if spec.hostname:
+        L.sethostname(spec.hostname)
+    if spec.domainname:
+        L.setdomainname(spec.domainname)
+    rootfs.pivot(spec.root.path)
+    _sysctls(spec)
+    hooks.run_hooks("createContainer", spec.hooks.create_container, state)
+    rootfs.finalize(spec)
+    assert spec.process is not None
+    if spec.process.terminal:
+        _terminal(sock, spec.process)
+    channel.send(sock, {"type": "created"})
+    start = _expect(sock, "start")
+    hooks.run_hooks("startContainer", spec.hooks.start_container, start["state"])
+    _exec(sock, spec, spec.process, start["platform"])
+
+
+def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str) -> None:
+    import qkernel
+    L.mark_fds_cloexec(3)  # no fd of the runtime survives into the container (CVE-2024-21626 class)
+
+    def install_filter(no_new_privs: bool) -> None:
+        fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs)
+        if fd is not None:
+            channel.send(sock, {"type": "listener"}, [fd])
+            os.close(fd)
+
+    process.finish_and_exec(proc, install_filter=install_filter)
+
+
+def exec_stage1(sock: socket.socket, init_pid: int, spec: Spec, proc: Process) -> None:
+    """Join the init's namespaces (all at once, through its pidfd), then fork the process."""
+    L.prctl(L.PR_SET_DUMPABLE, 0)
+    _expect(sock, "go")
+    flags = 0
+    for t, name in PROC_NS_NAMES.items():
+        try:
+            if os.stat(f"/proc/{init_pid}/ns/{name}").st_ino != os.stat(f"/proc/self/ns/{name}").st_ino:
+                flags |= NS_FLAGS[t]
+        except FileNotFoundError:
+            continue
+    pidfd = L.pidfd_open(init_pid)
+    try:
+        L.setns(pidfd, flags)
+    except OSError as e:
+        raise SetupError(f"exec: joining the container's namespaces: {e.strerror}") from None
+    finally:
+        os.close(pidfd)
+    pid = os.fork()
+    if pid == 0:
+        run_child(sock, lambda: exec_init(sock, spec, proc))
+    channel.send(sock, {"type": "pid", "pid": pid})
+
+
+def exec_init(sock: socket.socket, spec: Spec, proc: Process) -> None:
+    L.prctl(L.PR_SET_DUMPABLE, 0)
+    os.setsid()
+    start = _expect(sock, "start")
+    if proc.terminal:
+        _terminal(sock, proc)
+    _exec(sock, spec, proc, start["platform"])

@@ -1,0 +1,413 @@
+"""The per-sandbox supervisor: one process per container, started by `quark create`.
+
+It forks the container's init (sandbox.py), puts it in its cgroup, runs the runtime-side hooks,
+then owns the container for its whole life: it is the init's parent (a child subreaper), reaps it
+and every exec'd process, records exit statuses in the state file, serves the control socket the
+CLI talks to (start, exec, wait), and hosts QKernel, which services the seccomp listener.
+Everything runs on one single-threaded event loop (see eventloop.py for why).
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import logging
+import os
+import signal
+import socket
+from typing import Any, NoReturn
+
+from qvisor import cgroups, channel, hooks, sandbox
+from qvisor.devices import cgroup_resources
+from qvisor import linux as L
+from qvisor.eventloop import Loop
+from qvisor.spec import Spec, parse_process
+from qvisor.state import CREATED, RUNNING, STOPPED, ContainerState, StateStore, now_rfc3339
+
+log = logging.getLogger("quark.supervisor")
+_WALL = 0x40000000  # __WALL: also wait for tasks the ptrace platform traces
+SOCK_NAME = "sv.sock"
+
+
+def exit_code(status: int) -> int:
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+@dataclasses.dataclass
+class _Child:
+    """A process being created: stage 1 (namespaces) then the process itself."""
+    sock: socket.socket
+    on_msg: Any
+    stage1_pid: int = 0
+    pid: int = 0
+    client: socket.socket | None = None        # exec: the CLI connection waiting for the pid
+    console: list[int] = dataclasses.field(default_factory=list)  # exec: pty master for the client
+
+
+class Supervisor:
+    def __init__(self, store: StateStore, state: ContainerState, spec: Spec, platform: str,
+                 console_socket: str, ready_fd: int) -> None:
+        self.store, self.state, self.spec = store, state, spec
+        self.platform, self.console_socket, self.ready_fd = platform, console_socket, ready_fd
+        self.loop = Loop()
+        self.cgroup = cgroups.open_cgroup(state.cgroup_path)
+        self.kernel: Any = None
+        self.init: _Child | None = None
+        self.pending_start: socket.socket | None = None
+        self.waiters: dict[int, list[socket.socket]] = {}
+        self.exits: dict[int, tuple[int, str]] = {}
+        self.execs: dict[int, _Child] = {}
+        self.control: socket.socket | None = None
+        self.clients: dict[int, tuple[socket.socket, channel.LineReader]] = {}
+
+    # ---- life cycle -------------------------------------------------------------------------
+
+    def main(self) -> NoReturn:
+        try:
+            self._setup_process()
+            self._create()
+            while self.ready_fd >= 0:
+                self.loop.run_once()
+        except Exception as e:  # tell `quark create`, and never leave half a sandbox behind
+            log.exception("create failed")
+            self._abort(str(e))
+            os._exit(1)
+        while not self._done():
+            try:
+                self.loop.run_once()
+            except Exception:  # one bad request or hook must not orphan a running container
+                log.exception("supervisor loop")
+        try:
+            os.unlink(self.store.path(self.state.id, SOCK_NAME))
+        except OSError:
+            pass
+        os._exit(0)
+
+    def _setup_process(self) -> None:
+        L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_IGN)
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.loop.add_reader(r, lambda: (self._drain(r), self._reap()))
+
+    def _done(self) -> bool:
+        return self.state.status == STOPPED and not self.execs
+
+    @staticmethod
+    def _drain(fd: int) -> None:
+        try:
+            while os.read(fd, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    # ---- create ------------------------------------------------------------------------------
+
+    def _create(self) -> None:
+        self.cgroup.create()
+        self.cgroup.apply(cgroup_resources(self.spec))
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            parent.close()
+            sandbox.run_child(child, lambda: sandbox.stage1(child, self.spec))
+        child.close()
+        self.init = _Child(parent, self._on_init_msg, stage1_pid=pid)
+        # the container's stdio now live in stage 1 and the init; ours go to /dev/null so that
+        # a caller reading them sees EOF when the container, not the runtime, closes them
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+        self.cgroup.add_pid(pid)
+        channel.send(parent, {"type": "go"})
+        self.loop.add_reader(parent.fileno(), lambda: self._on_child_readable(self.init))
+
+    def _on_child_readable(self, child: _Child) -> None:
+        try:
+            msg, fds = channel.recv_packet(child.sock)
+        except (channel.ChannelClosed, ConnectionResetError):
+            self.loop.remove_reader(child.sock.fileno())
+            child.on_msg(child, {"type": "eof"}, [])
+            return
+        child.on_msg(child, msg, fds)
+
+    def _drain_child(self, child: _Child) -> None:
+        """Dispatch what a dead child left in its channel, up to its EOF."""
+        if child.sock.fileno() < 0:
+            return
+        child.sock.setblocking(False)
+        try:
+            while child.sock.fileno() >= 0 and self.loop.has_reader(child.sock.fileno()):
+                self._on_child_readable(child)
+        except BlockingIOError:
+            pass
+
+    def _hook_state(self) -> dict:
+        return self.state.oci() | {"status": self.state.status, "pid": self.state.pid}
+
+    def _on_init_msg(self, child: _Child, msg: dict, fds: list[int]) -> None:
+        kind = msg.get("type")
+        if kind == "userns":
+            self._write_id_maps(child.stage1_pid)
+            channel.send(child.sock, {"type": "userns-ok"})
+        elif kind == "pid":
+            child.pid = msg["pid"]
+            self.state.pid = child.pid
+            self.state.pid_start_time = L.proc_start_time(child.pid) or 0
+            self._start_kernel(child.pid)
+            channel.send(child.sock, {"type": "prepare", "cgroup_path": self.state.cgroup_path})
+        elif kind == "create-runtime":
+            st = self._hook_state()
+            hooks.run_hooks("prestart", self.spec.hooks.prestart, st)
+            hooks.run_hooks("createRuntime", self.spec.hooks.create_runtime, st)
+            channel.send(child.sock, {"type": "create-runtime-ok", "state": st})
+        elif kind == "console":
+            self._forward_console(fds[0], msg.get("name", ""))
+        elif kind == "created":
+            self.state.status = CREATED
+            self.store.save(self.state)
+            self._open_control()
+            self._report({"ok": True, "pid": child.pid})
+        elif kind == "listener":
+            self.kernel.serve_listener(fds[0])
+        elif kind == "error":
+            if self.ready_fd >= 0:
+                raise RuntimeError(msg["error"])
+            self._start_done(msg["error"])
+        elif kind == "eof":
+            if self.ready_fd >= 0:
+                raise RuntimeError("container init exited during set-up")
+            if self.pending_start is not None:
+                self._start_done(None)
+
+    def _write_id_maps(self, pid: int) -> None:
+        for name, maps in (("uid_map", self.spec.linux.uid_mappings), ("gid_map", self.spec.linux.gid_mappings)):
+            text = "".join(f"{m.container_id} {m.host_id} {m.size}\n" for m in maps)
+            with open(f"/proc/{pid}/{name}", "w") as f:
+                f.write(text)
+
+    def _start_kernel(self, init_pid: int) -> None:
+        import qkernel
+        ctx = qkernel.SandboxContext(container_id=self.state.id, cgroup=self.cgroup, init_pid=init_pid)
+        self.kernel = qkernel.Kernel(self.loop, self.platform, ctx)
+        if self.platform == "ptrace":
+            self.kernel.attach(init_pid)
+
+    def _forward_console(self, master: int, name: str) -> None:
+        """Send the pty master to --console-socket (runc's protocol: one fd with the pty name)."""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(self.console_socket)
+                socket.send_fds(s, [name.encode() or b"/dev/ptmx"], [master])
+        finally:
+            os.close(master)
+
+    def _report(self, msg: dict) -> None:
+        """Tell the waiting `quark create` how it went; it exits on this line."""
+        try:
+            os.write(self.ready_fd, json.dumps(msg).encode() + b"\n")
+        except OSError:
+            pass
+        os.close(self.ready_fd)
+        self.ready_fd = -1
+
+    def _abort(self, error: str) -> None:
+        """A failed create leaves nothing: no process, no cgroup, no state directory."""
+        for pid in (self.init.pid, self.init.stage1_pid) if self.init else ():
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        try:
+            self.cgroup.kill_all(signal.SIGKILL)
+        except OSError:
+            pass
+        while True:
+            try:
+                os.waitpid(-1, _WALL)
+            except ChildProcessError:
+                break
+        try:
+            self.cgroup.destroy()
+        except Exception:
+            log.exception("destroying cgroup after failed create")
+        self.store.remove(self.state.id)
+        self._report({"error": error})
+
+    # ---- control socket ----------------------------------------------------------------------
+
+    def _open_control(self) -> None:
+        path = self.store.path(self.state.id, SOCK_NAME)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        s.bind(path)
+        os.chmod(path, 0o600)
+        s.listen(16)
+        s.setblocking(False)
+        self.control = s
+        self.loop.add_reader(s.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.control.accept()
+        except BlockingIOError:
+            return
+        conn.setblocking(True)
+        self.clients[conn.fileno()] = (conn, channel.LineReader(conn))
+        self.loop.add_reader(conn.fileno(), lambda: self._on_client(conn))
+
+    def _drop_client(self, conn: socket.socket) -> None:
+        self.loop.remove_reader(conn.fileno())
+        self.clients.pop(conn.fileno(), None)
+        conn.close()
+
+    def _on_client(self, conn: socket.socket) -> None:
+        _, reader = self.clients[conn.fileno()]
+        try:
+            if not reader.feed():
+                return self._drop_client(conn)
+            while (m := reader.next()) is not None:
+                self._request(conn, *m)
+        except (ValueError, OSError) as e:
+            log.warning("dropping control client: %s", e)
+            self._drop_client(conn)
+
+    def _reply(self, conn: socket.socket, msg: dict, fds: list[int] = ()) -> None:
+        try:
+            channel.send(conn, msg, fds)
+        except OSError:
+            pass
+
+    def _request(self, conn: socket.socket, msg: dict, fds: list[int]) -> None:
+        op = msg.get("op")
+        if op == "start":
+            self._start(conn)
+        elif op == "wait":
+            self._wait(conn, msg.get("pid") or self.state.pid)
+        elif op == "exec":
+            self._exec(conn, msg, fds)
+        else:
+            self._reply(conn, {"error": f"unknown op {op!r}"})
+
+    # ---- start -------------------------------------------------------------------------------
+
+    def _start(self, conn: socket.socket) -> None:
+        if self.state.status != CREATED or self.pending_start is not None:
+            return self._reply(conn, {"error": f"cannot start a container in state {self.state.status}"})
+        self.pending_start = conn
+        self.state.status = RUNNING  # the hooks' state says running from startContainer on
+        channel.send(self.init.sock, {"type": "start", "state": self._hook_state(), "platform": self.platform})
+
+    def _start_done(self, error: str | None) -> None:
+        conn, self.pending_start = self.pending_start, None
+        if error is None:
+            self.store.save(self.state)
+            hooks.run_hooks("poststart", self.spec.hooks.poststart, self._hook_state(), fatal=False)
+            reply = {"ok": True}
+        else:
+            reply = {"error": error}
+        if conn is not None:
+            self._reply(conn, reply)
+
+    # ---- exec --------------------------------------------------------------------------------
+
+    def _exec(self, conn: socket.socket, msg: dict, fds: list[int]) -> None:
+        if self.state.status != RUNNING:
+            return self._reply(conn, {"error": f"cannot exec in a container in state {self.state.status}"})
+        try:
+            proc = parse_process(msg.get("process"), "process.json")
+        except Exception as e:
+            return self._reply(conn, {"error": str(e)})
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            parent.close()
+            for i, fd in enumerate(fds[:3]):
+                os.dup2(fd, i, inheritable=True)
+            sandbox.run_child(child, lambda: sandbox.exec_stage1(child, self.state.pid, self.spec, proc))
+        child.close()
+        for fd in fds:
+            os.close(fd)
+        ex = _Child(parent, self._on_exec_msg, stage1_pid=pid, client=conn)
+        self.execs[pid] = ex
+        self.cgroup.add_pid(pid)
+        channel.send(parent, {"type": "go"})
+        self.loop.add_reader(parent.fileno(), lambda: self._on_child_readable(ex))
+
+    def _on_exec_msg(self, ex: _Child, msg: dict, fds: list[int]) -> None:
+        kind = msg.get("type")
+        if kind == "pid":
+            ex.pid = msg["pid"]
+            self.execs[ex.pid] = self.execs.pop(ex.stage1_pid)
+            if self.platform == "ptrace":
+                self.kernel.attach(ex.pid)
+            channel.send(ex.sock, {"type": "start", "platform": self.platform})
+        elif kind == "console":
+            ex.console.extend(fds)
+        elif kind == "listener":
+            self.kernel.serve_listener(fds[0])
+        elif kind in ("error", "eof"):
+            if ex.client is None:
+                return
+            if kind == "error":
+                reply = {"error": msg["error"]}
+            elif ex.pid == 0:
+                reply = {"error": "exec: process setup failed"}
+            else:
+                reply = {"ok": True, "pid": ex.pid}
+            self._reply(ex.client, reply, ex.console)
+            for fd in ex.console:
+                os.close(fd)
+            ex.client, ex.console = None, []
+
+    # ---- exits -------------------------------------------------------------------------------
+
+    def _wait(self, conn: socket.socket, pid: int) -> None:
+        if pid in self.exits:
+            status, at = self.exits[pid]
+            return self._reply(conn, {"pid": pid, "exit_status": status, "exited_at": at})
+        if pid != self.state.pid and pid not in self.execs:
+            return self._reply(conn, {"error": f"process {pid} is not a process of this container"})
+        self.waiters.setdefault(pid, []).append(conn)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG | _WALL)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if self.kernel is not None and self.kernel.on_child_status(pid, status):
+                continue
+            if os.WIFSTOPPED(status):
+                continue
+            self._exited(pid, exit_code(status))
+
+    def _exited(self, pid: int, code: int) -> None:
+        at = now_rfc3339()
+        self.exits[pid] = (code, at)  # kept even for a pid not yet known, so a later wait answers
+        if self.init is not None and pid == self.init.pid:
+            log.info("init %d exited with %d", pid, code)
+            self._drain_child(self.init)  # its last words (an error) come before the exit
+            if self.ready_fd >= 0:
+                raise RuntimeError(f"container init exited with status {code} during set-up")
+            self.state.status = STOPPED
+            self.state.exit_status, self.state.exited_at = code, at
+            self.store.save(self.state)
+            if self.pending_start is not None:
+                self._start_done(f"container process exited with status {code} before it started")
+            # processes left in a container that shares the host pid namespace die with its init
+            try:
+                self.cgroup.kill_all(signal.SIGKILL)
+            except OSError:
+                pass
+        elif pid in self.execs and self.execs[pid].pid == pid:
+            ex = self.execs.pop(pid)
+            self._drain_child(ex)
+            ex.sock.close()
+        for conn in self.waiters.pop(pid, []):
+            self._reply(conn, {"pid": pid, "exit_status": code, "exited_at": at})
