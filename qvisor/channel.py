@@ -20,11 +20,10 @@ class ChannelClosed(EOFError):
 
 def send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
     data = json.dumps(msg).encode() + b"\n"
-    if fds:
-        socket.send_fds(sock, [data[:1]], list(fds))
-        data = data[1:]
-    if data:
-        sock.sendall(data)
+    # one sendmsg: on SOCK_SEQPACKET the message must be one record, and the fds ride with it
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
+    if sent < len(data):
+        sock.sendall(data[sent:])
 
 
 def recv_packet(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:

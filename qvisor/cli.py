@@ -25,8 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pause": ("pause", "suspend all processes inside the container"),
     "resume": ("resume", "resume all processes that have been previously paused"),
     "features": ("features", "show the enabled features"),
+    "syscalls": ("syscalls", "print the syscall table"),
     "wait": ("wait", "wait for the container's init or an exec'd process to exit (quark extension)"),
-    "syscalls": ("syscalls", "print the syscall table: what quark does with each syscall"),
 }
 
 DEFAULT_ROOT = "/run/quark"
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--platform", default=None, choices=("seccomp", "ptrace"),
                    help="syscall interception platform (default: /etc/quark/config.yaml, else seccomp)")
     p.add_argument("-v", "--version", action="version", version="quark 0.1.0 (spec 1.0.2)")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="verb", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(f"qvisor.commands.{module}").add_arguments(sp)
@@ -69,20 +69,20 @@ def setup_logging(log: str, log_format: str, debug: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.command:
+    if not args.verb:
         parser.print_help(sys.stderr)
         return 2
     setup_logging(args.log, args.log_format, args.debug)
     if args.systemd_cgroup:
         logging.getLogger("quark").warning("--systemd-cgroup is not supported; using cgroupfs paths as given")
-    module = importlib.import_module(f"qvisor.commands.{COMMANDS[args.command][0]}")
+    module = importlib.import_module(f"qvisor.commands.{COMMANDS[args.verb][0]}")
     try:
-        if args.command in ("create", "run", "syscalls"):
+        if args.verb in ("create", "run", "syscalls"):
             import qkernel
             args.platform = qkernel.load_platform(args.platform)
         return module.run(args)
     except QuarkError as e:
-        logging.getLogger("quark").debug("%s failed", args.command, exc_info=True)
+        logging.getLogger("quark").debug("%s failed", args.verb, exc_info=True)
         print(f"quark: {e}", file=sys.stderr)
         if args.log:
             logging.getLogger("quark").error("%s", e)

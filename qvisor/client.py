@@ -20,11 +20,12 @@ class Connection:
 
     def call(self, msg: dict, fds: list[int] | tuple[int, ...] = ()) -> tuple[dict, list[int]]:
         """Send one request and return the reply; an {"error"} reply raises QuarkError."""
-        channel.send(self.sock, msg, fds)
         try:
+            channel.send(self.sock, msg, fds)
             reply, rfds = self.reader.read()
-        except channel.ChannelClosed:
-            raise QuarkError("the container's supervisor closed the connection") from None
+        except (channel.ChannelClosed, ConnectionError):
+            # the supervisor exits right after its container does; callers treat this like no supervisor
+            raise InvalidState("the container's supervisor closed the connection") from None
         if "error" in reply:
             raise QuarkError(reply["error"])
         return reply, rfds

@@ -1,0 +1,221 @@
+"""A private containerd for tests: own config, root, state and sockets under one short tmp dir.
+
+The quark shim is found through PATH (the venv's bin dir first), the way an installed package
+puts it there; runc's shim is Debian's. `busybox_image_tar` builds a one-layer OCI image from
+busybox-static, to be imported with `ctr images import`.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+CONTAINERD = shutil.which("containerd")
+CTR = shutil.which("ctr")
+BUSYBOX = "/bin/busybox"
+VENV_BIN = os.path.dirname(sys.executable)
+SHIM = os.path.join(VENV_BIN, "containerd-shim-quark-v1")
+RUNTIME = "io.containerd.quark.v1"
+IMAGE = "docker.io/library/quark-busybox:test"
+DEPLOY_FRAGMENT = Path(__file__).resolve().parents[2] / "deploy" / "containerd" / "quark.toml"
+
+
+def skip_reason() -> str | None:
+    """Why these tests cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (containerd, mounts, namespaces)"
+    if not CONTAINERD or not CTR:
+        return "containerd/ctr not installed (apt-get install containerd)"
+    if not os.access(SHIM, os.X_OK):
+        return f"{SHIM} not installed (pip install -e . provides the console script)"
+    if not os.path.exists(BUSYBOX):
+        return "busybox-static not installed"
+    return None
+
+
+class Containerd:
+    """One containerd process with private paths; restartable; `close` removes everything."""
+
+    def __init__(self, namespace: str = "quarktest") -> None:
+        self.base = Path(tempfile.mkdtemp(prefix="qct-", dir="/tmp"))  # short: unix socket paths
+        self.root = self.base / "root"
+        self.state = self.base / "state"
+        self.address = str(self.base / "c.sock")
+        self.config = self.base / "config.toml"
+        self.log_path = self.base / "containerd.log"
+        self.namespace = namespace
+        self.proc: subprocess.Popen | None = None
+        self.config.write_text(f"""version = 2
+root = "{self.root}"
+state = "{self.state}"
+disabled_plugins = ["io.containerd.grpc.v1.cri"]
+
+[grpc]
+  address = "{self.address}"
+
+[debug]
+  level = "debug"
+""")
+        self.env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}")
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([CONTAINERD, "--config", str(self.config)], env=self.env,
+                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"containerd exited {self.proc.returncode}:\n{self.log_tail()}")
+            if os.path.exists(self.address) and self.ctr("version", check=False, timeout=10).returncode == 0:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"containerd did not come up:\n{self.log_tail()}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def ctr(self, *args: str, input: bytes | None = None, timeout: float = 60,
+            check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([CTR, "--address", self.address, "--namespace", self.namespace, *args],
+                              input=input, capture_output=True, timeout=timeout, env=self.env)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"ctr {' '.join(args)} exited {proc.returncode}\nstdout: {proc.stdout.decode()}"
+                                 f"\nstderr: {proc.stderr.decode()}\ncontainerd log:\n{self.log_tail()}")
+        return proc
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def shim_pids(self) -> list[int]:
+        """The quark shims serving this containerd (matched by their -address argument)."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(a.endswith(b"containerd-shim-quark-v1") for a in argv[:2]) and self.address.encode() in argv:
+                pids.append(int(entry))
+        return pids
+
+    def close(self) -> None:
+        """Delete what is left through containerd, stop it, and remove its tree."""
+        if self.proc is not None and self.proc.poll() is None:
+            tasks = self.ctr("tasks", "ls", "-q", check=False, timeout=30).stdout.decode().split()
+            for t in tasks:
+                self.ctr("tasks", "kill", "-a", "-s", "SIGKILL", t, check=False, timeout=30)
+                self.ctr("tasks", "delete", "-f", t, check=False, timeout=30)
+            for c in self.ctr("containers", "ls", "-q", check=False, timeout=30).stdout.decode().split():
+                self.ctr("containers", "delete", c, check=False, timeout=30)
+        self.stop()
+        for pid in self.shim_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _unmount_under(self.base)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _unmount_under(base: Path) -> None:
+    prefix = str(base) + "/"
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        targets = [line.split()[4] for line in f]
+    for t in sorted((t for t in targets if t.startswith(prefix)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", t], capture_output=True)
+
+
+def _tar_add(tar: tarfile.TarFile, name: str, *, data: bytes | None = None, mode: int = 0o755,
+             kind: bytes = tarfile.DIRTYPE, link: str = "") -> None:
+    info = tarfile.TarInfo(name)
+    info.mode, info.type, info.linkname, info.mtime = mode, kind, link, 0
+    if data is not None:
+        info.size = len(data)
+    tar.addfile(info, io.BytesIO(data) if data is not None else None)
+
+
+def busybox_image_tar(path: Path, name: str = IMAGE) -> Path:
+    """An OCI image layout tar (index.json, manifest, config, one tar.gz layer) of busybox-static."""
+    busybox = Path(BUSYBOX).read_bytes()
+    applets = subprocess.run([BUSYBOX, "--list"], capture_output=True, check=True).stdout.decode().split()
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for d in ("bin", "dev", "etc", "proc", "sys", "tmp", "root", "usr", "usr/bin", "sbin"):
+            _tar_add(tar, d, mode=0o1777 if d == "tmp" else 0o755)
+        _tar_add(tar, "bin/busybox", data=busybox, kind=tarfile.REGTYPE)
+        for a in applets:
+            if a != "busybox":
+                _tar_add(tar, f"bin/{a}", kind=tarfile.SYMTYPE, link="busybox", mode=0o777)
+        _tar_add(tar, "etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\n", kind=tarfile.REGTYPE, mode=0o644)
+        _tar_add(tar, "etc/group", data=b"root:x:0:\n", kind=tarfile.REGTYPE, mode=0o644)
+    raw = layer.getvalue()
+    gz = gzip.compress(raw, mtime=0)
+    blobs: dict[str, bytes] = {}
+
+    def blob(data: bytes) -> dict:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        blobs[digest] = data
+        return {"digest": digest, "size": len(data)}
+
+    config = json.dumps({
+        "architecture": "amd64", "os": "linux",
+        "config": {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "Cmd": ["sh"], "WorkingDir": "/"},
+        "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(raw).hexdigest()]},
+    }).encode()
+    manifest = json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **blob(config)},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **blob(gz)}],
+    }).encode()
+    index = json.dumps({"schemaVersion": 2, "manifests": [{
+        "mediaType": "application/vnd.oci.image.manifest.v1+json", **blob(manifest),
+        "platform": {"architecture": "amd64", "os": "linux"},
+        "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": "test"},
+    }]}).encode()
+    with tarfile.open(path, "w") as tar:
+        _tar_add(tar, "blobs")
+        _tar_add(tar, "blobs/sha256")
+        for digest, data in blobs.items():
+            _tar_add(tar, f"blobs/sha256/{digest.split(':')[1]}", data=data, kind=tarfile.REGTYPE, mode=0o644)
+        _tar_add(tar, "oci-layout", data=b'{"imageLayoutVersion":"1.0.0"}', kind=tarfile.REGTYPE, mode=0o644)
+        _tar_add(tar, "index.json", data=index, kind=tarfile.REGTYPE, mode=0o644)
+    return path
+
+
+def busybox_rootfs(path: Path) -> Path:
+    """A plain directory rootfs (for `ctr run --rootfs`): busybox and its applet links."""
+    (path / "bin").mkdir(parents=True)
+    for d in ("dev", "etc", "proc", "sys", "tmp", "root"):
+        (path / d).mkdir()
+    shutil.copy2(BUSYBOX, path / "bin" / "busybox")
+    for a in subprocess.run([BUSYBOX, "--list"], capture_output=True, check=True).stdout.decode().split():
+        if a != "busybox":
+            os.symlink("busybox", path / "bin" / a)
+    return path

@@ -1,0 +1,216 @@
+"""containerd 1.6 (Debian's, private config and paths) driving quark through containerd-shim-quark-v1.
+
+`ctr` as a person would use it: --rootfs and image runs, output and exit codes, stdin, kill,
+exec with and without a terminal, ps, pause/resume, metrics, detached run and delete, events in
+order; then the faults: containerd restarted under running containers, the shim killed -9.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+try:
+    from tests.integration import containerd_env as ce
+except ImportError:  # pytest put tests/integration itself on sys.path
+    import containerd_env as ce
+
+pytestmark = [pytest.mark.root, pytest.mark.skipif(ce.skip_reason() is not None, reason=ce.skip_reason() or "")]
+
+R = ("--runtime", ce.RUNTIME)
+
+
+@pytest.fixture(scope="module")
+def cd(tmp_path_factory):
+    d = ce.Containerd()
+    try:
+        d.start()
+        tar = ce.busybox_image_tar(tmp_path_factory.mktemp("img") / "busybox.tar")
+        d.ctr("images", "import", str(tar))
+        d.rootfs = ce.busybox_rootfs(d.base / "rootfs")
+        yield d
+    finally:
+        d.close()
+
+
+def tasks(cd) -> dict[str, tuple[int, str]]:
+    """`ctr task ls` as {id: (pid, status)}."""
+    out = cd.ctr("tasks", "ls").stdout.decode().splitlines()[1:]
+    return {f[0]: (int(f[1]), f[2]) for f in (line.split() for line in out) if len(f) >= 3}
+
+
+def wait_status(cd, cid, status, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if tasks(cd).get(cid, (0, "GONE"))[1] == status:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{cid} not {status}: {tasks(cd)}\n{cd.log_tail()}")
+
+
+def remove(cd, cid):
+    cd.ctr("tasks", "delete", "-f", cid, check=False)
+    cd.ctr("containers", "delete", cid, check=False)
+
+
+def test_run_rootfs_output_and_exit_code(cd):
+    p = cd.ctr("run", "--rm", *R, "--rootfs", str(cd.rootfs), "rootfs1",
+               "sh", "-c", "echo out; echo err >&2; exit 3", check=False)
+    assert p.returncode == 3, p.stderr
+    assert p.stdout == b"out\n" and b"err" in p.stderr
+
+
+def test_run_image_output(cd):
+    p = cd.ctr("run", "--rm", *R, ce.IMAGE, "image1", "echo", "hello from quark")
+    assert p.stdout == b"hello from quark\n"
+    assert "image1" not in tasks(cd)
+
+
+def test_stdin_reaches_container_and_eof_ends_it(cd):
+    p = cd.ctr("run", "--rm", *R, ce.IMAGE, "stdin1", "sh", "-c", "cat; echo done", input=b"abc\n")
+    assert p.stdout == b"abc\ndone\n"
+
+
+def test_terminal_run(cd):
+    cmd = (f"ctr --address {cd.address} --namespace {cd.namespace} run --rm -t --runtime {ce.RUNTIME} "
+           f"{ce.IMAGE} tty1 sh -c 'tty; exit 4'")
+    p = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, timeout=60,
+                       stdin=subprocess.DEVNULL, env=cd.env)
+    assert b"/dev/pts/" in p.stdout or b"/dev/console" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 4
+
+
+def test_events_in_order_with_exit_status(cd):
+    ev = subprocess.Popen(["ctr", "--address", cd.address, "events"], stdout=subprocess.PIPE, env=cd.env)
+    try:
+        time.sleep(0.5)
+        cd.ctr("run", "--rm", *R, ce.IMAGE, "events1", "sh", "-c", "exit 9", check=False)
+        time.sleep(0.5)
+    finally:
+        ev.send_signal(signal.SIGTERM)
+        out = ev.communicate(timeout=10)[0].decode()
+    mine = [line for line in out.splitlines() if "events1" in line and "/tasks/" in line]
+    topics = [next(w for w in line.split() if w.startswith("/tasks/")) for line in mine]
+    assert topics == ["/tasks/create", "/tasks/start", "/tasks/exit", "/tasks/delete"], out
+    exit_event = json.loads(mine[2][mine[2].index("{"):])
+    assert exit_event.get("exit_status") == 9 and exit_event.get("exited_at")
+
+
+def test_detached_exec_ps_pause_metrics_kill_delete(cd):
+    cid = "detached1"
+    cd.ctr("run", "-d", *R, ce.IMAGE, cid, "sh", "-c", "trap 'exit 7' TERM; while true; do sleep 0.1; done")
+    try:
+        wait_status(cd, cid, "RUNNING")
+        assert cd.ctr("tasks", "exec", "--exec-id", "e1", cid, "echo", "exec-out").stdout == b"exec-out\n"
+        p = cd.ctr("tasks", "exec", "--exec-id", "e2", cid, "sh", "-c", "exit 5", check=False)
+        assert p.returncode == 5
+        cmd = (f"ctr --address {cd.address} --namespace {cd.namespace} tasks exec -t --exec-id e3 {cid} "
+               "sh -c 'tty; exit 6'")
+        p = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, timeout=60,
+                           stdin=subprocess.DEVNULL, env=cd.env)
+        assert p.returncode == 6 and b"/dev/pts/" in p.stdout, p.stdout + p.stderr
+
+        pid = tasks(cd)[cid][0]
+        ps = cd.ctr("tasks", "ps", cid).stdout.decode().split()
+        assert str(pid) in ps
+
+        cd.ctr("tasks", "pause", cid)
+        wait_status(cd, cid, "PAUSED")
+        cd.ctr("tasks", "resume", cid)
+        wait_status(cd, cid, "RUNNING")
+
+        metrics = cd.ctr("tasks", "metrics", cid).stdout.decode()
+        assert cid in metrics and ("memory" in metrics or "pids" in metrics), metrics
+
+        cd.ctr("tasks", "kill", cid)  # SIGTERM, trapped: exit 7
+        wait_status(cd, cid, "STOPPED")
+        out = cd.ctr("tasks", "delete", cid).stdout.decode()
+        assert "7" in out or out == ""
+        assert cid not in tasks(cd)
+    finally:
+        remove(cd, cid)
+
+
+def test_kill_all_and_unknown_task(cd):
+    cid = "killall1"
+    cd.ctr("run", "-d", *R, ce.IMAGE, cid, "sleep", "1000")
+    try:
+        wait_status(cd, cid, "RUNNING")
+        cd.ctr("tasks", "kill", "-a", "-s", "SIGKILL", cid)
+        wait_status(cd, cid, "STOPPED")
+    finally:
+        remove(cd, cid)
+    p = cd.ctr("tasks", "kill", "no-such-task", check=False)
+    assert p.returncode != 0 and b"not found" in p.stderr.lower()
+
+
+def test_containerd_restart_keeps_containers_and_reports_exits(cd):
+    keep, dies = "restart-keep", "restart-dies"
+    cd.ctr("run", "-d", *R, ce.IMAGE, keep, "sleep", "1000")
+    cd.ctr("run", "-d", *R, ce.IMAGE, dies, "sleep", "1000")
+    try:
+        wait_status(cd, keep, "RUNNING")
+        wait_status(cd, dies, "RUNNING")
+        dies_pid = tasks(cd)[dies][0]
+        cd.stop()
+        os.kill(dies_pid, signal.SIGKILL)  # exits while containerd is away
+        time.sleep(1)
+        cd.start()
+        wait_status(cd, keep, "RUNNING")
+        wait_status(cd, dies, "STOPPED")
+        assert cd.ctr("tasks", "exec", "--exec-id", "after", keep, "echo", "still here").stdout == b"still here\n"
+        cd.ctr("tasks", "kill", "-s", "SIGKILL", keep)
+        wait_status(cd, keep, "STOPPED")
+    finally:
+        remove(cd, keep)
+        remove(cd, dies)
+
+
+def test_shim_killed_leaves_nothing_behind(cd):
+    cid = "kill9"
+    cd.ctr("run", "-d", *R, ce.IMAGE, cid, "sleep", "1000")
+    bundle = cd.state / "io.containerd.runtime.v2.task" / cd.namespace / cid
+    try:
+        wait_status(cd, cid, "RUNNING")
+        init_pid = tasks(cd)[cid][0]
+        address = (bundle / "address").read_text()
+        shims = [p for p in cd.shim_pids() if str(bundle).encode() in _environ_cwd(p)]
+        assert len(shims) == 1
+        os.kill(shims[0], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (cid in tasks(cd) or bundle.exists()):
+            time.sleep(0.1)
+        assert cid not in tasks(cd), tasks(cd)
+        assert _gone(init_pid), f"container init {init_pid} survived its shim"
+        assert not bundle.exists(), list(bundle.iterdir())
+        assert not os.path.exists(address.removeprefix("unix://"))
+        quark_state = cd.state / "quark" / cd.namespace / cid
+        assert not quark_state.exists()
+        with open("/proc/self/mountinfo") as f:
+            assert str(bundle) not in f.read()
+    finally:
+        remove(cd, cid)
+
+
+def _environ_cwd(pid: int) -> bytes:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd").encode()
+    except OSError:
+        return b""
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[1].startswith("Z"):
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False

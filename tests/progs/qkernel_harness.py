@@ -1,0 +1,177 @@
+"""Runs one program under QKernel the way the supervisor does, without namespaces or a rootfs.
+
+    python tests/progs/qkernel_harness.py --platform seccomp|ptrace [options] -- PROGRAM ARGS...
+
+The harness forks the "container" process, which calls qkernel.install_filter right before execve
+(sending the listener fd back over a socketpair on the seccomp platform); the harness runs a
+qvisor Loop + qkernel.Kernel, reaps every child itself and hands each status to on_child_status.
+It exits with the program's status (128+signal if killed); on stderr it prints one line
+`qkernel-harness: deferred=N completed=N cancelled=N` for the tests.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import qkernel  # noqa: E402
+from qkernel.request import Continue  # noqa: E402
+from qvisor.eventloop import Loop  # noqa: E402
+
+WALL = 0x40000000
+PR_SET_CHILD_SUBREAPER = 36
+
+
+class FakeCgroup:
+    def __init__(self, limit: int | None, usage: int) -> None:
+        self.limit, self.usage = limit, usage
+
+    def memory_limit(self) -> int | None:
+        return self.limit
+
+    def memory_usage(self) -> int:
+        return self.usage
+
+
+def oci_seccomp(path: str) -> SimpleNamespace:
+    """linux.seccomp JSON -> the attribute shape of qvisor.spec.Seccomp."""
+    with open(path) as f:
+        d = json.load(f)
+    rules = [SimpleNamespace(names=r["names"], action=r["action"], errno_ret=r.get("errnoRet"),
+                             args=[SimpleNamespace(index=a["index"], value=a["value"],
+                                                   value_two=a.get("valueTwo", 0), op=a["op"])
+                                   for a in r.get("args", [])])
+             for r in d.get("syscalls", [])]
+    return SimpleNamespace(default_action=d["defaultAction"], default_errno_ret=d.get("defaultErrnoRet"),
+                           architectures=d.get("architectures", []), flags=d.get("flags", []),
+                           listener_path=d.get("listenerPath", ""), syscalls=rules)
+
+
+class Counters:
+    deferred = completed = cancelled = 0
+
+
+def delay_handler(loop: Loop, seconds: float, counters: Counters):
+    """Holds the call `seconds` (a blocking trapped call, as TSoR's accept will be), then lets it run."""
+    def handle(req):
+        d = req.defer()
+        counters.deferred += 1
+
+        def done():
+            if not d.done:
+                counters.completed += 1
+            d.complete(Continue())
+
+        def cancelled():
+            counters.cancelled += 1
+
+        d.on_cancel(cancelled)
+        loop.call_later(seconds, done)
+        return d
+    return handle
+
+
+def child(argv: list[str], platform: str, sock: socket.socket, go: int, bundle, nnp: bool) -> None:
+    try:
+        os.read(go, 1)   # ptrace: wait until the harness has seized us
+        fd = qkernel.install_filter(bundle, platform, nnp)
+        if fd is not None:
+            socket.send_fds(sock, [b"L"], [fd])
+            os.close(fd)
+        os.execvp(argv[0], argv)
+    except BaseException as e:  # noqa: BLE001 - report anything, then die without running atexit
+        print(f"qkernel-harness child: {e!r}", file=sys.stderr)
+        os._exit(127)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--platform", required=True)
+    p.add_argument("--memory-limit", type=int)
+    p.add_argument("--memory-usage", type=int, default=0)
+    p.add_argument("--delay", action="append", default=[], metavar="SYSCALL=SECONDS")
+    p.add_argument("--seccomp-json", help="a bundle's linux.seccomp, stacked on quark's filter")
+    p.add_argument("--nnp", action="store_true", help="no_new_privileges")
+    p.add_argument("argv", nargs="+")
+    args = p.parse_args()
+
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    bundle = oci_seccomp(args.seccomp_json) if args.seccomp_json else None
+    parent_sock, child_sock = socket.socketpair()
+    go_r, go_w = os.pipe()
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+
+    pid = os.fork()
+    if pid == 0:
+        parent_sock.close()
+        child(args.argv, args.platform, child_sock, go_r, bundle, args.nnp)
+    child_sock.close()
+    os.close(go_r)
+
+    loop = Loop()
+    cgroup = FakeCgroup(args.memory_limit, args.memory_usage) if args.memory_limit else None
+    kernel = qkernel.Kernel(loop, args.platform, qkernel.SandboxContext("harness", cgroup, pid))
+    counters = Counters()
+    for spec in args.delay:
+        name, seconds = spec.split("=")
+        entry = qkernel.table.by_name()[name]
+        handler = delay_handler(loop, float(seconds), counters)
+        kernel.handlers[entry.nr(kernel.arch)] = dataclasses.replace(entry, handler=handler)
+    if args.platform == "ptrace":
+        kernel.attach(pid)
+    os.write(go_w, b"g")
+    if args.platform == "seccomp":
+        _, fds, _, _ = socket.recv_fds(parent_sock, 1, 1)
+        if not fds:
+            os.waitpid(pid, 0)
+            return 127
+        kernel.serve_listener(fds[0])
+
+    result: list[int] = []
+
+    def reap() -> None:
+        try:
+            while os.read(wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                wpid, status = os.waitpid(-1, os.WNOHANG | WALL)
+            except ChildProcessError:
+                return
+            if wpid == 0:
+                return
+            if kernel.on_child_status(wpid, status):
+                continue
+            if wpid == pid:
+                result.append(os.waitstatus_to_exitcode(status))
+
+    loop.add_reader(wake_r, reap)
+    reap()
+    while not result:
+        loop.run_once(1.0)
+    # Drain deferred answers still held for tasks that are gone, so their drop path runs.
+    deadline = time.monotonic() + 3
+    while kernel._pending and time.monotonic() < deadline:
+        loop.run_once(0.05)
+    kernel.close()
+    print(f"qkernel-harness: deferred={counters.deferred} completed={counters.completed} "
+          f"cancelled={counters.cancelled}", file=sys.stderr)
+    code = result[0]
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
