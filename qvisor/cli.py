@@ -5,6 +5,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 import time
 
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             import qkernel
             args.platform = qkernel.load_platform(args.platform)
         return module.run(args)
+    except BrokenPipeError:  # `quark syscalls | head`: the reader left, which is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except QuarkError as e:
         logging.getLogger("quark").debug("%s failed", args.verb, exc_info=True)
         print(f"quark: {e}", file=sys.stderr)
