@@ -262,5 +262,6 @@ def exec_process(root: str, container_id: str, process: dict, fds: list[int]) ->
 
 def config_process(root: str, container_id: str) -> dict:
     """The container's own process object, the base of `quark exec ARGS`."""
+    state(root, container_id)  # an unknown id says so
     with open(StateStore(root).path(container_id, CONFIG_COPY)) as f:
         return dict(json.load(f).get("process") or {})

@@ -1,7 +1,8 @@
 """The last steps of a container process before execve: limits, identity, capabilities, seccomp.
 
 Runs in the forked child that becomes the container's init or an exec'd process, inside the
-container's namespaces. The order follows runc: rlimits and oom score while still privileged;
+container's namespaces. The order follows runc: rlimits (set by the caller: for the init already
+at create, so a bad limit fails `create`) and oom score while still privileged;
 seccomp early unless noNewPrivileges (installing a filter needs CAP_SYS_ADMIN or no_new_privs);
 bounding set; uid/gid with keep-caps; capsets; ambient; no_new_privs; seccomp late; exec.
 """
@@ -94,7 +95,6 @@ def reset_signals() -> None:
 def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None]) -> None:
     """Apply the process spec and execve. Does not return; raises SetupError before exec."""
     last = L.last_cap()
-    set_rlimits(proc)
     set_oom_score_adj(proc.oom_score_adj)
     if proc.user.umask is not None:
         os.umask(proc.user.umask)

@@ -131,6 +131,7 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool) -> None:
     hooks.run_hooks("createContainer", spec.hooks.create_container, state)
     rootfs.finalize(spec)
     assert spec.process is not None
+    process.set_rlimits(spec.process)
     if spec.process.terminal:
         _terminal(sock, spec.process)
     channel.send(sock, {"type": "created"})
@@ -180,6 +181,7 @@ def exec_init(sock: socket.socket, spec: Spec, proc: Process) -> None:
     L.prctl(L.PR_SET_DUMPABLE, 0)
     os.setsid()
     start = _expect(sock, "start")
+    process.set_rlimits(proc)
     if proc.terminal:
         _terminal(sock, proc)
     _exec(sock, spec, proc, start["platform"])
