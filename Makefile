@@ -8,7 +8,7 @@ APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf
 	redis-server redis-tools python3-venv python3-dev python3-seccomp python3-pyverbs \
 	iproute2 gcc libc6-dev procps util-linux
 
-.PHONY: install apt venv demo test test-unit bench clean
+.PHONY: install apt venv demo test test-unit bench proto clean
 install: apt venv
 
 apt:
@@ -24,6 +24,9 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	# runc-style use and containerd both look the binaries up on PATH
+	ln -sf $(CURDIR)/$(VENV)/bin/quark /usr/local/bin/quark
+	ln -sf $(CURDIR)/$(VENV)/bin/containerd-shim-quark-v1 /usr/local/bin/containerd-shim-quark-v1
 	touch $@
 
 demo: install
@@ -37,6 +40,11 @@ test-unit: install
 
 bench: install
 	$(PY) bench/startup.py
+
+# regenerate the committed protobuf modules of the shim from shim/proto/*.proto
+proto: install
+	$(PY) -m pip install -q -e '.[proto]'
+	$(PY) -m shim.pb.generate
 
 clean:
 	rm -rf $(VENV) *.egg-info build

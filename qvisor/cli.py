@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pause": ("pause", "suspend all processes inside the container"),
     "resume": ("resume", "resume all processes that have been previously paused"),
     "features": ("features", "show the enabled features"),
+    "events": ("events", "display container statistics"),
+    "update": ("update", "update container resource constraints"),
     "syscalls": ("syscalls", "print the syscall table"),
     "wait": ("wait", "wait for the container's init or an exec'd process to exit (quark extension)"),
 }

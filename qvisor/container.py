@@ -265,3 +265,29 @@ def config_process(root: str, container_id: str) -> dict:
     state(root, container_id)  # an unknown id says so
     with open(StateStore(root).path(container_id, CONFIG_COPY)) as f:
         return dict(json.load(f).get("process") or {})
+
+
+def stats(root: str, container_id: str) -> dict:
+    """The container's cgroup statistics in runc's `events --stats` data layout."""
+    st = state(root, container_id)
+    if st.status == STOPPED:
+        raise InvalidState(f"container {container_id!r} is stopped")
+    s = cgroups.open_cgroup(st.cgroup_path).stats()
+    return {"cpu": {"usage": {"total": s.get("cpu_usage_ns") or 0}},
+            "memory": {"usage": {"usage": s.get("memory_usage") or 0, "limit": s.get("memory_limit") or 0,
+                                 "max": s.get("memory_max_usage") or 0}},
+            "pids": {"current": s.get("pids_current") or 0}}
+
+
+def update(root: str, container_id: str, resources_file: str) -> None:
+    """Apply new linux.resources (JSON file, "-" for stdin) to a live container's cgroup."""
+    import sys
+    from qvisor.spec import parse_resources
+    st = state(root, container_id)
+    if st.status not in (CREATED, RUNNING, PAUSED):
+        raise InvalidState(f"container {container_id!r} is not running (status {st.status})")
+    try:
+        data = json.load(sys.stdin) if resources_file == "-" else json.load(open(resources_file))
+    except (OSError, ValueError) as e:
+        raise QuarkError(f"--resources {resources_file}: {e}") from None
+    cgroups.open_cgroup(st.cgroup_path).apply(parse_resources(data, resources_file))

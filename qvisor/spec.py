@@ -558,6 +558,11 @@ def parse_process(data: Any, path: str) -> Process:
     return _process(_Reader(path), "process", data) if isinstance(data, dict) else _Reader(path).fail("", "must contain a JSON object")
 
 
+def parse_resources(data: Any, path: str) -> Resources:
+    """Validate a lone linux.resources object (`quark update --resources FILE`)."""
+    return _resources(_Reader(path), "resources", data)
+
+
 def load_spec(bundle: str) -> Spec:
     """Read and validate `<bundle>/config.json`."""
     path = os.path.join(bundle, "config.json")

@@ -1,0 +1,114 @@
+"""QKernel's dispatcher: trapped syscalls from either platform go through one handler table
+(qkernel/table.py); handlers see a `Request` (qkernel/request.py) and return its answer."""
+from __future__ import annotations
+
+import errno
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+from qkernel import table
+from qkernel.errors import MemoryFault, TaskGone
+from qkernel.request import Answer, Deferred, Errno, Request
+
+log = logging.getLogger("quark.qkernel")
+
+# How often pending deferred answers are checked for an interrupting signal or a dead task.
+DEFERRED_POLL_S = 0.01
+
+
+class Cgroup(Protocol):
+    def memory_limit(self) -> int | None: ...
+    def memory_usage(self) -> int: ...
+
+
+@dataclass
+class SandboxContext:
+    container_id: str
+    cgroup: Cgroup | None
+    init_pid: int
+
+
+class Kernel:
+    def __init__(self, loop, platform: str, context: SandboxContext) -> None:
+        from qkernel.config import check_platform
+        check_platform(platform)
+        self.loop = loop
+        self.context = context
+        self.platform_name = platform
+        self.arch = table.native_arch()
+        self.handlers: dict[int, table.Syscall] = table.handlers(self.arch)
+        self._pending: list[Request] = []
+        self._polling = False
+        if platform == "seccomp":
+            from qkernel.seccomp_platform import SeccompPlatform
+            self._platform = SeccompPlatform(self)
+        else:
+            from qkernel.ptrace_platform import PtracePlatform
+            self._platform = PtracePlatform(self)
+
+    # --- the supervisor's interface --------------------------------------------------------------
+    def serve_listener(self, fd: int) -> None:
+        self._platform.serve_listener(fd)
+
+    def attach(self, pid: int) -> None:
+        self._platform.attach(pid)
+
+    def on_child_status(self, pid: int, status: int) -> bool:
+        return self._platform.on_child_status(pid, status)
+
+    def close(self) -> None:
+        for req in self._pending:
+            req.deferred.cancel()
+            req.release()
+        self._pending.clear()
+        self._platform.close()
+
+    # --- used by the platforms -------------------------------------------------------------------
+    def dispatch(self, req: Request) -> None:
+        try:
+            answer = req.syscall.handler(req)
+        except TaskGone:
+            log.debug("%s from pid %d: task gone, dropped", req.name, req.pid)
+            req.release()
+            return
+        except MemoryFault:
+            answer = Errno(errno.EFAULT)
+        except Exception:
+            log.exception("handler for %s failed", req.name)
+            answer = Errno(errno.ENOSYS)
+        if isinstance(answer, Deferred):
+            self._pending.append(req)
+            self._schedule_poll()
+            return
+        self._finish(req, answer)
+
+    def _finish(self, req: Request, answer: Answer) -> None:
+        if req in self._pending:
+            self._pending.remove(req)
+        req.release()
+        req.send(answer)
+
+    def task_exited(self, pid: int) -> None:
+        for req in [r for r in self._pending if r.pid == pid]:
+            self._pending.remove(req)
+            req.deferred.cancel()
+            req.release()
+
+    def _schedule_poll(self) -> None:
+        if not self._polling:
+            self._polling = True
+            self.loop.call_later(DEFERRED_POLL_S, self._poll_pending)
+
+    def _poll_pending(self) -> None:
+        self._polling = False
+        for req in list(self._pending):
+            if req.deferred.done or not req.is_interrupted():
+                continue
+            log.debug("%s from pid %d interrupted while deferred", req.name, req.pid)
+            self._pending.remove(req)
+            req.interrupt()
+            req.deferred.cancel()
+            req.release()
+        if self._pending:
+            self._schedule_poll()

@@ -1,0 +1,121 @@
+"""What a handler sees and returns: a trapped `Request` and its answer.
+
+A handler returns `Continue()` (run the syscall natively), `Return(value)`, `Errno(err)` or a
+`Deferred` it completes later from a loop callback. It never learns which platform trapped the call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from qkernel.errors import TaskGone
+from qkernel.memory import TaskMemory
+
+if TYPE_CHECKING:
+    from qkernel.kernel import Kernel
+
+
+@dataclass(frozen=True)
+class Continue:
+    """Run the syscall natively, as if it had not been trapped."""
+
+
+@dataclass(frozen=True)
+class Return:
+    value: int
+
+
+@dataclass(frozen=True)
+class Errno:
+    errno: int
+
+
+Answer = Continue | Return | Errno
+
+
+class Request:
+    """One trapped syscall. Platforms subclass it with how to check, answer and interrupt it."""
+
+    def __init__(self, kernel: "Kernel", pid: int, nr: int, args: tuple[int, ...]) -> None:
+        self.kernel = kernel
+        self.context = kernel.context
+        self.pid = pid
+        self.nr = nr
+        self.args = args
+        self.syscall = kernel.handlers[nr]
+        self._memory: TaskMemory | None = None
+        self.deferred: Deferred | None = None
+
+    @property
+    def name(self) -> str:
+        return self.syscall.name
+
+    def read(self, addr: int, size: int) -> bytes:
+        data = self._mem().read(addr, size)
+        # The pid may have died and been reused while we read: only trust data from a live request.
+        self._check_valid()
+        return data
+
+    def write(self, addr: int, data: bytes) -> None:
+        self._mem().write(addr, data)
+
+    def defer(self) -> "Deferred":
+        """Answer later: the handler returns this and calls `complete()` from a loop callback."""
+        self.deferred = Deferred(self)
+        return self.deferred
+
+    def _mem(self) -> TaskMemory:
+        if self._memory is None:
+            self._memory = TaskMemory(self.pid)
+            # Checked after the open: the open file then belongs to the trapped task for good.
+            self._check_valid()
+        return self._memory
+
+    def _check_valid(self) -> None:
+        if not self.is_valid():
+            raise TaskGone(self.pid)
+
+    def release(self) -> None:
+        if self._memory is not None:
+            self._memory.close()
+            self._memory = None
+
+    # --- what a platform provides -------------------------------------------------------------
+    def is_valid(self) -> bool:
+        raise NotImplementedError
+
+    def is_interrupted(self) -> bool:
+        """For a deferred answer: has the task died or a signal arrived that must interrupt it?"""
+        raise NotImplementedError
+
+    def send(self, answer: Answer) -> None:
+        raise NotImplementedError
+
+    def interrupt(self) -> None:
+        """Make the syscall return as Linux does for a signal during a blocking call."""
+
+
+class Deferred:
+    """An answer that comes later. If the task is interrupted first, `on_cancel` callbacks run and a
+    later `complete()` is dropped: nothing is ever acted on for an abandoned request."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.done = False
+        self._on_cancel: list[Callable[[], None]] = []
+
+    def complete(self, answer: Answer) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.request.kernel._finish(self.request, answer)
+
+    def on_cancel(self, callback: Callable[[], None]) -> None:
+        self._on_cancel.append(callback)
+
+    def cancel(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        for cb in self._on_cancel:
+            cb()

@@ -1,0 +1,1 @@
+"""One module per syscall family; each exposes the handlers the table (qkernel/table.py) names."""

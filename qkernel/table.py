@@ -1,0 +1,177 @@
+"""The one syscall table: every syscall is native, trapped (with its handler) or denied (errno + reason).
+
+The filter (policy.py), the dispatcher (kernel.py) and `quark syscalls` all read this table, so what
+users see is what the container gets. Only the exceptions are written out below; every other syscall
+the host knows is native. Numbers come from libseccomp's tables (the ones the BPF filter is compiled
+from), plus the syscalls newer than libseccomp 2.5.4, listed here by hand.
+"""
+from __future__ import annotations
+
+import enum
+import errno
+import functools
+import platform as _platform
+from dataclasses import dataclass
+from typing import Callable
+
+import seccomp
+
+from qkernel.syscalls import sys_personality, sys_socket, sys_sysinfo
+
+CLONE_NEWUSER = 0x10000000
+
+
+class Fate(str, enum.Enum):
+    NATIVE = "native"
+    TRAPPED = "trapped"
+    DENIED = "denied"
+
+
+@dataclass(frozen=True)
+class ArgMask:
+    """The entry applies only when `args[index] & mask == mask` (a bit the BPF filter can see)."""
+    index: int
+    mask: int
+    describe: str
+
+
+@dataclass(frozen=True)
+class Syscall:
+    name: str
+    x86_64: int | None
+    aarch64: int | None
+    fate: Fate
+    reason: str = ""
+    errno: int | None = None          # DENIED: what the container gets
+    handler: Callable | None = None   # TRAPPED: handler(request) -> answer
+    when: ArgMask | None = None       # DENIED only for these argument bits; native otherwise
+
+    def nr(self, arch: str) -> int | None:
+        return self.x86_64 if arch == "x86_64" else self.aarch64
+
+
+def _denied(err: int, reason: str, when: ArgMask | None = None) -> dict:
+    return {"fate": Fate.DENIED, "errno": err, "reason": reason, "when": when}
+
+
+def _trapped(handler: Callable, reason: str) -> dict:
+    return {"fate": Fate.TRAPPED, "handler": handler, "reason": reason}
+
+
+_MODULES = "changes the code the host kernel runs"
+_MOUNT = "the mount table is fixed once the runtime has set up the rootfs"
+_KEYS = "the kernel keyring is not namespaced; it widens the host attack surface"
+_TIME = "the clock is the host's, shared by every container"
+_NEWUSER = ArgMask(0, CLONE_NEWUSER, "flags has CLONE_NEWUSER")
+
+# The base policy. Privileged operations get EPERM (what an unprivileged process gets from Linux);
+# interfaces programs probe for and fall back from get ENOSYS (as if the kernel lacked them).
+POLICY: dict[str, dict] = {
+    # kernel code and kernel-wide state
+    "init_module": _denied(errno.EPERM, _MODULES),
+    "finit_module": _denied(errno.EPERM, _MODULES),
+    "delete_module": _denied(errno.EPERM, _MODULES),
+    "kexec_load": _denied(errno.EPERM, "replaces the host kernel"),
+    "kexec_file_load": _denied(errno.EPERM, "replaces the host kernel"),
+    "reboot": _denied(errno.EPERM, "reboots the host"),
+    "swapon": _denied(errno.EPERM, "host memory management"),
+    "swapoff": _denied(errno.EPERM, "host memory management"),
+    "settimeofday": _denied(errno.EPERM, _TIME),
+    "clock_settime": _denied(errno.EPERM, _TIME),
+    "acct": _denied(errno.EPERM, "host-wide process accounting"),
+    "quotactl": _denied(errno.EPERM, "host filesystem quotas"),
+    "quotactl_fd": _denied(errno.EPERM, "host filesystem quotas"),
+    "lookup_dcookie": _denied(errno.EPERM, "exposes host dentries (profiling interface)"),
+    # large kernel attack surface no ordinary container needs
+    "bpf": _denied(errno.EPERM, "eBPF programs run in the host kernel"),
+    "perf_event_open": _denied(errno.EPERM, "observes the host; a frequent source of kernel bugs"),
+    "userfaultfd": _denied(errno.EPERM, "lets a task stall the kernel mid-copy (exploit primitive)"),
+    "io_uring_setup": _denied(errno.ENOSYS, "io_uring bypasses syscall filtering; users fall back to epoll"),
+    "io_uring_enter": _denied(errno.ENOSYS, "io_uring bypasses syscall filtering"),
+    "io_uring_register": _denied(errno.ENOSYS, "io_uring bypasses syscall filtering"),
+    "keyctl": _denied(errno.EPERM, _KEYS),
+    "add_key": _denied(errno.EPERM, _KEYS),
+    "request_key": _denied(errno.EPERM, _KEYS),
+    "open_by_handle_at": _denied(errno.EPERM, "opens files by handle, escaping the rootfs"),
+    # other tasks' memory and execution
+    "ptrace": _denied(errno.EPERM, "debugging other tasks; the ptrace platform is the tracer"),
+    "process_vm_readv": _denied(errno.EPERM, "reads other tasks' memory"),
+    "process_vm_writev": _denied(errno.EPERM, "writes other tasks' memory"),
+    # mounts, namespaces
+    "mount": _denied(errno.EPERM, _MOUNT),
+    "umount2": _denied(errno.EPERM, _MOUNT),
+    "pivot_root": _denied(errno.EPERM, _MOUNT),
+    "move_mount": _denied(errno.EPERM, _MOUNT),
+    "open_tree": _denied(errno.EPERM, _MOUNT),
+    "open_tree_attr": _denied(errno.EPERM, _MOUNT),
+    "mount_setattr": _denied(errno.EPERM, _MOUNT),
+    "fsopen": _denied(errno.EPERM, _MOUNT),
+    "fsconfig": _denied(errno.EPERM, _MOUNT),
+    "fsmount": _denied(errno.EPERM, _MOUNT),
+    "fspick": _denied(errno.EPERM, _MOUNT),
+    "setns": _denied(errno.EPERM, "joining namespaces is the runtime's job"),
+    "unshare": _denied(errno.EPERM, "new user namespaces open kernel paths meant for root", _NEWUSER),
+    "clone": _denied(errno.EPERM, "new user namespaces open kernel paths meant for root", _NEWUSER),
+    # clone3's flags live in memory the filter cannot read; ENOSYS makes libc fall back to clone(2),
+    # whose flags it can (the same choice as Docker's default profile).
+    "clone3": _denied(errno.ENOSYS, "flags are not visible to the filter; libc falls back to clone"),
+    # trapped: answered by QKernel
+    "personality": _trapped(sys_personality.handle,
+                            "only the default personas (PER_LINUX, PER_LINUX32, UNAME26, query)"),
+    "sysinfo": _trapped(sys_sysinfo.handle, "memory totals from the container's cgroup"),
+    **{name: _trapped(sys_socket.handle, "TSoR (pass-through until tsor lands)")
+       for name in sys_socket.TRAPPED},
+}
+
+# Syscalls newer than libseccomp 2.5.4's tables. Since 424 the numbers are the same on every arch.
+_NEWER = {"statmount": 457, "listmount": 458, "lsm_get_self_attr": 459, "lsm_set_self_attr": 460,
+          "lsm_list_modules": 461, "mseal": 462, "setxattrat": 463, "getxattrat": 464,
+          "listxattrat": 465, "removexattrat": 466, "open_tree_attr": 467, "file_getattr": 468,
+          "file_setattr": 469}
+_MAX_NR = 1024
+
+
+def native_arch() -> str:
+    machine = _platform.machine()
+    return {"x86_64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def _resolve(arch: seccomp.Arch, name: str) -> int | None:
+    try:
+        nr = seccomp.resolve_syscall(arch, name)
+    except ValueError:
+        return None
+    return nr if nr >= 0 else None   # libseccomp answers negative pseudo-numbers for absent calls
+
+
+@functools.cache
+def table() -> tuple[Syscall, ...]:
+    """Every syscall, sorted by x86_64 number (aarch64-only ones last)."""
+    names: dict[str, None] = {}
+    for nr in range(_MAX_NR):
+        for arch in (seccomp.Arch.X86_64, seccomp.Arch.AARCH64):
+            try:
+                names[seccomp.resolve_syscall(arch, nr).decode()] = None
+            except ValueError:
+                pass
+    names.update(dict.fromkeys(_NEWER))
+    rows = []
+    for name in names:
+        x86 = _NEWER.get(name, _resolve(seccomp.Arch.X86_64, name))
+        arm = _NEWER.get(name, _resolve(seccomp.Arch.AARCH64, name))
+        rows.append(Syscall(name, x86, arm, **POLICY.get(name, {"fate": Fate.NATIVE})))
+    return tuple(sorted(rows, key=lambda s: (s.x86_64 is None, s.x86_64 or 0, s.aarch64 or 0)))
+
+
+@functools.cache
+def by_name() -> dict[str, Syscall]:
+    return {s.name: s for s in table()}
+
+
+def entries(fate: Fate) -> list[Syscall]:
+    return [s for s in table() if s.fate is fate]
+
+
+def handlers(arch: str) -> dict[int, Syscall]:
+    """Trapped syscalls by number on `arch`: what the dispatcher looks up."""
+    return {s.nr(arch): s for s in entries(Fate.TRAPPED) if s.nr(arch) is not None}

@@ -1,0 +1,121 @@
+"""`containerd-shim-quark-v1`: containerd's runtime v2 shim for quark (runtime_type io.containerd.quark.v1).
+
+containerd runs it with Go-style flags and a verb, in the bundle directory:
+  -namespace NS -address ADDR -publish-binary BIN [-debug] -id ID start
+      bind the shim's socket, fork the server into its own session, write `address` (and
+      `shim.pid`) into the bundle, print only the address and exit. A container of a pod whose
+      sandbox already has a shim gets that shim's address.
+  ... -id ID delete
+      clean up after a shim that died: force-delete the container in quark, unmount its rootfs,
+      write a binary DeleteResponse on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import socket
+import sys
+
+from shim import paths
+
+log = logging.getLogger("quark.shim")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="containerd-shim-quark-v1", allow_abbrev=False,
+                                description="containerd runtime v2 shim for quark")
+    p.add_argument("-namespace", "--namespace", default=os.environ.get("NAMESPACE", ""), help="containerd namespace")
+    p.add_argument("-id", "--id", default="", help="container id")
+    p.add_argument("-address", "--address", default="", help="containerd's grpc address")
+    p.add_argument("-publish-binary", "--publish-binary", default="", help="containerd binary (unused: events go over ttrpc)")
+    p.add_argument("-bundle", "--bundle", default="", help="bundle directory (default: the working directory)")
+    p.add_argument("-socket", "--socket", default="", help="accepted for compatibility; the socket is derived")
+    p.add_argument("-debug", "--debug", action="store_true", help="debug logging")
+    p.add_argument("action", nargs="?", choices=("start", "delete"), help="start or delete (none: serve)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.namespace:
+        print("containerd-shim-quark-v1: -namespace is required", file=sys.stderr)
+        return 2
+    if not args.id:
+        print("containerd-shim-quark-v1: -id is required", file=sys.stderr)
+        return 2
+    bundle = os.path.abspath(args.bundle or os.getcwd())
+    if args.action == "start":
+        return start(args, bundle)
+    if args.action == "delete":
+        from shim.delete import delete
+        return delete(args.id, args.namespace, bundle)
+    print("containerd-shim-quark-v1: run by containerd with `start` or `delete`", file=sys.stderr)
+    return 2
+
+
+def _answers(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _write_file(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def start(args: argparse.Namespace, bundle: str) -> int:
+    from shim.ttrpc import listen, socket_path
+
+    group = paths.shim_group(bundle, args.id)
+    address = paths.socket_address(args.address, args.namespace, group)
+    path = socket_path(address)
+    try:
+        listener = listen(path)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        if group != args.id and _answers(path):  # the pod's shim is up: it serves this container too
+            _write_file(os.path.join(bundle, "address"), address)
+            print(address, end="")
+            return 0
+        os.unlink(path)  # a dead shim's socket
+        listener = listen(path)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _become_daemon()
+            from shim.serve import serve
+            code = serve(listener, address, args.namespace, bundle, args.debug)
+        except BaseException:
+            logging.getLogger("quark.shim").exception("shim server failed")
+            code = 1
+        os._exit(code)
+    listener.close()
+    _write_file(os.path.join(bundle, "address"), address)
+    _write_file(os.path.join(bundle, "shim.pid"), str(pid))
+    sys.stdout.write(address)
+    sys.stdout.flush()
+    return 0
+
+
+def _become_daemon() -> None:
+    """Leave containerd's session and let go of the pipes it reads `start`'s output from."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,416 @@
+"""containerd.task.v2.Task: the RPCs containerd sends a shim, served by driving the `quark` CLI.
+
+One shim serves every container of a pod sandbox (or a single container). Container processes
+are children of quark's supervisor, not of the shim, so exits come from one `quark wait`
+subprocess per process, watched from a thread. Events keep containerd's order: an exit that
+races a start is held back until TaskStart is queued.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from google.protobuf import empty_pb2
+from google.protobuf.message import Message
+
+from shim import metrics, mount, oom, paths
+from shim.pb import events_task_pb2 as ev
+from shim.pb import shim_pb2 as pb
+from shim.pb import types_task_pb2 as types
+from shim.runtime import Exit, Quark, now, read_pid
+from shim.stdio import ProcessIO
+from shim.ttrpc import Code, Method, RpcError, Server
+
+log = logging.getLogger("quark.shim.service")
+
+SERVICE = "containerd.task.v2.Task"
+OUTPUT_DRAIN_S = 2.0
+FORCED_DELETE_EXIT_WAIT_S = 10.0
+
+
+@dataclass
+class Process:
+    container_id: str
+    exec_id: str  # "" for the container's init
+    stdin: str
+    stdout: str
+    stderr: str
+    terminal: bool
+    spec: bytes = b""  # an exec'd process's OCI process JSON
+    pid: int = 0
+    status: int = types.CREATED
+    exit: Exit | None = None
+    io: ProcessIO | None = None
+    starting: bool = False
+    pending_exit: Exit | None = None
+    exited: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def name(self) -> str:
+        """The process id containerd uses in events: the container id for the init."""
+        return self.exec_id or self.container_id
+
+
+@dataclass
+class Container:
+    id: str
+    bundle: str
+    init: Process
+    rootfs_mounted: bool = False
+    execs: dict[str, Process] = field(default_factory=dict)
+    oom_stop: threading.Event = field(default_factory=threading.Event)
+
+
+class TaskService:
+    def __init__(self, quark: Quark, publish: Callable[[Message], None], namespace: str,
+                 on_shutdown: Callable[[], None]) -> None:
+        self.quark = quark
+        self.publish = publish
+        self.namespace = namespace
+        self.on_shutdown = on_shutdown
+        self.containers: dict[str, Container] = {}
+        self._creating: set[str] = set()
+        self.lock = threading.RLock()  # guards containers, process status and event order
+
+    def register(self, server: Server) -> None:
+        for name, (req_type, handler) in {
+            "State": (pb.StateRequest, self.state), "Create": (pb.CreateTaskRequest, self.create),
+            "Start": (pb.StartRequest, self.start), "Delete": (pb.DeleteRequest, self.delete),
+            "Pids": (pb.PidsRequest, self.pids), "Pause": (pb.PauseRequest, self.pause),
+            "Resume": (pb.ResumeRequest, self.resume), "Checkpoint": (pb.CheckpointTaskRequest, self.checkpoint),
+            "Kill": (pb.KillRequest, self.kill), "Exec": (pb.ExecProcessRequest, self.exec),
+            "ResizePty": (pb.ResizePtyRequest, self.resize_pty), "CloseIO": (pb.CloseIORequest, self.close_io),
+            "Update": (pb.UpdateTaskRequest, self.update), "Wait": (pb.WaitRequest, self.wait),
+            "Stats": (pb.StatsRequest, self.stats), "Connect": (pb.ConnectRequest, self.connect),
+            "Shutdown": (pb.ShutdownRequest, self.shutdown),
+        }.items():
+            server.register(SERVICE, name, Method(req_type, lambda req, _md, h=handler: h(req)))
+
+    # lookups
+
+    def _container(self, cid: str) -> Container:
+        with self.lock:
+            c = self.containers.get(cid)
+        if c is None:
+            raise RpcError(Code.NOT_FOUND, f"container {cid!r} not found")
+        return c
+
+    def _process(self, cid: str, exec_id: str) -> tuple[Container, Process]:
+        c = self._container(cid)
+        if not exec_id:
+            return c, c.init
+        with self.lock:
+            p = c.execs.get(exec_id)
+        if p is None:
+            raise RpcError(Code.NOT_FOUND, f"process {exec_id!r} of container {cid!r} not found")
+        return c, p
+
+    # lifecycle
+
+    def create(self, req: pb.CreateTaskRequest) -> pb.CreateTaskResponse:
+        if not req.id or not req.bundle:
+            raise RpcError(Code.INVALID_ARGUMENT, "create needs an id and a bundle")
+        if req.checkpoint:
+            raise RpcError(Code.UNIMPLEMENTED, "restoring from a checkpoint is not implemented")
+        with self.lock:
+            if req.id in self.containers or req.id in self._creating:
+                raise RpcError(Code.ALREADY_EXISTS, f"container {req.id!r} already exists")
+            self._creating.add(req.id)
+        rootfs = os.path.join(req.bundle, "rootfs")
+        io = None
+        mounted = created = False
+        try:
+            if req.rootfs:
+                mount.mount_rootfs(list(req.rootfs), rootfs)
+                mounted = True
+            io = ProcessIO(req.stdin, req.stdout, req.stderr, req.terminal, req.id, self.namespace)
+            pid_file = os.path.join(req.bundle, paths.INIT_PID)
+            try:
+                self.quark.create(req.id, req.bundle, pid_file, io.fds, io.console_path)
+            finally:
+                io.close_after_spawn()
+            created = True
+            if req.terminal:
+                io.receive_console()
+            pid = read_pid(pid_file)
+        except BaseException:
+            if created:
+                self.quark.delete(req.id, force=True)
+            if io is not None:
+                io.close()
+            if mounted:
+                mount.unmount_all(rootfs)
+            with self.lock:
+                self._creating.discard(req.id)
+            raise
+        init = Process(req.id, "", req.stdin, req.stdout, req.stderr, req.terminal, pid=pid, io=io)
+        c = Container(req.id, req.bundle, init, rootfs_mounted=mounted)
+        with self.lock:
+            self._creating.discard(req.id)
+            self.containers[req.id] = c
+            self.publish(ev.TaskCreate(
+                container_id=req.id, bundle=req.bundle, rootfs=list(req.rootfs), pid=pid,
+                io=ev.TaskIO(stdin=req.stdin, stdout=req.stdout, stderr=req.stderr, terminal=req.terminal),
+                checkpoint=req.checkpoint))
+        self._watch(c, init)
+        oom.watch(pid, lambda: self.publish(ev.TaskOOM(container_id=req.id)), c.oom_stop)
+        return pb.CreateTaskResponse(pid=pid)
+
+    def start(self, req: pb.StartRequest) -> pb.StartResponse:
+        c, p = self._process(req.id, req.exec_id)
+        with self.lock:
+            if p.status != types.CREATED or p.starting or p.exit is not None:
+                raise RpcError(Code.FAILED_PRECONDITION,
+                               f"process {p.name!r} cannot start: it is {types.Status.Name(p.status).lower()}")
+            p.starting = True
+        if p.exec_id:
+            return self._start_exec(c, p)
+        try:
+            self.quark.start(c.id)
+        except BaseException:
+            with self.lock:
+                p.starting = False
+            self._flush_pending_exit(c, p)
+            raise
+        with self.lock:
+            p.status = types.RUNNING
+            self.publish(ev.TaskStart(container_id=c.id, pid=p.pid))
+            p.starting = False
+        self._flush_pending_exit(c, p)
+        return pb.StartResponse(pid=p.pid)
+
+    def _start_exec(self, c: Container, p: Process) -> pb.StartResponse:
+        fd, spec_path = tempfile.mkstemp(prefix=f"exec-{p.exec_id}-", suffix=".json", dir=c.bundle)
+        with os.fdopen(fd, "wb") as f:
+            f.write(p.spec)
+        pid_file = spec_path[:-len(".json")] + ".pid"
+        log_path = spec_path[:-len(".json")] + ".log.json"
+        io = None
+        try:
+            io = ProcessIO(p.stdin, p.stdout, p.stderr, p.terminal, c.id, self.namespace)
+            try:
+                self.quark.exec(c.id, spec_path, pid_file, io.fds, io.console_path, log_path)
+            finally:
+                io.close_after_spawn()
+            if p.terminal:
+                io.receive_console()
+            pid = read_pid(pid_file)
+        except BaseException:
+            if io is not None:
+                io.close()
+            with self.lock:
+                p.starting = False
+            raise
+        finally:
+            for path in (spec_path, pid_file, log_path):
+                _remove(path)
+        with self.lock:
+            p.io, p.pid, p.status = io, pid, types.RUNNING
+            self.publish(ev.TaskExecStarted(container_id=c.id, exec_id=p.exec_id, pid=pid))
+            p.starting = False
+        self._watch(c, p)
+        return pb.StartResponse(pid=pid)
+
+    def _watch(self, c: Container, p: Process) -> None:
+        threading.Thread(target=self._wait_exit, args=(c, p), daemon=True, name=f"wait-{p.name}").start()
+
+    def _wait_exit(self, c: Container, p: Process) -> None:
+        try:
+            exit_ = self.quark.wait(c.id, p.pid if p.exec_id else None)
+        except RpcError as e:
+            # quark can no longer tell how it ended (its state is gone): report it as killed
+            log.error("quark wait for %s/%s failed: %s", c.id, p.name, e)
+            exit_ = Exit(p.pid, 128 + 9, now())
+        if p.io is not None:
+            p.io.wait_output(OUTPUT_DRAIN_S)
+        with self.lock:
+            if p.starting:
+                p.pending_exit = exit_
+                return
+        self._record_exit(c, p, exit_)
+
+    def _flush_pending_exit(self, c: Container, p: Process) -> None:
+        with self.lock:
+            exit_, p.pending_exit = p.pending_exit, None
+        if exit_ is not None:
+            self._record_exit(c, p, exit_)
+
+    def _record_exit(self, c: Container, p: Process, exit_: Exit) -> None:
+        with self.lock:
+            if p.exit is not None:
+                return
+            p.exit = exit_
+            p.status = types.STOPPED
+            if p.io is not None:
+                p.io.close_stdin()
+            self.publish(ev.TaskExit(container_id=c.id, id=p.name, pid=exit_.pid or p.pid,
+                                     exit_status=exit_.status, exited_at=exit_.exited_at))
+            p.exited.set()
+
+    def delete(self, req: pb.DeleteRequest) -> pb.DeleteResponse:
+        c, p = self._process(req.id, req.exec_id)
+        with self.lock:
+            if p.status in (types.RUNNING, types.PAUSED, types.PAUSING) or p.starting:
+                raise RpcError(Code.FAILED_PRECONDITION, f"cannot delete running process {p.name!r}")
+        if p.exec_id:
+            with self.lock:
+                c.execs.pop(p.exec_id, None)
+            if p.io is not None:
+                p.io.close()
+            return self._delete_response(p)
+        never_started = p.exit is None
+        try:
+            self.quark.delete(c.id, force=never_started)
+        except RpcError as e:
+            if e.code != Code.NOT_FOUND:
+                raise
+        _remove(os.path.join(c.bundle, paths.INIT_PID))  # tells `shim delete` quark has nothing left
+        if never_started and not p.exited.wait(FORCED_DELETE_EXIT_WAIT_S):
+            self._record_exit(c, p, Exit(p.pid, 128 + 9, now()))
+        c.oom_stop.set()
+        if p.io is not None:
+            p.io.close()
+        for e in list(c.execs.values()):
+            if e.io is not None:
+                e.io.close()
+        if c.rootfs_mounted:
+            mount.unmount_all(os.path.join(c.bundle, "rootfs"))
+        resp = self._delete_response(p)
+        with self.lock:
+            self.containers.pop(c.id, None)
+            self.publish(ev.TaskDelete(container_id=c.id, pid=resp.pid, exit_status=resp.exit_status,
+                                       exited_at=resp.exited_at))
+        return resp
+
+    @staticmethod
+    def _delete_response(p: Process) -> pb.DeleteResponse:
+        resp = pb.DeleteResponse(pid=p.pid)
+        if p.exit is not None:
+            resp.exit_status = p.exit.status
+            resp.exited_at.CopyFrom(p.exit.exited_at)
+        return resp
+
+    def wait(self, req: pb.WaitRequest) -> pb.WaitResponse:
+        _c, p = self._process(req.id, req.exec_id)
+        p.exited.wait()
+        assert p.exit is not None
+        return pb.WaitResponse(exit_status=p.exit.status, exited_at=p.exit.exited_at)
+
+    def state(self, req: pb.StateRequest) -> pb.StateResponse:
+        c, p = self._process(req.id, req.exec_id)
+        with self.lock:
+            resp = pb.StateResponse(id=p.name, bundle=c.bundle, pid=p.pid, status=p.status, stdin=p.stdin,
+                                    stdout=p.stdout, stderr=p.stderr, terminal=p.terminal, exec_id=p.exec_id)
+            if p.exit is not None:
+                resp.exit_status = p.exit.status
+                resp.exited_at.CopyFrom(p.exit.exited_at)
+        return resp
+
+    # signals and control
+
+    def kill(self, req: pb.KillRequest) -> empty_pb2.Empty:
+        c, p = self._process(req.id, req.exec_id)
+        if p.exec_id:
+            with self.lock:
+                if p.exit is not None:
+                    raise RpcError(Code.NOT_FOUND, f"process {p.name!r} already finished")
+                if p.pid == 0:
+                    raise RpcError(Code.FAILED_PRECONDITION, f"process {p.name!r} not started")
+                try:
+                    os.kill(p.pid, req.signal)
+                except ProcessLookupError:
+                    raise RpcError(Code.NOT_FOUND, f"process {p.name!r} already finished") from None
+            return empty_pb2.Empty()
+        if p.exit is not None and not req.all:
+            raise RpcError(Code.NOT_FOUND, f"process {p.name!r} already finished")
+        self.quark.kill(c.id, req.signal, req.all)
+        return empty_pb2.Empty()
+
+    def pause(self, req: pb.PauseRequest) -> empty_pb2.Empty:
+        c = self._container(req.id)
+        self.quark.pause(c.id)
+        with self.lock:
+            if c.init.exit is None:
+                c.init.status = types.PAUSED
+            self.publish(ev.TaskPaused(container_id=c.id))
+        return empty_pb2.Empty()
+
+    def resume(self, req: pb.ResumeRequest) -> empty_pb2.Empty:
+        c = self._container(req.id)
+        self.quark.resume(c.id)
+        with self.lock:
+            if c.init.exit is None:
+                c.init.status = types.RUNNING
+            self.publish(ev.TaskResumed(container_id=c.id))
+        return empty_pb2.Empty()
+
+    def pids(self, req: pb.PidsRequest) -> pb.PidsResponse:
+        c = self._container(req.id)
+        return pb.PidsResponse(processes=[types.ProcessInfo(pid=pid) for pid in self.quark.ps(c.id)])
+
+    def exec(self, req: pb.ExecProcessRequest) -> empty_pb2.Empty:
+        c = self._container(req.id)
+        if not req.exec_id:
+            raise RpcError(Code.INVALID_ARGUMENT, "exec needs an exec id")
+        with self.lock:
+            if c.init.exit is not None:
+                raise RpcError(Code.FAILED_PRECONDITION, f"container {c.id!r} has stopped")
+            if req.exec_id in c.execs:
+                raise RpcError(Code.ALREADY_EXISTS, f"process {req.exec_id!r} already exists")
+            c.execs[req.exec_id] = Process(c.id, req.exec_id, req.stdin, req.stdout, req.stderr,
+                                           req.terminal, spec=req.spec.value)
+            self.publish(ev.TaskExecAdded(container_id=c.id, exec_id=req.exec_id))
+        return empty_pb2.Empty()
+
+    def resize_pty(self, req: pb.ResizePtyRequest) -> empty_pb2.Empty:
+        _c, p = self._process(req.id, req.exec_id)
+        if p.io is not None:
+            p.io.resize(req.width, req.height)
+        return empty_pb2.Empty()
+
+    def close_io(self, req: pb.CloseIORequest) -> empty_pb2.Empty:
+        _c, p = self._process(req.id, req.exec_id)
+        if req.stdin and p.io is not None:
+            p.io.close_stdin()
+        return empty_pb2.Empty()
+
+    def update(self, req: pb.UpdateTaskRequest) -> empty_pb2.Empty:
+        c = self._container(req.id)
+        if not req.resources.value:
+            raise RpcError(Code.INVALID_ARGUMENT, "update needs resources")
+        self.quark.update(c.id, req.resources.value)
+        return empty_pb2.Empty()
+
+    def stats(self, req: pb.StatsRequest) -> pb.StatsResponse:
+        c = self._container(req.id)
+        return pb.StatsResponse(stats=metrics.to_any(self.quark.stats(c.id)))
+
+    def checkpoint(self, req: pb.CheckpointTaskRequest) -> empty_pb2.Empty:
+        raise RpcError(Code.UNIMPLEMENTED, "checkpoint is not implemented until quark has snapshots")
+
+    # the shim itself
+
+    def connect(self, req: pb.ConnectRequest) -> pb.ConnectResponse:
+        with self.lock:
+            c = self.containers.get(req.id)
+            task_pid = c.init.pid if c else 0
+        return pb.ConnectResponse(shim_pid=os.getpid(), task_pid=task_pid)
+
+    def shutdown(self, req: pb.ShutdownRequest) -> empty_pb2.Empty:
+        with self.lock:
+            if self.containers and not req.now:
+                return empty_pb2.Empty()
+        self.on_shutdown()
+        return empty_pb2.Empty()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+

@@ -1,0 +1,249 @@
+"""ttrpc, containerd's small RPC protocol over a unix socket: framing, a threaded server, a client.
+
+A frame is a 10-byte header `>IIBB` (payload length, stream id, type, flags) and a protobuf
+payload: a `ttrpc.Request` (type 1) or `ttrpc.Response` (type 2). Requests on one connection
+are served concurrently (Wait blocks until a process exits while other calls go on); each
+response carries the stream id of its request.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError, Message
+
+from shim.pb import ttrpc_pb2
+
+log = logging.getLogger("quark.shim.ttrpc")
+
+HEADER = struct.Struct(">IIBB")
+MESSAGE_LENGTH_MAX = 4 << 20
+TYPE_REQUEST = 1
+TYPE_RESPONSE = 2
+
+
+class Code(enum.IntEnum):
+    """gRPC status codes, which containerd maps to its errdefs."""
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+
+
+class RpcError(Exception):
+    """An error answered to the caller with a status code (containerd maps NotFound etc.)."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+
+class FrameError(Exception):
+    """The peer sent something that is not ttrpc: the connection is closed."""
+
+
+@dataclass
+class Method:
+    """One served method: how to decode its request and the handler that answers it."""
+    request_type: type[Message]
+    handler: Callable[[Message, dict[str, str]], Message]
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            if buf:
+                raise FrameError(f"connection closed inside a frame ({len(buf)} of {n} bytes)")
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(sock: socket.socket) -> tuple[int, int, int, bytes] | None:
+    """One frame as (stream id, type, flags, payload); None on a clean end of stream."""
+    header = _recv_exact(sock, HEADER.size)
+    if header is None:
+        return None
+    length, stream_id, msg_type, flags = HEADER.unpack(header)
+    if length > MESSAGE_LENGTH_MAX:
+        raise FrameError(f"frame of {length} bytes on stream {stream_id} exceeds {MESSAGE_LENGTH_MAX}")
+    payload = _recv_exact(sock, length) if length else b""
+    if payload is None:
+        raise FrameError(f"connection closed before the {length}-byte payload of stream {stream_id}")
+    return stream_id, msg_type, flags, payload
+
+
+def frame(stream_id: int, msg_type: int, payload: bytes) -> bytes:
+    return HEADER.pack(len(payload), stream_id, msg_type, 0) + payload
+
+
+class Server:
+    """Serves registered methods on a listening unix socket, a thread per connection and request."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener = listener
+        self.methods: dict[tuple[str, str], Method] = {}
+        self._closing = False
+
+    def register(self, service: str, name: str, method: Method) -> None:
+        self.methods[(service, name)] = method
+
+    def serve_forever(self) -> None:
+        while not self._closing:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                if self._closing:
+                    return
+                raise
+            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
+                             name="ttrpc-conn").start()
+
+    def close(self) -> None:
+        self._closing = True
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.listener.close()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        write_lock = threading.Lock()
+        try:
+            while True:
+                got = read_frame(conn)
+                if got is None:
+                    return
+                stream_id, msg_type, _flags, payload = got
+                if msg_type != TYPE_REQUEST:
+                    raise FrameError(f"frame type {msg_type} on stream {stream_id} is not a request")
+                if stream_id % 2 == 0:
+                    raise FrameError(f"request on even stream id {stream_id}")
+                request = ttrpc_pb2.Request()
+                try:
+                    request.ParseFromString(payload)
+                except DecodeError as e:
+                    raise FrameError(f"undecodable request on stream {stream_id}: {e}") from None
+                threading.Thread(target=self._answer, args=(conn, write_lock, stream_id, request),
+                                 daemon=True, name=f"ttrpc-{request.method}").start()
+        except FrameError as e:
+            log.warning("closing ttrpc connection: %s", e)
+        except OSError as e:
+            log.debug("ttrpc connection ended: %s", e)
+        finally:
+            conn.close()
+
+    def _answer(self, conn: socket.socket, write_lock: threading.Lock, stream_id: int,
+                request: ttrpc_pb2.Request) -> None:
+        response = ttrpc_pb2.Response()
+        try:
+            response.payload = self.dispatch(request)
+        except RpcError as e:
+            response.status.code = int(e.code)
+            response.status.message = e.message
+        except Exception as e:  # a handler bug must answer the caller, not kill the shim
+            log.exception("%s/%s failed", request.service, request.method)
+            response.status.code = int(Code.INTERNAL)
+            response.status.message = f"{type(e).__name__}: {e}"
+        data = frame(stream_id, TYPE_RESPONSE, response.SerializeToString())
+        with write_lock:
+            try:
+                conn.sendall(data)
+            except OSError as e:
+                log.debug("could not answer stream %d: %s", stream_id, e)
+
+    def dispatch(self, request: ttrpc_pb2.Request) -> bytes:
+        method = self.methods.get((request.service, request.method))
+        if method is None:
+            raise RpcError(Code.UNIMPLEMENTED, f"{request.service}/{request.method} is not implemented")
+        message = method.request_type()
+        try:
+            message.ParseFromString(request.payload)
+        except DecodeError as e:
+            raise RpcError(Code.INVALID_ARGUMENT, f"cannot decode {message.DESCRIPTOR.full_name}: {e}") from None
+        metadata = {kv.key: kv.value for kv in request.metadata}
+        return method.handler(message, metadata).SerializeToString()
+
+
+class Client:
+    """A blocking ttrpc client: one call at a time per client (enough for events and tests)."""
+
+    def __init__(self, path: str, timeout: float | None = None) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+        except OSError:
+            self.sock.close()
+            raise
+        self._next_stream = 1
+        self._lock = threading.Lock()
+
+    def call(self, service: str, method: str, request: Message, response_type: type[Message],
+             metadata: dict[str, str] | None = None, timeout_nano: int = 0) -> Message:
+        req = ttrpc_pb2.Request(service=service, method=method, payload=request.SerializeToString(),
+                                timeout_nano=timeout_nano)
+        for k, v in (metadata or {}).items():
+            req.metadata.add(key=k, value=v)
+        with self._lock:
+            stream_id = self._next_stream
+            self._next_stream += 2
+            self.sock.sendall(frame(stream_id, TYPE_REQUEST, req.SerializeToString()))
+            while True:
+                got = read_frame(self.sock)
+                if got is None:
+                    raise ConnectionError("ttrpc server closed the connection")
+                sid, msg_type, _flags, payload = got
+                if msg_type == TYPE_RESPONSE and sid == stream_id:
+                    break
+        resp = ttrpc_pb2.Response()
+        resp.ParseFromString(payload)
+        if resp.status.code != Code.OK:
+            raise RpcError(Code(resp.status.code), resp.status.message)
+        out = response_type()
+        out.ParseFromString(resp.payload)
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def socket_path(address: str) -> str:
+    """`unix:///run/x.sock` or a bare path -> the path."""
+    return address[len("unix://"):] if address.startswith("unix://") else address
+
+
+def listen(path: str) -> socket.socket:
+    """A listening unix socket at path, only for root (the shim's API is root's)."""
+    os.makedirs(os.path.dirname(path), mode=0o711, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(128)
+    return sock
