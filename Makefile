@@ -8,8 +8,8 @@ APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf
 	redis-server redis-tools python3-venv python3-dev python3-seccomp python3-pyverbs \
 	iproute2 gcc libc6-dev procps util-linux
 
-.PHONY: install apt venv demo test test-unit bench proto clean
-install: apt venv
+.PHONY: install apt venv links demo test test-unit bench proto clean
+install: apt venv links
 
 apt:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
@@ -24,10 +24,11 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	# runc-style use and containerd both look the binaries up on PATH
-	ln -sf $(CURDIR)/$(VENV)/bin/quark /usr/local/bin/quark
-	ln -sf $(CURDIR)/$(VENV)/bin/containerd-shim-quark-v1 /usr/local/bin/containerd-shim-quark-v1
 	touch $@
+
+# runc-style use and containerd both look the binaries up on PATH: point them at this checkout
+links: venv
+	@for b in quark containerd-shim-quark-v1; do ln -sfn $(CURDIR)/$(VENV)/bin/$$b /usr/local/bin/$$b; done
 
 demo: install
 	$(PY) -m qvisor.demo

@@ -35,7 +35,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
 DEFAULT_ROOT = "/run/quark"
 
 
-def build_parser() -> argparse.ArgumentParser:
+_VALUE_FLAGS = {"--root", "--log", "--log-format", "--platform", "--rootless"}
+
+
+def _verb_of(argv: list[str]) -> str | None:
+    """The verb in argv, found without parsing, so only that verb's module is imported (every
+    `quark` call is a new process: startup time is container start-up time)."""
+    it = iter(argv)
+    for a in it:
+        if a in _VALUE_FLAGS:
+            next(it, None)
+        elif not a.startswith("-"):
+            return a
+    return None
+
+
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; with `verb`, only that verb's arguments are loaded."""
     p = argparse.ArgumentParser(prog="quark", description="quark: a secure OCI container runtime")
     p.add_argument("--root", default=DEFAULT_ROOT, help="root directory for container state (default: %(default)s)")
     p.add_argument("--log", default="", help="log file (default: stderr)")
@@ -50,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(f"qvisor.commands.{module}").add_arguments(sp)
+        if verb is None or verb == name:
+            importlib.import_module(f"qvisor.commands.{module}").add_arguments(sp)
     return p
 
 
@@ -70,7 +87,9 @@ def setup_logging(log: str, log_format: str, debug: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    verb = _verb_of(argv)
+    parser = build_parser(verb if verb in COMMANDS else None)
     args = parser.parse_args(argv)
     if not args.verb:
         parser.print_help(sys.stderr)

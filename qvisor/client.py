@@ -5,7 +5,7 @@ import socket
 
 from qvisor import channel
 from qvisor.errors import InvalidState, QuarkError
-from qvisor.supervisor import SOCK_NAME
+from qvisor.state import SOCK_NAME
 
 
 class Connection:

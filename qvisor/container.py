@@ -11,14 +11,17 @@ import os
 import shutil
 import signal
 import time
+from typing import TYPE_CHECKING
 
 from qvisor import cgroups
 from qvisor import linux as L
 from qvisor.client import Connection
 from qvisor.errors import InvalidState, QuarkError, Unsupported
-from qvisor.spec import Spec, load_spec
-from qvisor.state import (CREATED, CREATING, PAUSED, RUNNING, STOPPED, ContainerState, StateStore,
-                          init_alive, now_rfc3339)
+from qvisor.state import (CREATED, CREATING, PAUSED, RUNNING, SOCK_NAME, STOPPED, ContainerState,
+                          StateStore, init_alive, now_rfc3339)
+
+if TYPE_CHECKING:
+    from qvisor.spec import Spec
 
 log = logging.getLogger("quark")
 CONFIG_COPY = "config.json"
@@ -49,6 +52,7 @@ def check_supported(spec: Spec) -> None:
 
 def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", console_socket: str = "",
            platform: str = "seccomp", log_file: str = "") -> ContainerState:
+    from qvisor.spec import load_spec
     from qvisor.supervisor import Supervisor
     store = StateStore(root)
     bundle = os.path.abspath(bundle)
@@ -184,7 +188,7 @@ def _wait_stopped(store: StateStore, st: ContainerState, timeout: float = 10.0) 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         sup_alive = st.supervisor_pid and L.proc_start_time(st.supervisor_pid) is not None \
-            and os.path.exists(store.path(st.id, "sv.sock"))
+            and os.path.exists(store.path(st.id, SOCK_NAME))
         if not init_alive(st) and not sup_alive:
             return
         time.sleep(0.01)

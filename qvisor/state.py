@@ -20,6 +20,7 @@ from qvisor.errors import ContainerExists, ContainerNotFound, QuarkError
 OCI_VERSION = "1.0.2"
 _VALID_ID = re.compile(r"^[\w+\-.]+$")
 
+SOCK_NAME = "sv.sock"  # the supervisor's control socket, in the container's state directory
 CREATING, CREATED, RUNNING, PAUSED, STOPPED = "creating", "created", "running", "paused", "stopped"
 
 

@@ -22,11 +22,10 @@ from qvisor.devices import cgroup_resources
 from qvisor import linux as L
 from qvisor.eventloop import Loop
 from qvisor.spec import Spec, parse_process
-from qvisor.state import CREATED, RUNNING, STOPPED, ContainerState, StateStore, now_rfc3339
+from qvisor.state import CREATED, RUNNING, SOCK_NAME, STOPPED, ContainerState, StateStore, now_rfc3339
 
 log = logging.getLogger("quark.supervisor")
 _WALL = 0x40000000  # __WALL: also wait for tasks the ptrace platform traces
-SOCK_NAME = "sv.sock"
 
 
 def exit_code(status: int) -> int:
