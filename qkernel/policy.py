@@ -3,6 +3,7 @@
 Two filters are stacked rather than merged. For every syscall the kernel runs all filters of the
 task and takes the most restrictive action (KILL > TRAP > ERRNO > USER_NOTIF > TRACE > LOG > ALLOW),
 so "the stricter of quark's policy and the bundle's linux.seccomp wins" is the kernel's own rule.
+Between equally strict answers (two ERRNOs) the newest filter's is kept: the bundle's errno.
 """
 from __future__ import annotations
 
@@ -105,13 +106,12 @@ def build_bundle_filter(spec) -> seccomp.SyscallFilter:
         indexes = [a.index for a in rule.args]
         groups = [[c] for c in conds] if len(set(indexes)) != len(indexes) else [conds]
         for name in rule.names:
-            try:
-                nr = seccomp.resolve_syscall(seccomp.Arch.NATIVE, name)
-            except ValueError:
+            if table.resolve(seccomp.Arch.NATIVE, name) is None:
                 continue   # unknown to this libseccomp: ignored, as runc does
             for group in groups:
                 try:
-                    f.add_rule(action, nr, *group)
+                    # by name: libseccomp maps it to each architecture's own number
+                    f.add_rule(action, name, *group)
                 except RuntimeError as e:
                     raise FilterError(f"{where}: cannot add a rule for {name}: {e}") from e
     return f

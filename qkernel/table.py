@@ -136,7 +136,7 @@ def native_arch() -> str:
     return {"x86_64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}.get(machine, machine)
 
 
-def _resolve(arch: seccomp.Arch, name: str) -> int | None:
+def resolve(arch: seccomp.Arch, name: str) -> int | None:
     try:
         nr = seccomp.resolve_syscall(arch, name)
     except ValueError:
@@ -157,8 +157,8 @@ def table() -> tuple[Syscall, ...]:
     names.update(dict.fromkeys(_NEWER))
     rows = []
     for name in names:
-        x86 = _NEWER.get(name, _resolve(seccomp.Arch.X86_64, name))
-        arm = _NEWER.get(name, _resolve(seccomp.Arch.AARCH64, name))
+        x86 = _NEWER.get(name, resolve(seccomp.Arch.X86_64, name))
+        arm = _NEWER.get(name, resolve(seccomp.Arch.AARCH64, name))
         rows.append(Syscall(name, x86, arm, **POLICY.get(name, {"fate": Fate.NATIVE})))
     return tuple(sorted(rows, key=lambda s: (s.x86_64 is None, s.x86_64 or 0, s.aarch64 or 0)))
 

@@ -1,0 +1,137 @@
+"""The syscall table, the filter built from it, platform selection and `quark syscalls` — no root."""
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from qkernel import config, policy, table
+from qkernel.errors import FilterError, UnknownPlatform
+from qvisor.commands import syscalls as syscalls_cmd
+from qvisor.errors import QuarkError
+
+ISSUE_DENIED = ["init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "bpf",
+                "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+                "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv", "process_vm_writev",
+                "mount", "umount2", "pivot_root", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick",
+                "open_tree", "unshare", "setns", "clone", "open_by_handle_at", "reboot", "swapon",
+                "swapoff", "settimeofday", "acct", "quotactl", "lookup_dcookie"]
+SOCKET_FAMILY = ["socket", "connect", "bind", "listen", "accept", "accept4", "getsockname",
+                 "getpeername", "setsockopt", "getsockopt", "shutdown"]
+
+
+def test_issue_policy_is_in_the_table():
+    t = table.by_name()
+    for name in ISSUE_DENIED:
+        assert t[name].fate is table.Fate.DENIED, name
+        assert t[name].errno and t[name].reason
+    for name in SOCKET_FAMILY + ["sysinfo", "personality"]:
+        assert t[name].fate is table.Fate.TRAPPED and t[name].handler is not None, name
+    assert t["clone"].when.mask == table.CLONE_NEWUSER and t["unshare"].when.mask == table.CLONE_NEWUSER
+    assert t["read"].fate is table.Fate.NATIVE and t["getpid"].fate is table.Fate.NATIVE
+
+
+def test_numbers_are_unique_per_arch():
+    for arch in ("x86_64", "aarch64"):
+        nrs = [s.nr(arch) for s in table.table() if s.nr(arch) is not None]
+        assert len(nrs) == len(set(nrs)), arch
+    t = table.by_name()
+    assert (t["getpid"].x86_64, t["getpid"].aarch64) == (39, 172)
+    assert t["open"].aarch64 is None and t["open_tree_attr"].x86_64 == 467
+
+
+@pytest.mark.parametrize("platform", config.PLATFORMS)
+def test_base_filter_compiles(platform, tmp_path):
+    out = tmp_path / "filter.pfc"
+    with open(out, "w") as f:
+        policy.build_base_filter(platform).export_pfc(f)
+    pfc = out.read_text()
+    assert "# filter for syscall \"bpf\"" in pfc
+    trap = "0x7fc00000" if platform == "seccomp" else f"TRACE({policy.TRACE_DATA})"
+    assert trap in pfc   # SECCOMP_RET_USER_NOTIF, or SECCOMP_RET_TRACE with quark's data
+
+
+def rule(names, action, errno_ret=None, args=()):
+    return SimpleNamespace(names=names, action=action, errno_ret=errno_ret, args=list(args))
+
+
+def oci(syscalls, default="SCMP_ACT_ERRNO", **kw):
+    d = dict(default_action=default, default_errno_ret=None, architectures=["SCMP_ARCH_X86_64", "SCMP_ARCH_X86"],
+             flags=[], listener_path="", syscalls=syscalls)
+    d.update(kw)
+    return SimpleNamespace(**d)
+
+
+def test_bundle_filter_translates_runc_style(tmp_path):
+    arg = SimpleNamespace(index=0, value=0x10, value_two=0x10, op="SCMP_CMP_MASKED_EQ")
+    same_index = [SimpleNamespace(index=1, value=1, value_two=0, op="SCMP_CMP_EQ"),
+                  SimpleNamespace(index=1, value=2, value_two=0, op="SCMP_CMP_EQ")]
+    f = policy.build_bundle_filter(oci([
+        rule(["read", "write", "no_such_syscall_xyz"], "SCMP_ACT_ALLOW"),
+        rule(["personality"], "SCMP_ACT_ALLOW", args=[arg]),
+        rule(["socket"], "SCMP_ACT_ALLOW", args=same_index),     # ORed, as runc does
+        rule(["mkdir"], "SCMP_ACT_ERRNO"),                       # repeats the default: skipped
+    ], flags=["SECCOMP_FILTER_FLAG_LOG"]))
+    with open(tmp_path / "b.pfc", "w") as out:
+        f.export_pfc(out)
+    assert "personality" in (tmp_path / "b.pfc").read_text()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(listener_path="/run/agent.sock"), "listenerPath"),
+    (dict(default="SCMP_ACT_NOTIFY"), "SCMP_ACT_NOTIFY"),
+    (dict(default="SCMP_ACT_WHATEVER"), "unknown action"),
+    (dict(architectures=["SCMP_ARCH_VAX"]), "unknown architecture"),
+    (dict(flags=["SECCOMP_FILTER_FLAG_NEW_LISTENER"]), "unsupported flag"),
+])
+def test_bundle_filter_errors_name_the_field(bad, message):
+    with pytest.raises(FilterError, match=message) as e:
+        policy.build_bundle_filter(oci([], **bad))
+    assert isinstance(e.value, QuarkError)
+
+
+def test_bundle_filter_rejects_unknown_operator():
+    bad = SimpleNamespace(index=0, value=1, value_two=0, op="SCMP_CMP_SOMETIMES")
+    with pytest.raises(FilterError, match=r"syscalls\[0\].args: unknown operator"):
+        policy.build_bundle_filter(oci([rule(["read"], "SCMP_ACT_ALLOW", args=[bad])]))
+
+
+def test_load_platform(tmp_path):
+    cfg = tmp_path / "config.yaml"
+    assert config.load_platform(None, str(cfg)) == "seccomp"
+    cfg.write_text("# quark\nlog: debug\nplatform: 'ptrace'   # fallback\nnested:\n  platform: seccomp\n")
+    assert config.load_platform(None, str(cfg)) == "ptrace"
+    assert config.load_platform("seccomp", str(cfg)) == "seccomp"
+    with pytest.raises(UnknownPlatform, match="--platform: unknown platform 'kvm'"):
+        config.load_platform("kvm", str(cfg))
+    cfg.write_text("platform: gvisor\n")
+    with pytest.raises(QuarkError, match=f"{cfg}: platform: unknown platform 'gvisor'"):
+        config.load_platform(None, str(cfg))
+
+
+def run_cmd(capsys, *argv):
+    p = argparse.ArgumentParser()
+    syscalls_cmd.add_arguments(p)
+    assert syscalls_cmd.run(p.parse_args(list(argv))) == 0
+    return capsys.readouterr().out
+
+
+def test_quark_syscalls_table(capsys):
+    out = run_cmd(capsys, "--platform", "seccomp")
+    assert "platform: seccomp" in out.splitlines()[0]
+    bpf = next(line for line in out.splitlines() if " bpf " in line)
+    assert bpf.split()[:5] == ["321", "280", "bpf", "denied", "EPERM:"]
+    assert "EPERM if flags has CLONE_NEWUSER" in next(line for line in out.splitlines() if " clone " in line)
+
+
+def test_quark_syscalls_json(capsys):
+    doc = json.loads(run_cmd(capsys, "--format", "json", "--platform", "ptrace"))
+    assert doc["platform"] == "ptrace" and "no fd installation" in doc["trapped_via"]
+    rows = {r["name"]: r for r in doc["syscalls"]}
+    assert rows["io_uring_setup"]["errno"] == "ENOSYS"
+    assert rows["getsockopt"]["handler"] == "qkernel.syscalls.sys_socket.handle"
+    assert rows["getpid"] == {"name": "getpid", "x86_64": 39, "aarch64": 172, "fate": "native"}
+    assert len(rows) == len(table.table()) and errno.EPERM == table.by_name()["mount"].errno
