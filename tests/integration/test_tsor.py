@@ -1,0 +1,204 @@
+"""TSoR on one node: real programs in quark containers, each in its own pod network namespace
+(CNI bridge plugin), one tsord. The local path, its TCP semantics, plain TCP peers, tsord faults,
+identity, 1,000 concurrent connections, and busybox / iperf3 / redis as both ends."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration.conftest import needs_root
+from tsor import protocol
+from tsor.metrics import fetch, parse
+
+PROG = ["python3", "/repo/tests/progs/tsor_semantics.py"]
+PORT = 7000
+CHECKS = ["blocking_connect_and_names", "server_sees_tcp_addresses", "accept4_nonblock_cloexec",
+          "accept_without_flags", "accept_from_epoll_nonblocking_listener", "nonblocking_connect",
+          "poll_epoll_select_readiness", "socket_options", "domain_type_protocol", "shutdown_half_close",
+          "connection_refused", "ipv6", "ipv4_to_dual_stack_listener", "loopback_stays_in_the_pod",
+          "fork_exec_dup", "sendfile_and_splice"]
+
+
+def needs_tsor_in_qkernel() -> None:
+    import qkernel.request
+    if not hasattr(qkernel.request, "InstallFd"):
+        pytest.skip("QKernel's TSoR wiring (fd installation, sys_socket handlers) is not in this tree yet")
+
+
+def wait_file(path: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"timed out waiting for {path}"
+        time.sleep(0.05)
+
+
+def local_count(node) -> float:
+    return parse(fetch(node.metrics))['tsor_connections_total{path="local"}']
+
+
+@pytest.fixture(scope="module")
+def bed():
+    needs_root()
+    needs_tsor_in_qkernel()
+    from tsor.testbed import Testbed
+    b = Testbed(prefix="qt1", octet=213)
+    try:
+        node = b.node("a")
+        node.start_tsord()
+        srv = node.pod("srv")
+        b.start("quark", "srv", b.bundle("srv", PROG + ["server", str(PORT)], srv))
+        wait_file(b.out("server-ready"))
+        b.srv, b.node_a = srv, node
+        yield b
+    finally:
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def semantics(bed):
+    pod = bed.node_a.pod("cli")
+    r = bed.run("quark", "cli", bed.bundle("cli", PROG + ["client", bed.srv.ip, bed.srv.ip6, str(PORT),
+                                                         "/out/client.json"], pod))
+    assert r.returncode == 0, r.stderr
+    with open(bed.out("client.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_tcp_semantics_over_the_local_path(semantics, check):
+    res = semantics[check]
+    assert res["ok"], res["detail"]
+    if check == "loopback_stays_in_the_pod":
+        assert res["path"] == "tcp"        # the pod's own loopback is never redirected
+    elif res["path"] is not None:
+        assert res["path"] == "unix", "the connection did not take the local path"
+
+
+def test_plain_tcp_peer_reaches_the_quark_listener_alongside_quark_peers(bed):
+    """A process outside quark (on the node) connects to the pod's real address while a quark
+    client's accelerated connections are served by the same listener."""
+    code = (f"import socket; s=socket.create_connection(('{bed.srv.ip}', {PORT}), timeout=10);"
+            "s.sendall(b'echo\\nplain'); print(s.recv(5).decode())")
+    r = subprocess.run(["ip", "netns", "exec", bed.node_a.netns, sys.executable, "-c", code],
+                       capture_output=True, text=True, timeout=30)
+    assert r.stdout.strip() == "plain", r.stderr
+    before = local_count(bed.node_a)
+    pod = bed.node_a.pod("cli2")
+    r = bed.run("quark", "cli2", bed.bundle("cli2", PROG + ["client", bed.srv.ip, bed.srv.ip6, str(PORT),
+                                                           "/out/client2.json"], pod))
+    assert r.returncode == 0
+    assert local_count(bed.node_a) > before
+
+
+def test_tsord_down_falls_back_and_restart_accelerates_again(bed):
+    pod = bed.node_a.pod("rst")
+    for f in ("phase1", "phase2", "go2", "go3"):
+        if os.path.exists(bed.out(f)):
+            os.unlink(bed.out(f))
+    bed.start("quark", "rst", bed.bundle("rst", PROG + ["restart", bed.srv.ip, str(PORT)], pod))
+    wait_file(bed.out("phase1"))
+    assert bed.node_a.stop_tsord() == 0          # SIGTERM: a clean exit
+    assert not os.path.exists(bed.node_a.socket)
+    open(bed.out("go2"), "w").close()
+    wait_file(bed.out("phase2"))
+    bed.node_a.start_tsord()
+    time.sleep(2.5)                              # supervisors reconnect within a second
+    open(bed.out("go3"), "w").close()
+    wait_file(bed.out("restart.json"))
+    with open(bed.out("restart.json")) as f:
+        report = json.load(f)
+    assert report == {"first": "unix", "established_survives": True, "while_down": "tcp",
+                      "after_restart": "unix", "established_survives_restart": True}
+
+
+def test_a_sandbox_cannot_register_another_sandboxes_address(bed):
+    pod = bed.node_a.pod("thief")
+    child = subprocess.Popen(["ip", "netns", "exec", pod.netns, "sleep", "30"])
+    try:
+        time.sleep(0.3)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(bed.node_a.socket)
+        s.settimeout(5)
+        for addrs, err in [([bed.srv.ip], "not in the sandbox's network namespace"),
+                           ([pod.ip], None)]:
+            protocol.send(s, protocol.encode(1, protocol.Hello("thief", child.pid, addrs)))
+            _, reply = protocol.decode(protocol.recv(s)[0])
+            assert (reply.get("error") and err in reply["error"]) if err else reply.get("ok"), reply
+        protocol.send(s, protocol.encode(2, protocol.Listen(1, bed.srv.ip, 80)))
+        _, reply = protocol.decode(protocol.recv(s)[0])
+        assert "not an address of sandbox" in reply["error"]
+        s.send(b'{"op": "connect", "id": 3, "dst": "junk"}')
+        _, reply = protocol.decode(protocol.recv(s)[0])
+        assert reply["re"] == 3 and "malformed" in reply["error"]
+        s.close()
+    finally:
+        child.kill()
+        child.wait()
+    # tsord still serves everyone else
+    code = f"import socket; socket.create_connection(('{bed.srv.ip}', {PORT}), timeout=5)"
+    assert "tsor_sandboxes" in fetch(bed.node_a.metrics)
+
+
+@pytest.mark.timeout(300)
+def test_1000_concurrent_connections_all_bytes_verified(bed):
+    pod = bed.node_a.pod("many")
+    t0 = time.monotonic()
+    r = bed.run("quark", "many", bed.bundle("many", PROG + ["many", bed.srv.ip, str(PORT), "1000",
+                                                           "/out/many.json"], pod), timeout=240)
+    assert r.returncode == 0, r.stderr
+    with open(bed.out("many.json")) as f:
+        res = json.load(f)
+    assert res["bad"] == [] and res["count"] == 1000
+    assert res["kinds"] == {"unix": 1000}
+    print(f"1000 connections, {res['bytes'] / 2**20:.0f} MiB verified in {time.monotonic() - t0:.1f}s")
+
+
+def test_busybox_nc_httpd_wget(bed):
+    pod_s, pod_c = bed.node_a.pod("bbs"), bed.node_a.pod("bbc")
+    bed.start("quark", "httpd", bed.bundle("httpd", ["busybox", "httpd", "-f", "-p", "8080", "-h", "/etc"], pod_s))
+    bed.start("quark", "ncl", bed.bundle("ncl", ["sh", "-c", "busybox nc -l -p 9000 > /out/nc.txt"], pod_s))
+    time.sleep(1)
+    before = local_count(bed.node_a)
+    r = bed.run("quark", "wget", bed.bundle("wget", ["sh", "-c",
+                f"busybox wget -q -O /out/wget.txt http://{pod_s.ip}:8080/hostname && "
+                f"echo hello-nc | busybox nc {pod_s.ip} 9000"], pod_c))
+    assert r.returncode == 0, r.stderr
+    with open("/etc/hostname") as f, open(bed.out("wget.txt")) as g:
+        assert g.read() == f.read()
+    wait_file(bed.out("nc.txt"))
+    deadline = time.monotonic() + 10
+    while open(bed.out("nc.txt")).read() != "hello-nc\n" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert open(bed.out("nc.txt")).read() == "hello-nc\n"
+    assert local_count(bed.node_a) >= before + 2
+    bed.stop("quark", "httpd")
+    bed.stop("quark", "ncl")
+
+
+def test_iperf3_and_redis(bed):
+    pod_s, pod_c = bed.node_a.pod("ips"), bed.node_a.pod("ipc")
+    bed.start("quark", "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], pod_s))
+    bed.start("quark", "redis", bed.bundle("redis", ["redis-server", "--port", "6379", "--save", "",
+                                                     "--appendonly", "no", "--protected-mode", "no"], pod_s))
+    time.sleep(1)
+    before = local_count(bed.node_a)
+    r = bed.run("quark", "iperf-c", bed.bundle("iperf-c", ["sh", "-c",
+                f"iperf3 -c {pod_s.ip} -p 5201 -t 1 -J > /out/iperf.json && "
+                f"redis-cli -h {pod_s.ip} set k tsor > /out/redis.txt && "
+                f"redis-cli -h {pod_s.ip} get k >> /out/redis.txt"], pod_c), timeout=60)
+    assert r.returncode == 0, r.stderr
+    with open(bed.out("iperf.json")) as f:
+        res = json.load(f)
+    assert "error" not in res, res.get("error")
+    assert res["end"]["sum_received"]["bytes"] > 0
+    with open(bed.out("redis.txt")) as f:
+        assert f.read().split() == ["OK", "tsor"]
+    assert local_count(bed.node_a) >= before + 4    # iperf3 opens two, redis-cli one each
+    bed.stop("quark", "iperf-s")
+    bed.stop("quark", "redis")

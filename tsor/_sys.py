@@ -1,0 +1,129 @@
+"""The few kernel calls TSoR needs that Python's os and socket modules lack, and the /proc readers
+that tell which addresses a network namespace holds. Everything else in tsor/ is plain Python."""
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import os
+import socket
+import struct
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_SYS_SETNS = 308
+_SYS_PIDFD_OPEN = 434
+_SYS_PIDFD_GETFD = 438
+_PIDFD_THREAD = os.O_EXCL   # pidfd of a thread, not only of a thread-group leader (Linux 6.9)
+CLONE_NEWNET = 0x40000000
+
+
+def _check(ret: int, what: str) -> int:
+    if ret < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+    return ret
+
+
+def pidfd_open(tid: int) -> int:
+    """A pidfd for `tid`, which may be any thread of a process (the trapped task is a thread)."""
+    ret = _libc.syscall(_SYS_PIDFD_OPEN, ctypes.c_int(tid), ctypes.c_uint(_PIDFD_THREAD))
+    if ret < 0 and ctypes.get_errno() == 22:    # EINVAL: older kernel, leaders only
+        ret = _libc.syscall(_SYS_PIDFD_OPEN, ctypes.c_int(tid), ctypes.c_uint(0))
+    return _check(ret, "pidfd_open")
+
+
+def pidfd_getfd(pidfd: int, fd: int) -> int:
+    """Our own duplicate of the task's `fd` (same open file description), close-on-exec."""
+    return _check(_libc.syscall(_SYS_PIDFD_GETFD, ctypes.c_int(pidfd), ctypes.c_int(fd),
+                                ctypes.c_uint(0)), "pidfd_getfd")
+
+
+def setns(fd: int, nstype: int) -> None:
+    _check(_libc.syscall(_SYS_SETNS, ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
+
+
+def socket_in_netns(netns_fd: int, family: int) -> socket.socket:
+    """A TCP socket created in another network namespace (sockets keep the netns they were made
+    in). The calling thread enters that netns for the one socket() call and comes back."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        setns(netns_fd, CLONE_NEWNET)
+        try:
+            return socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        finally:
+            setns(own, CLONE_NEWNET)
+    finally:
+        os.close(own)
+
+
+def socket_inode(pid: int, fd: int) -> int | None:
+    """The inode of the socket at the task's `fd`, or None if it is not a socket (or is gone)."""
+    try:
+        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return None
+    if not link.startswith("socket:["):
+        return None
+    return int(link[8:-1])
+
+
+def socket_inodes(pids: list[int]) -> set[int]:
+    """Every socket inode any of `pids` holds open."""
+    found = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            ino = socket_inode(pid, int(fd))
+            if ino is not None:
+                found.add(ino)
+    return found
+
+
+def netns_inode(pid: int) -> int:
+    return os.stat(f"/proc/{pid}/ns/net").st_ino
+
+
+def netns_addresses(pid: int) -> set[str]:
+    """The unicast addresses configured in `pid`'s network namespace, loopback excluded (read from
+    /proc/PID/net, which shows that process's netns, so no helper has to enter it)."""
+    addrs: set[str] = set()
+    last = None
+    try:
+        with open(f"/proc/{pid}/net/fib_trie") as f:
+            for line in f:
+                s = line.strip()
+                if s.startswith("|--"):
+                    last = s[3:].strip()
+                elif s.startswith("/32 host LOCAL") and last:
+                    addrs.add(last)
+    except FileNotFoundError:
+        pass
+    try:
+        with open(f"/proc/{pid}/net/if_inet6") as f:
+            for line in f:
+                hexaddr = line.split()[0]
+                addrs.add(str(ipaddress.IPv6Address(bytes.fromhex(hexaddr))))
+    except FileNotFoundError:
+        pass
+    return {a for a in addrs if not ipaddress.ip_address(a).is_loopback
+            and not ipaddress.ip_address(a).is_link_local}
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("PPid:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """SO_PEERCRED's pid: who is on the other end of a unix socket (the kernel says, not the peer)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]

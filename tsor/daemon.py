@@ -1,0 +1,328 @@
+"""`tsord`: the node daemon. Sandboxes register with it and ask it, per TCP connect, for a path.
+
+    tsord --config /etc/quark/tsor.yaml     (foreground; logs to stderr; SIGTERM/SIGINT: clean exit)
+
+One thread reads each sandbox's socket; connects are served from a thread pool, because a local
+connect waits for the server sandbox to take its end. tsord holds no connection once it is set up:
+killing or restarting it never breaks an established connection, and while it is down sandboxes
+connect natively.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+from tsor import DEFAULT_CONFIG, config as configmod, protocol, routes as routesmod
+from tsor import _sys
+from tsor.addr import Endpoint, family_of, is_unspecified, unmapped
+from tsor.errors import ConfigError, NotAllowed, ProtocolError
+from tsor.identity import Identity, ProcVerifier, Verifier
+from tsor.metrics import Metrics, MetricsServer
+from tsor.transport.local import LocalTransport
+from tsor.transport.tcp import TcpTransport
+
+log = logging.getLogger("tsor.daemon")
+OFFER_TIMEOUT = 5.0
+
+
+class Session:
+    """One sandbox's connection to tsord."""
+
+    def __init__(self, daemon: "Daemon", sock: socket.socket, peer_pid: int) -> None:
+        self.daemon, self.sock, self.peer_pid = daemon, sock, peer_pid
+        self.identity: Identity | None = None
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, concurrent.futures.Future] = {}
+        self.closed = False
+
+    @property
+    def name(self) -> str:
+        return self.identity.sandbox if self.identity else f"pid {self.peer_pid}"
+
+    def send(self, data: bytes, fds: list[int] = ()) -> None:
+        with self._send_lock:
+            protocol.send(self.sock, data, fds)
+
+    def ask(self, message: object, fds: list[int], timeout: float) -> dict | None:
+        """Send a request to the sandbox and wait for its reply (None: no reply in time, or gone)."""
+        mid = next(self._ids)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._waiting[mid] = fut
+        try:
+            self.send(protocol.encode(mid, message), fds)
+            return fut.result(timeout)
+        except (OSError, concurrent.futures.TimeoutError):
+            return None
+        finally:
+            self._waiting.pop(mid, None)
+
+    def answered(self, mid: int, msg: dict) -> None:
+        fut = self._waiting.get(mid)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    def close(self) -> None:
+        self.closed = True
+        for fut in list(self._waiting.values()):
+            if not fut.done():
+                fut.set_result(None)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)   # wakes the reader thread; close() alone would not
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class Daemon:
+    def __init__(self, cfg: configmod.Config, verifier: Verifier | None = None,
+                 route_source: routesmod.RouteSource | None = None) -> None:
+        self.cfg = cfg
+        self.verifier = verifier or ProcVerifier()
+        self.metrics = Metrics()
+        self.routes = routesmod.RouteTable()
+        self.route_source = route_source or (routesmod.StaticFile(cfg.routes) if cfg.routes else None)
+        self._lock = threading.Lock()
+        self.sessions: set[Session] = set()
+        self.listeners: dict[Endpoint, tuple[Session, int]] = {}
+        self.pool = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="connect")
+        self._stopped = threading.Event()
+        self.local = LocalTransport(self.deliver)
+        self.remote = None
+        self.server: socket.socket | None = None
+        self.metrics_server: MetricsServer | None = None
+        self.metrics.gauges = lambda: {"sandboxes": len(self.sessions), "listeners": len(self.listeners)}
+
+    # ---- life cycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.route_source is not None:
+            self.route_source.start(self.routes)
+        self.remote = TcpTransport(self.deliver, self.routes, self.cfg.listen)
+        os.makedirs(os.path.dirname(self.cfg.socket), exist_ok=True)
+        try:
+            os.unlink(self.cfg.socket)
+        except FileNotFoundError:
+            pass
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        s.bind(self.cfg.socket)
+        os.chmod(self.cfg.socket, 0o600)   # supervisors run as root; nothing else may register
+        s.listen(128)
+        self.server = s
+        if self.cfg.metrics is not None:
+            self.metrics_server = MetricsServer(self.metrics, self.cfg.metrics)
+        threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
+        log.info("tsord node %s serving %s (tcp transport: %s, metrics: %s)", self.cfg.node,
+                 self.cfg.socket, self.cfg.listen or "off", self.cfg.metrics or "off")
+
+    def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self.server is not None:
+            try:
+                os.unlink(self.cfg.socket)
+            except FileNotFoundError:
+                pass
+            self.server.shutdown(socket.SHUT_RDWR)
+            self.server.close()
+        if self.remote is not None:
+            self.remote.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        if self.route_source is not None:
+            self.route_source.stop()
+        for sess in list(self.sessions):
+            sess.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        log.info("tsord stopped")
+
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            sess = Session(self, conn, _sys.peer_pid(conn))
+            with self._lock:
+                self.sessions.add(sess)
+            threading.Thread(target=self._serve, args=(sess,), name="sandbox", daemon=True).start()
+
+    # ---- one sandbox ---------------------------------------------------------------------------
+    def _serve(self, sess: Session) -> None:
+        try:
+            while True:
+                try:
+                    data, fds = protocol.recv(sess.sock)
+                except ProtocolError as e:
+                    self._malformed(sess, e)
+                    continue
+                for fd in fds:   # sandboxes never send tsord fds
+                    os.close(fd)
+                if not data:
+                    break
+                try:
+                    mid, msg = protocol.decode(data)
+                except ProtocolError as e:
+                    self._malformed(sess, e)
+                    continue
+                if isinstance(msg, dict):
+                    sess.answered(mid, msg)
+                else:
+                    self._request(sess, mid, msg)
+        except OSError:
+            pass
+        finally:
+            self._drop(sess)
+
+    def _malformed(self, sess: Session, e: Exception) -> None:
+        self.metrics.error("protocol")
+        log.warning("malformed message from %s: %s", sess.name, e)
+        try:
+            sess.send(protocol.reply(getattr(e, "mid", -1), error=f"malformed message: {e}"))
+        except OSError:
+            pass
+
+    def _drop(self, sess: Session) -> None:
+        with self._lock:
+            self.sessions.discard(sess)
+            for key in [k for k, (s, _) in self.listeners.items() if s is sess]:
+                del self.listeners[key]
+        if not sess.closed:
+            sess.close()
+        if sess.identity:
+            log.info("sandbox %s gone", sess.name)
+
+    def _request(self, sess: Session, mid: int, msg: object) -> None:
+        if isinstance(msg, protocol.Hello):
+            return self._hello(sess, mid, msg)
+        if sess.identity is None:
+            return sess.send(protocol.reply(mid, error="hello first"))
+        if isinstance(msg, protocol.Listen):
+            try:
+                self._listen(sess, msg)
+            except NotAllowed as e:
+                self.metrics.error("claim")
+                log.warning("sandbox %s: %s", sess.name, e)
+                return sess.send(protocol.reply(mid, error=str(e)))
+            sess.send(protocol.reply(mid, ok=True))
+        elif isinstance(msg, protocol.Unlisten):
+            with self._lock:
+                for key in [k for k, (s, t) in self.listeners.items() if s is sess and t == msg.token]:
+                    del self.listeners[key]
+            sess.send(protocol.reply(mid, ok=True))
+        elif isinstance(msg, protocol.Connect):
+            if not self._stopped.is_set():
+                self.pool.submit(self._connect, sess, mid, msg)
+        else:
+            sess.send(protocol.reply(mid, error=f"{type(msg).__name__.lower()} is not a request to tsord"))
+
+    def _hello(self, sess: Session, mid: int, hello: protocol.Hello) -> None:
+        try:
+            ident = self.verifier.verify(sess.peer_pid, hello)
+            with self._lock:
+                for other in self.sessions:
+                    if (other is not sess and other.identity is not None
+                            and other.identity.netns != ident.netns and other.identity.addrs & ident.addrs):
+                        raise NotAllowed(f"addresses {sorted(other.identity.addrs & ident.addrs)} "
+                                         f"belong to sandbox {other.identity.sandbox}")
+                sess.identity = ident
+        except NotAllowed as e:
+            self.metrics.error("claim")
+            log.warning("registration of %s refused: %s", hello.sandbox, e)
+            return sess.send(protocol.reply(mid, error=str(e)))
+        log.info("sandbox %s registered: %s", ident.sandbox, ", ".join(sorted(ident.addrs)) or "no addresses")
+        sess.send(protocol.reply(mid, ok=True, node=self.cfg.node))
+
+    def _listen(self, sess: Session, msg: protocol.Listen) -> None:
+        addrs = sess.identity.addrs
+        ip = unmapped(msg.addr)
+        if is_unspecified(ip):
+            fam = family_of(ip)
+            dual = fam == socket.AF_INET6 and not msg.v6only
+            ips = [a for a in addrs if dual or family_of(a) == fam]
+        elif ip in addrs:
+            ips = [ip]
+        else:
+            raise NotAllowed(f"listen on {ip}: not an address of sandbox {sess.name}")
+        with self._lock:
+            for a in ips:
+                self.listeners[(a, msg.port)] = (sess, msg.token)
+
+    # ---- connections ---------------------------------------------------------------------------
+    def _connect(self, sess: Session, mid: int, msg: protocol.Connect) -> None:
+        t0 = time.monotonic()
+        dst = (unmapped(msg.dst[0]), msg.dst[1])
+        fam = family_of(dst[0])
+        own = sorted(a for a in sess.identity.addrs if family_of(a) == fam)
+        path, sock = "fallback", None
+        if own:
+            src = (own[0], msg.src_port)
+            try:
+                if dst in self.listeners:
+                    path, sock = "local", self.local.connect(None, src, dst)
+                else:
+                    node = self.routes.lookup(dst[0])
+                    if node is not None and node.name != self.cfg.node:
+                        path, sock = "tcp", self.remote.connect(node, src, dst)
+            except OSError as e:
+                log.warning("connect %s -> %s failed: %s", sess.name, dst, e)
+                sock = None
+        if sock is None:
+            path = "fallback"
+        self.metrics.connected(path, time.monotonic() - t0)
+        log.debug("connect %s -> %s:%d: %s", sess.name, dst[0], dst[1], path)
+        try:
+            if sock is None:
+                sess.send(protocol.reply(mid, path="fallback"))
+            else:
+                with sock:
+                    sess.send(protocol.reply(mid, path=path, src=src), [sock.fileno()])
+        except OSError:
+            pass
+
+    def deliver(self, dst: Endpoint, peer: Endpoint, sock: socket.socket, path: str, greet: bool) -> bool:
+        """Offer a connection to the sandbox listening on dst; True if it took it."""
+        entry = self.listeners.get((unmapped(dst[0]), dst[1]))
+        if entry is None:
+            return False
+        sess, token = entry
+        answer = sess.ask(protocol.Incoming(token, peer, dst, path, greet), [sock.fileno()], OFFER_TIMEOUT)
+        if not answer or not answer.get("ok"):
+            return False
+        self.metrics.delivered(path)
+        return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tsord", description="TSoR node daemon (runs in the foreground)")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="config file (default: %(default)s)")
+    p.add_argument("--debug", action="store_true", help="log every connection")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
+                        format="tsord %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = configmod.load(args.config)
+        daemon = Daemon(cfg)
+        daemon.start()
+    except (ConfigError, OSError) as e:
+        print(f"tsord: {e}", file=sys.stderr)
+        return 1
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(3600):
+        pass
+    daemon.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The qkernel <-> tsord protocol: JSON records on a SOCK_SEQPACKET unix socket, fds by SCM_RIGHTS.
+
+SEQPACKET keeps each message and its fds one record, so nothing depends on how a stream was cut.
+A request is {"op": NAME, "id": N, ...fields}; its reply is {"re": N, ...}. Both sides send
+requests: the sandbox asks to connect and announces listeners; tsord offers incoming connections.
+
+    sandbox -> tsord  hello     {sandbox, pid, addrs}           -> {ok, node} | {error}
+                      listen    {token, addr, port, v6only}     -> {ok} | {error}
+                      unlisten  {token}                         -> {ok}
+                      connect   {dst: [ip, port], src_port}     -> {path: local|tcp, src, fd} | {path: fallback}
+    tsord -> sandbox  incoming  {token, peer, local, path, greet} + fd -> {ok}
+
+`decode` checks every field; a malformed message raises ProtocolError for that message only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from tsor.addr import Endpoint, valid_ip
+from tsor.errors import ProtocolError
+
+MAX_MSG = 64 * 1024
+MAX_FDS = 4
+PATHS = ("local", "tcp", "fallback")
+
+
+@dataclass(frozen=True)
+class Hello:
+    sandbox: str
+    pid: int
+    addrs: list[str]
+
+
+@dataclass(frozen=True)
+class Listen:
+    token: int           # the listening socket's inode: unique while it is open
+    addr: str
+    port: int
+    v6only: bool = False
+
+
+@dataclass(frozen=True)
+class Unlisten:
+    token: int
+
+
+@dataclass(frozen=True)
+class Connect:
+    dst: Endpoint
+    src_port: int
+
+
+@dataclass(frozen=True)
+class Incoming:
+    token: int
+    peer: Endpoint
+    local: Endpoint
+    path: str
+    greet: bool = False  # write b"\x01" on the socket before queueing it (tcp path, see transport/tcp.py)
+
+
+MESSAGES = {cls.__name__.lower(): cls for cls in (Hello, Listen, Unlisten, Connect, Incoming)}
+
+
+def _endpoint(v: Any, field: str) -> Endpoint:
+    if (not isinstance(v, list) or len(v) != 2 or not valid_ip(v[0]) or not isinstance(v[1], int)
+            or isinstance(v[1], bool) or not 0 <= v[1] <= 65535):
+        raise ProtocolError(f"{field}: expected [ip, port], got {v!r}")
+    return (v[0], v[1])
+
+
+def _check(cls: type, field: dataclasses.Field, v: Any) -> Any:
+    t = field.type
+    if t == "Endpoint":
+        return _endpoint(v, field.name)
+    if t == "int":
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 64:
+            raise ProtocolError(f"{field.name}: expected a non-negative integer, got {v!r}")
+        if field.name in ("port", "src_port") and v > 65535:
+            raise ProtocolError(f"{field.name}: port out of range: {v}")
+        return v
+    if t == "bool":
+        if not isinstance(v, bool):
+            raise ProtocolError(f"{field.name}: expected true or false, got {v!r}")
+        return v
+    if t == "str":
+        if not isinstance(v, str) or len(v) > 1024:
+            raise ProtocolError(f"{field.name}: expected a string, got {v!r}")
+        if field.name == "addr" and not valid_ip(v):
+            raise ProtocolError(f"addr: not an IP address: {v!r}")
+        if field.name == "path" and v not in PATHS:
+            raise ProtocolError(f"path: expected one of {PATHS}, got {v!r}")
+        return v
+    if t == "list[str]":
+        if not isinstance(v, list) or len(v) > 64 or not all(valid_ip(a) for a in v):
+            raise ProtocolError(f"{field.name}: expected a list of IP addresses, got {v!r}")
+        return list(v)
+    raise AssertionError(f"no check for {cls.__name__}.{field.name}: {t}")
+
+
+def decode(raw: bytes) -> tuple[int, object] | tuple[int, dict]:
+    """A request -> (id, message dataclass); a reply -> (id, dict). ProtocolError if malformed."""
+    try:
+        msg = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"not JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("message is not an object")
+    if "re" in msg:
+        if not isinstance(msg["re"], int):
+            raise ProtocolError("re: expected an integer")
+        return msg["re"], msg
+    op, mid = msg.get("op"), msg.get("id")
+    if not isinstance(mid, int) or isinstance(mid, bool):
+        raise ProtocolError(f"id: expected an integer, got {mid!r}")
+    cls = MESSAGES.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise ProtocolError(f"op: unknown operation {op!r}")
+    kwargs = {}
+    try:
+        for f in dataclasses.fields(cls):
+            if f.name in msg:
+                kwargs[f.name] = _check(cls, f, msg[f.name])
+            elif f.default is dataclasses.MISSING:
+                raise ProtocolError(f"{op}: missing field {f.name!r}")
+    except ProtocolError as e:
+        e.mid = mid   # the request is known: its sender gets the error as the reply
+        raise
+    return mid, cls(**kwargs)
+
+
+def encode(mid: int, message: object) -> bytes:
+    body = {"op": type(message).__name__.lower(), "id": mid}
+    for f in dataclasses.fields(message):
+        v = getattr(message, f.name)
+        body[f.name] = list(v) if isinstance(v, tuple) else v
+    return json.dumps(body).encode()
+
+
+def reply(mid: int, **fields: Any) -> bytes:
+    return json.dumps({"re": mid, **{k: list(v) if isinstance(v, tuple) else v
+                                     for k, v in fields.items()}}).encode()
+
+
+def send(sock: socket.socket, data: bytes, fds: list[int] = ()) -> None:
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.send(data)
+
+
+def recv(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One record; b"" at EOF. fds beyond MAX_FDS are closed by the kernel (MSG_CTRUNC)."""
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_MSG, MAX_FDS)
+    if flags & socket.MSG_TRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError("message too long")
+    return data, fds

@@ -1,0 +1,325 @@
+"""The sandbox's side of TSoR: its connection to tsord and the state QKernel's socket handlers keep.
+
+`SandboxNet` lives in the supervisor, on its single-threaded event loop. It knows, by socket inode
+(the identity every dup, fork and SCM_RIGHTS copy shares), which of the application's sockets were
+redirected and the TCP addresses and options they must answer with, and which sockets listen, so
+that connections tsord offers reach the application's accept() (see `Listener`).
+
+tsord may be absent, killed or restarted at any time: every request then gets `None` (the caller
+connects natively), and the client reconnects and re-announces its listeners once tsord is back.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tsor import DEFAULT_SOCKET, SOCKET_ANNOTATION, _sys, protocol
+from tsor.addr import Endpoint, family_of, unmapped
+from tsor.errors import ProtocolError
+
+log = logging.getLogger("quark.tsor")
+RECONNECT_S = 1.0
+HELLO_TIMEOUT_S = 1.0
+SWEEP_S = 5.0
+
+Reply = Callable[[dict | None, list[int]], None]
+
+
+class TsordClient:
+    """The supervisor's connection to tsord, driven by the supervisor's event loop."""
+
+    def __init__(self, loop, path: str, hello: protocol.Hello,
+                 on_incoming: Callable[[protocol.Incoming, int], bool],
+                 on_up: Callable[[], None]) -> None:
+        self.loop, self.path, self.hello = loop, path, hello
+        self.on_incoming, self.on_up = on_incoming, on_up
+        self.sock: socket.socket | None = None
+        self.node = ""
+        self._ids = 0
+        self._waiting: dict[int, Reply] = {}
+        self._retrying = False
+        self._closed = False
+
+    @property
+    def up(self) -> bool:
+        return self.sock is not None
+
+    def open(self) -> bool:
+        """Connect and register; False (and retry later) if tsord is not there or refuses us."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            s.settimeout(HELLO_TIMEOUT_S)
+            s.connect(self.path)
+            protocol.send(s, protocol.encode(0, self.hello))
+            data, fds = protocol.recv(s)
+            for fd in fds:
+                os.close(fd)
+            _, answer = protocol.decode(data) if data else (0, {"error": "tsord closed the connection"})
+        except (OSError, ProtocolError) as e:
+            s.close()
+            log.debug("tsord at %s not reachable: %s", self.path, e)
+            return False
+        if not isinstance(answer, dict) or not answer.get("ok"):
+            s.close()
+            log.warning("tsord refused sandbox %s: %s", self.hello.sandbox, answer.get("error"))
+            return False
+        s.setblocking(False)
+        self.sock, self.node = s, answer.get("node", "")
+        self.loop.add_reader(s.fileno(), self._readable)
+        log.info("sandbox %s registered with tsord (node %s)", self.hello.sandbox, self.node)
+        self.on_up()
+        return True
+
+    def start(self) -> None:
+        if not self.open():
+            self._retry_later()
+
+    def close(self) -> None:
+        self._closed = True
+        self._down()
+
+    def request(self, message: object, on_reply: Reply) -> None:
+        """Send a request; `on_reply(reply, fds)` runs from the loop, with None if tsord went away."""
+        if self.sock is None:
+            return on_reply(None, [])
+        self._ids += 1
+        try:
+            protocol.send(self.sock, protocol.encode(self._ids, message))
+        except OSError:
+            self._down()
+            return on_reply(None, [])
+        self._waiting[self._ids] = on_reply
+
+    def _readable(self) -> None:
+        while self.sock is not None:
+            try:
+                data, fds = protocol.recv(self.sock)
+            except BlockingIOError:
+                return
+            except (OSError, ProtocolError) as e:
+                log.warning("tsord connection: %s", e)
+                return self._down()
+            if not data:
+                log.info("tsord went away; connecting natively until it is back")
+                return self._down()
+            try:
+                mid, msg = protocol.decode(data)
+            except ProtocolError as e:
+                log.warning("malformed message from tsord: %s", e)
+                for fd in fds:
+                    os.close(fd)
+                continue
+            if isinstance(msg, dict):
+                cb = self._waiting.pop(mid, None)
+                if cb is not None:
+                    cb(msg, fds)
+                else:
+                    for fd in fds:
+                        os.close(fd)
+            elif isinstance(msg, protocol.Incoming) and fds:
+                for extra in fds[1:]:
+                    os.close(extra)
+                ok = self.on_incoming(msg, fds[0])
+                os.close(fds[0])
+                self._send_reply(protocol.reply(mid, ok=ok))
+            else:
+                for fd in fds:
+                    os.close(fd)
+                self._send_reply(protocol.reply(mid, error="unexpected request"))
+
+    def _send_reply(self, data: bytes) -> None:
+        try:
+            protocol.send(self.sock, data)
+        except OSError:
+            self._down()
+
+    def _down(self) -> None:
+        if self.sock is not None:
+            self.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+        waiting, self._waiting = self._waiting, {}
+        for cb in waiting.values():
+            cb(None, [])
+        self._retry_later()
+
+    def _retry_later(self) -> None:
+        if not self._closed and not self._retrying:
+            self._retrying = True
+            self.loop.call_later(RECONNECT_S, self._retry)
+
+    def _retry(self) -> None:
+        self._retrying = False
+        if self._closed or self.sock is not None:
+            return
+        if not self.open():
+            self._retry_later()
+
+
+@dataclass
+class Redirected:
+    """A socket the application holds whose TCP connection TSoR carries."""
+    family: int              # what the application created: AF_INET or AF_INET6
+    local: Endpoint
+    peer: Endpoint
+    path: str                # local | tcp
+    real_family: int         # of the socket underneath: AF_UNIX (local) or the nodes' AF_INET/6
+    opts: dict[tuple[int, int], bytes] = field(default_factory=dict)   # recorded TCP/IP options
+
+
+@dataclass
+class Queued:
+    fd: int                  # our end of the TSoR connection, until accept() installs it
+    peer: Endpoint
+    local: Endpoint
+    path: str
+    bell: socket.socket      # the doorbell connection that made the listener readable
+
+
+@dataclass
+class Listener:
+    """A listening TCP socket of the application. It stays a real socket on the pod's address, so
+    plain TCP peers reach it; a TSoR connection is queued here and a *doorbell* (a real loopback-
+    style connection to the listener from inside the pod's netns) makes it readable. The trapped
+    accept() accepts on our dup, recognises a doorbell by its source address and installs the
+    queued connection instead."""
+    token: int               # inode
+    family: int
+    local: Endpoint
+    v6only: bool
+    pid: int                 # where it was seen, to check it is still open cheaply
+    fd: int
+
+
+class SandboxNet:
+    """TSoR state of one sandbox (the supervisor holds one, QKernel's handlers use it)."""
+
+    def __init__(self, loop, sandbox: str, init_pid: int, pids: Callable[[], list[int]],
+                 path: str = DEFAULT_SOCKET) -> None:
+        self.loop, self.init_pid, self.pids = loop, init_pid, pids
+        self.addrs = sorted(_sys.netns_addresses(init_pid))
+        self.netns_fd = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        self.sockets: dict[int, Redirected] = {}
+        self.listeners: dict[int, Listener] = {}
+        self.bells: dict[Endpoint, Queued] = {}
+        hello = protocol.Hello(sandbox, init_pid, self.addrs)
+        self.client = TsordClient(loop, path, hello, self._incoming, self._announce_all)
+        self._sweeping = False
+
+    @classmethod
+    def attach(cls, loop, sandbox: str, init_pid: int, pids: Callable[[], list[int]],
+               annotations: dict[str, str]) -> "SandboxNet | None":
+        """TSoR for a new sandbox, or None when it cannot apply (no tsord socket, host network)."""
+        path = annotations.get(SOCKET_ANNOTATION, DEFAULT_SOCKET)
+        if not os.path.exists(path):
+            return None
+        try:
+            if _sys.netns_inode(init_pid) == _sys.netns_inode(os.getpid()):
+                return None   # host network: nothing to redirect, and no identity to claim
+            net = cls(loop, sandbox, init_pid, pids, path)
+        except OSError as e:
+            log.warning("TSoR off for %s: %s", sandbox, e)
+            return None
+        net.client.start()
+        return net
+
+    def close(self) -> None:
+        self.client.close()
+        for q in self.bells.values():
+            os.close(q.fd)
+            q.bell.close()
+        self.bells.clear()
+        os.close(self.netns_fd)
+
+    # ---- connect -------------------------------------------------------------------------------
+    def connect(self, dst: Endpoint, src_port: int, on_reply: Reply) -> None:
+        self.client.request(protocol.Connect((unmapped(dst[0]), dst[1]), src_port), on_reply)
+
+    def redirected(self, inode: int, state: Redirected) -> None:
+        self.sockets[inode] = state
+        self._schedule_sweep()
+
+    # ---- listeners -----------------------------------------------------------------------------
+    def listen(self, listener: Listener) -> None:
+        self.listeners[listener.token] = listener
+        self._announce(listener)
+        self._schedule_sweep()
+
+    def _announce(self, lst: Listener) -> None:
+        ip = unmapped(lst.local[0])
+        if ip not in self.addrs and not _is_any(ip):
+            return   # loopback-only (or foreign) listeners are not reachable from other pods
+        msg = protocol.Listen(lst.token, ip, lst.local[1], lst.v6only)
+        self.client.request(msg, lambda r, fds: r and r.get("error") and log.warning(
+            "tsord refused listener %s:%d: %s", ip, lst.local[1], r["error"]))
+
+    def _announce_all(self) -> None:
+        for lst in list(self.listeners.values()):
+            self._announce(lst)
+
+    def _alive(self, lst: Listener) -> bool:
+        if _sys.socket_inode(lst.pid, lst.fd) == lst.token:
+            return True
+        return lst.token in _sys.socket_inodes(self.pids())
+
+    def _incoming(self, msg: protocol.Incoming, fd: int) -> bool:
+        lst = self.listeners.get(msg.token)
+        if lst is None or not self._alive(lst):
+            if lst is not None:
+                self._forget_listener(lst)
+            return False
+        try:
+            if msg.greet:
+                os.write(fd, b"\x01")
+            target = (msg.local[0], msg.local[1])
+            bell = _sys.socket_in_netns(self.netns_fd, family_of(target[0]))
+            err = bell.connect_ex(target)
+            if err not in (0, errno.EINPROGRESS):
+                bell.close()
+                raise OSError(err, os.strerror(err))
+            key = _ep(bell.getsockname())
+        except OSError as e:
+            log.warning("doorbell for %s:%d failed: %s", msg.local[0], msg.local[1], e)
+            return False
+        self.bells[key] = Queued(os.dup(fd), msg.peer, msg.local, msg.path, bell)
+        return True
+
+    def take_bell(self, peer: Endpoint) -> Queued | None:
+        """The TSoR connection whose doorbell came from `peer`, if that accepted connection is one."""
+        q = self.bells.pop(_ep(peer), None)
+        if q is not None:
+            q.bell.close()
+        return q
+
+    def _forget_listener(self, lst: Listener) -> None:
+        self.listeners.pop(lst.token, None)
+        self.client.request(protocol.Unlisten(lst.token), lambda r, fds: None)
+
+    # ---- sweeping state of closed sockets ------------------------------------------------------
+    def _schedule_sweep(self) -> None:
+        if not self._sweeping:
+            self._sweeping = True
+            self.loop.call_later(SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeping = False
+        if not self.sockets and not self.listeners:
+            return
+        live = _sys.socket_inodes(self.pids())
+        for ino in [i for i in self.sockets if i not in live]:
+            del self.sockets[ino]
+        for lst in [lst for i, lst in self.listeners.items() if i not in live]:
+            self._forget_listener(lst)
+        self._schedule_sweep()
+
+
+def _is_any(ip: str) -> bool:
+    return ip in ("0.0.0.0", "::")
+
+
+def _ep(addr: tuple) -> Endpoint:
+    return (unmapped(addr[0]), addr[1])
