@@ -133,6 +133,12 @@ def start(root: str, container_id: str) -> None:
         raise InvalidState(f"cannot start a container in the {st.status} state")
     with Connection(StateStore(root).dir(container_id)) as c:
         c.call({"op": "start"})
+    # like runc, the runtime (not the sandbox's supervisor) runs poststart, after start succeeded
+    store = StateStore(root)
+    spec = _saved_spec(store, st, only_if_hook="poststart")
+    if spec is not None:
+        from qvisor import hooks
+        hooks.run_hooks("poststart", spec.hooks.poststart, state(root, container_id).oci(), fatal=False)
 
 
 def wait(root: str, container_id: str, pid: int = 0) -> dict:
@@ -221,13 +227,24 @@ def delete(root: str, container_id: str, force: bool = False) -> None:
     store.remove(container_id)
 
 
-def _run_poststop(store: StateStore, st: ContainerState) -> None:
-    from qvisor import hooks
+def _saved_spec(store: StateStore, st: ContainerState, only_if_hook: str):
+    """The container's saved config, parsed only if it has `only_if_hook` hooks (parsing is the
+    slow part and most containers have none); None otherwise or if it cannot be read."""
     from qvisor.spec import parse_spec
     try:
         with open(store.path(st.id, CONFIG_COPY)) as f:
-            spec = parse_spec(json.load(f), store.path(st.id, CONFIG_COPY), st.bundle)
-    except (OSError, ValueError, QuarkError):
+            raw = json.load(f)
+        if not (raw.get("hooks") or {}).get(only_if_hook):
+            return None
+        return parse_spec(raw, store.path(st.id, CONFIG_COPY), st.bundle)
+    except (OSError, ValueError, AttributeError, QuarkError):
+        return None
+
+
+def _run_poststop(store: StateStore, st: ContainerState) -> None:
+    from qvisor import hooks
+    spec = _saved_spec(store, st, only_if_hook="poststop")
+    if spec is None:
         return
     st.status = STOPPED
     hooks.run_hooks("poststop", spec.hooks.poststop, st.oci(), fatal=False)

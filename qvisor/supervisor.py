@@ -17,7 +17,7 @@ import signal
 import socket
 from typing import Any, NoReturn
 
-from qvisor import cgroups, channel, hooks, sandbox
+from qvisor import cgroups, channel, confine, hooks, sandbox
 from qvisor.devices import cgroup_resources
 from qvisor import linux as L
 from qvisor.eventloop import Loop
@@ -169,6 +169,8 @@ class Supervisor:
             self.state.status = CREATED
             self.store.save(self.state)
             self._open_control()
+            # from here on the supervisor serves the container: hold only what that needs
+            confine.confine_supervisor(self.platform, self.spec.process.capabilities)
             self._report({"ok": True, "pid": child.pid})
         elif kind == "listener":
             self.kernel.serve_listener(fds[0])
@@ -304,8 +306,7 @@ class Supervisor:
         conn, self.pending_start = self.pending_start, None
         if error is None:
             self.store.save(self.state)
-            hooks.run_hooks("poststart", self.spec.hooks.poststart, self._hook_state(), fatal=False)
-            reply = {"ok": True}
+            reply = {"ok": True}   # poststart hooks run in `quark start`, as runc does
         else:
             reply = {"error": error}
         if conn is not None:

@@ -1,0 +1,117 @@
+"""The supervisor's own confinement, applied once the sandbox is created (gVisor does the same for
+the Sentry): the supervisor services a hostile container's syscalls, so if it were ever subverted
+it should hold as little as possible.
+
+What it keeps, and why (everything else is dropped from its bounding, permitted and effective sets):
+
+* CAP_SYS_ADMIN   setns() into the container's namespaces for `exec` and for TSoR's doorbells (with
+                  CAP_SYS_CHROOT, which joining a mount namespace also needs); loading
+                  an exec'd process's seccomp filter without no_new_privs (as runc does)
+* CAP_SYS_PTRACE  reading and writing a trapped task's memory (process_vm_*), pidfd_getfd, /proc/PID/ns
+                  and /proc/PID/mem of tasks in other user namespaces; the ptrace platform
+* CAP_KILL        signalling container processes that run as other users
+* CAP_SETUID, CAP_SETGID, CAP_SETPCAP, CAP_SYS_RESOURCE
+                  an exec'd process switches user, shrinks its bounding set, raises rlimits and sets
+                  its oom score in a child forked from the supervisor
+* the capabilities the container's process is configured with (any of its five sets), because
+  exec'd processes are forked from the supervisor and cannot get more than it has. An exec whose
+  process.json asks for a capability outside that union fails with a clear error.
+
+Its seccomp filter (default allow; the denied calls answer EPERM) removes what the supervisor never
+does after set-up: mounting and the new mount API, chroot, unshare and clone() into new namespaces,
+kernel modules, kexec, reboot, swap, bpf, perf_event_open, userfaultfd, io_uring, the keyring,
+setting the clock, acct, quotactl, open_by_handle_at, syslog, iopl/ioperm, mknod, sethostname,
+and ptrace itself unless the ptrace platform needs it. clone3 answers ENOSYS (its flags are behind
+a pointer the filter cannot read; libc falls back to clone). The filter is installed without
+no_new_privs, so exec'd processes can still gain privileges through setuid binaries as under runc;
+it is inherited by those processes, where quark's base policy denies the same calls anyway.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+from qvisor import linux as L
+from qvisor.spec import CAPABILITIES, Capabilities
+
+log = logging.getLogger("quark.confine")
+
+SUPERVISOR_CAPS = ("CAP_SYS_ADMIN", "CAP_SYS_CHROOT", "CAP_SYS_PTRACE", "CAP_KILL", "CAP_SETUID", "CAP_SETGID",
+                   "CAP_SETPCAP", "CAP_SYS_RESOURCE")
+
+DENIED = (
+    "mount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount",
+    "fspick", "mount_setattr", "chroot", "unshare",
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
+    "swapon", "swapoff", "bpf", "perf_event_open", "userfaultfd",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "keyctl", "add_key", "request_key",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "acct", "quotactl", "quotactl_fd",
+    "lookup_dcookie", "open_by_handle_at", "syslog", "iopl", "ioperm", "mknod", "mknodat",
+    "sethostname", "setdomainname", "vhangup",
+)
+# clone() flags that make new namespaces (CLONE_NEWTIME shares its bit with the exit signal in
+# clone(2), so it is only reachable through clone3/unshare, both denied).
+_CLONE_NEW = {"CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NEWUTS": 0x04000000,
+              "CLONE_NEWIPC": 0x08000000, "CLONE_NEWUSER": 0x10000000, "CLONE_NEWPID": 0x20000000,
+              "CLONE_NEWNET": 0x40000000}
+
+
+def kept_capabilities(process_caps: Capabilities | None) -> set[str]:
+    """The capabilities the supervisor keeps: its own needs plus the container process's."""
+    keep = set(SUPERVISOR_CAPS)
+    if process_caps is not None:
+        for names in (process_caps.bounding, process_caps.effective, process_caps.permitted,
+                      process_caps.inheritable, process_caps.ambient):
+            keep.update(names)
+    return keep
+
+
+def drop_capabilities(keep: set[str]) -> int:
+    """Drop every capability not in `keep` from the bounding, permitted, effective and inheritable
+    sets (and clear the ambient set); returns the mask kept."""
+    last = L.last_cap()
+    mask = 0
+    for name in keep:
+        bit = CAPABILITIES.get(name)
+        if bit is not None and bit <= last:
+            mask |= 1 << bit
+    mask &= _permitted()   # a capability the host already withheld cannot be kept
+    for bit in range(last + 1):
+        if not mask & (1 << bit):
+            L.prctl(L.PR_CAPBSET_DROP, bit)
+    L.prctl(L.PR_CAP_AMBIENT, L.PR_CAP_AMBIENT_CLEAR_ALL)
+    L.capset(mask, mask, 0)
+    return mask
+
+
+def _permitted() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapPrm:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def install_filter(platform: str) -> None:
+    import seccomp   # python3-seccomp (libseccomp); imported here so the CLI never pays for it
+    f = seccomp.SyscallFilter(seccomp.ALLOW)
+    f.set_attr(seccomp.Attr.CTL_NNP, 0)
+    eperm = seccomp.ERRNO(errno.EPERM)
+    for name in DENIED + (() if platform == "ptrace" else ("ptrace",)):
+        try:
+            f.add_rule(eperm, name)
+        except (RuntimeError, ValueError):
+            log.debug("syscall %s unknown to libseccomp here; not filtered", name)
+    for flag in _CLONE_NEW.values():
+        f.add_rule(eperm, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    f.load()
+
+
+def confine_supervisor(platform: str, process_caps: Capabilities | None) -> None:
+    """Drop capabilities, then install the filter (loading it needs CAP_SYS_ADMIN, which is kept)."""
+    kept = drop_capabilities(kept_capabilities(process_caps))
+    install_filter(platform)
+    log.debug("supervisor %d confined: capabilities %#x, seccomp filter loaded", os.getpid(), kept)
