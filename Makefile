@@ -28,10 +28,11 @@ $(VENV)/.installed: pyproject.toml
 
 # runc-style use and containerd both look the binaries up on PATH: point them at this checkout
 links: venv
-	@for b in quark containerd-shim-quark-v1; do ln -sfn $(CURDIR)/$(VENV)/bin/$$b /usr/local/bin/$$b; done
+	@for b in quark containerd-shim-quark-v1 tsord; do ln -sfn $(CURDIR)/$(VENV)/bin/$$b /usr/local/bin/$$b; done
 
 demo: install
 	$(PY) -m qvisor.demo
+	$(PY) -m tsor.demo
 
 test: install
 	$(VENV)/bin/pytest -q -ra tests
@@ -41,6 +42,7 @@ test-unit: install
 
 bench: install
 	$(PY) bench/startup.py
+	$(PY) bench/tsor.py
 
 # regenerate the committed protobuf modules of the shim from shim/proto/*.proto
 proto: install

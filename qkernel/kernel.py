@@ -5,11 +5,14 @@ from __future__ import annotations
 import errno
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from qkernel import table
 from qkernel.errors import MemoryFault, TaskGone
 from qkernel.request import Answer, Deferred, Errno, Request
+
+if TYPE_CHECKING:
+    from tsor.sandbox import SandboxNet
 
 log = logging.getLogger("quark.qkernel")
 
@@ -27,6 +30,8 @@ class SandboxContext:
     container_id: str
     cgroup: Cgroup | None
     init_pid: int
+    # The sandbox's TSoR state and tsord connection (tsor/sandbox.py); None: every socket is native.
+    tsor: "SandboxNet | None" = None
 
 
 class Kernel:
@@ -47,6 +52,11 @@ class Kernel:
             from qkernel.ptrace_platform import PtracePlatform
             self._platform = PtracePlatform(self)
 
+    @property
+    def can_install_fds(self) -> bool:
+        """Whether handlers may answer InstallFd (seccomp ADDFD; ptrace has no equivalent)."""
+        return getattr(self._platform, "can_install_fds", False)
+
     # --- the supervisor's interface --------------------------------------------------------------
     def serve_listener(self, fd: int) -> None:
         self._platform.serve_listener(fd)
@@ -63,6 +73,9 @@ class Kernel:
             req.release()
         self._pending.clear()
         self._platform.close()
+        if self.context.tsor is not None:
+            self.context.tsor.close()
+            self.context.tsor = None
 
     # --- used by the platforms -------------------------------------------------------------------
     def dispatch(self, req: Request) -> None:
@@ -78,8 +91,9 @@ class Kernel:
             log.exception("handler for %s failed", req.name)
             answer = Errno(errno.ENOSYS)
         if isinstance(answer, Deferred):
-            self._pending.append(req)
-            self._schedule_poll()
+            if not answer.done:   # (a handler may complete it before returning it)
+                self._pending.append(req)
+                self._schedule_poll()
             return
         self._finish(req, answer)
 

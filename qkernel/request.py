@@ -1,10 +1,13 @@
 """What a handler sees and returns: a trapped `Request` and its answer.
 
-A handler returns `Continue()` (run the syscall natively), `Return(value)`, `Errno(err)` or a
-`Deferred` it completes later from a loop callback. It never learns which platform trapped the call.
+A handler returns `Continue()` (run the syscall natively), `Return(value)`, `Errno(err)`,
+`InstallFd(...)` (put one of our fds into the task, then return) or a `Deferred` it completes later
+from a loop callback. It never learns which platform trapped the call; only platforms whose
+`can_install_fds` is true (seccomp) may be given an InstallFd.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -30,7 +33,30 @@ class Errno:
     errno: int
 
 
-Answer = Continue | Return | Errno
+@dataclass(frozen=True)
+class InstallFd:
+    """Install our `fd` in the trapped task, then make the syscall return.
+
+    `target`: the task's fd number to replace (dup2 semantics: what was there is closed); None: the
+    lowest free number. `flags`: O_CLOEXEC or 0, for the task's new fd. `value`: the syscall's return
+    value; None returns the installed fd number (accept), atomically with the installation. `errno`,
+    if set, is returned instead of `value` once the fd is installed (a non-blocking connect's
+    EINPROGRESS). The answer owns `fd`: it is closed once sent, or when the request is dropped.
+    """
+    fd: int
+    target: int | None = None
+    flags: int = 0
+    value: int | None = None
+    errno: int = 0
+
+    def discard(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+Answer = Continue | Return | Errno | InstallFd
 
 
 class Request:
@@ -106,6 +132,8 @@ class Deferred:
 
     def complete(self, answer: Answer) -> None:
         if self.done:
+            if isinstance(answer, InstallFd):
+                answer.discard()   # never install an fd for an abandoned request
             return
         self.done = True
         self.request.kernel._finish(self.request, answer)

@@ -10,7 +10,7 @@ import select
 from qkernel import seccomp_notify as sn
 from qkernel.errors import QuarkError
 from qkernel.kernel import Kernel
-from qkernel.request import Answer, Continue, Request, Return
+from qkernel.request import Answer, Continue, Errno, InstallFd, Request, Return
 
 log = logging.getLogger("quark.qkernel")
 
@@ -34,6 +34,8 @@ class NotifRequest(Request):
         return not self.is_valid()
 
     def send(self, answer: Answer) -> None:
+        if isinstance(answer, InstallFd):
+            return self._install(answer)
         if isinstance(answer, Continue):
             args = {"flags": sn.SECCOMP_USER_NOTIF_FLAG_CONTINUE}
         elif isinstance(answer, Return):
@@ -47,8 +49,31 @@ class NotifRequest(Request):
                 raise
             log.debug("%s from pid %d abandoned before the answer", self.name, self.pid)
 
+    def _install(self, answer: InstallFd) -> None:
+        """SECCOMP_IOCTL_NOTIF_ADDFD: SETFD puts the fd at the task's `target` number (replacing what
+        was there); SEND installs and answers in one step, with the new fd number as the return
+        value, so an abandoned notification never gets an fd. Either way the kernel refuses with
+        ENOENT once the notification is gone, and our fd is closed in every case."""
+        flags = sn.SECCOMP_ADDFD_FLAG_SETFD if answer.target is not None else 0
+        atomic = answer.value is None and not answer.errno
+        try:
+            sn.addfd(self.listener, self.id, answer.fd, answer.target or 0,
+                     flags | (sn.SECCOMP_ADDFD_FLAG_SEND if atomic else 0), answer.flags)
+        except OSError as e:
+            answer.discard()
+            if e.errno == errno.ENOENT:
+                log.debug("%s from pid %d abandoned before its fd was installed", self.name, self.pid)
+                return
+            log.debug("%s from pid %d: installing an fd failed: %s", self.name, self.pid, e)
+            return self.send(Errno(e.errno))   # e.g. EMFILE: the task's fd table is full
+        answer.discard()
+        if not atomic:
+            self.send(Errno(answer.errno) if answer.errno else Return(answer.value))
+
 
 class SeccompPlatform:
+    can_install_fds = True
+
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel
         self.audit_arch = AUDIT_ARCH[kernel.arch]

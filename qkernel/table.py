@@ -119,7 +119,8 @@ POLICY: dict[str, dict] = {
     "personality": _trapped(sys_personality.handle,
                             "only the default personas (PER_LINUX, PER_LINUX32, UNAME26, query)"),
     "sysinfo": _trapped(sys_sysinfo.handle, "memory totals from the container's cgroup"),
-    **{name: _trapped(sys_socket.handle, "TSoR (pass-through until tsor lands)")
+    **{name: _trapped(sys_socket.handle, "handled by TSoR: TCP to quark pods is carried by tsord's "
+                                         "local/tcp paths (seccomp platform); anything else runs natively")
        for name in sys_socket.TRAPPED},
 }
 

@@ -76,6 +76,8 @@ class Supervisor:
                 self.loop.run_once()
             except Exception:  # one bad request or hook must not orphan a running container
                 log.exception("supervisor loop")
+        if self.kernel is not None:
+            self.kernel.close()   # and the sandbox's tsord session (TSoR) with it
         try:
             os.unlink(self.store.path(self.state.id, SOCK_NAME))
         except OSError:
@@ -195,7 +197,12 @@ class Supervisor:
         ctx = qkernel.SandboxContext(container_id=self.state.id, cgroup=self.cgroup, init_pid=init_pid)
         self.kernel = qkernel.Kernel(self.loop, self.platform, ctx)
         if self.platform == "ptrace":
-            self.kernel.attach(init_pid)
+            self.kernel.attach(init_pid)   # no fd installation there, so no TSoR: sockets stay native
+        elif self.kernel.can_install_fds:
+            # TSoR: register with the node's tsord (None: no tsord socket, or the host's network)
+            from tsor.sandbox import SandboxNet
+            ctx.tsor = SandboxNet.attach(self.loop, self.state.id, init_pid, self.cgroup.pids,
+                                         self.spec.annotations)
 
     def _forward_console(self, master: int, name: str) -> None:
         """Send the pty master to --console-socket (runc's protocol: one fd with the pty name)."""
