@@ -23,6 +23,7 @@ import time
 from tsor import DEFAULT_CONFIG, config as configmod, protocol, routes as routesmod
 from tsor import _sys
 from tsor.addr import Endpoint, family_of, is_unspecified, unmapped
+from tsor.bytecount import TcpByteCounter
 from tsor.errors import ConfigError, NotAllowed, ProtocolError
 from tsor.identity import Identity, ProcVerifier, Verifier
 from tsor.metrics import Metrics, MetricsServer
@@ -100,11 +101,14 @@ class Daemon:
         self.server: socket.socket | None = None
         self.metrics_server: MetricsServer | None = None
         self.metrics.gauges = lambda: {"sandboxes": len(self.sessions), "listeners": len(self.listeners)}
+        self.bytes = TcpByteCounter()   # tcp path only: the kernel counts, see tsor/bytecount.py
+        self.metrics.byte_counts = self.bytes.totals
 
     # ---- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
         if self.route_source is not None:
             self.route_source.start(self.routes)
+        self.bytes.start()
         self.remote = TcpTransport(self.deliver, self.routes, self.cfg.listen)
         os.makedirs(os.path.dirname(self.cfg.socket), exist_ok=True)
         try:
@@ -137,6 +141,7 @@ class Daemon:
             self.remote.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
+        self.bytes.close()
         if self.route_source is not None:
             self.route_source.stop()
         for sess in list(self.sessions):
@@ -284,6 +289,8 @@ class Daemon:
                 sess.send(protocol.reply(mid, path="fallback"))
             else:
                 with sock:
+                    if path == "tcp":
+                        self.bytes.track(sock)
                     sess.send(protocol.reply(mid, path=path, src=src), [sock.fileno()])
         except OSError:
             pass
@@ -294,8 +301,12 @@ class Daemon:
         if entry is None:
             return False
         sess, token = entry
+        if path == "tcp":   # before the offer: the application may use it as soon as it is taken
+            self.bytes.track(sock, greeting=greet)
         answer = sess.ask(protocol.Incoming(token, peer, dst, path, greet), [sock.fileno()], OFFER_TIMEOUT)
         if not answer or not answer.get("ok"):
+            if path == "tcp":
+                self.bytes.untrack(sock)
             return False
         self.metrics.delivered(path)
         return True

@@ -1,9 +1,9 @@
 """tsord's counters, served in the Prometheus text format over HTTP on a TCP port or unix socket.
 
-Bytes: no process sits in either path's data path, so tsord cannot count them itself. Linux keeps
-no byte count for AF_UNIX sockets (the local path); for the tcp path it does (tcpi_bytes_acked /
-tcpi_bytes_received, readable with sock_diag from tsord's netns), but collecting them is not built
-yet. `byte_counts` is the hook for it; until then tsor_bytes_total has no samples.
+Bytes: no process sits in either path's data path, so tsord cannot count them itself. For the tcp
+path the kernel does (tcpi_bytes_acked / tcpi_bytes_received of the sockets tsord handed out, read
+with sock_diag: tsor/bytecount.py), and `byte_counts` serves them as tsor_bytes_total{path="tcp"}.
+Linux keeps no byte count for AF_UNIX sockets, so the local path has no tsor_bytes_total samples.
 """
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ class Metrics:
                       "# TYPE tsor_protocol_errors_total counter", f"tsor_protocol_errors_total {self.protocol_errors}",
                       "# HELP tsor_refused_total Requests refused: claims of addresses a sandbox does not own.",
                       "# TYPE tsor_refused_total counter", f"tsor_refused_total {self.refused_claims}"]
-        lines += ["# HELP tsor_bytes_total Bytes carried, by path (tcp only: see tsor/metrics.py).",
+        lines += ["# HELP tsor_bytes_total Bytes this node's pods sent/received, by path (tcp only: "
+                  "AF_UNIX keeps no counts; see tsor/bytecount.py).",
                   "# TYPE tsor_bytes_total counter"]
         lines += [f'tsor_bytes_total{{path="{p}",direction="{d}"}} {n}'
                   for (p, d), n in sorted(self.byte_counts().items())]
