@@ -451,7 +451,15 @@ class _Accept:
         self._fd = self.sock.fileno()
         self.req.kernel.loop.add_reader(self._fd, self._ready)
         d.on_cancel(self._stop)
+        sec, usec = struct.unpack("qq", self.sock.getsockopt(SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+        if sec or usec:   # the listener's SO_RCVTIMEO bounds a blocking accept (EAGAIN), as in Linux
+            self.req.kernel.loop.call_later(sec + usec / 1e6, self._timeout)
         return d
+
+    def _timeout(self) -> None:
+        if not self.deferred.done:
+            self._stop()
+            self.deferred.complete(Errno(errno.EAGAIN))
 
     def _stop(self) -> None:
         if self._fd is not None:
