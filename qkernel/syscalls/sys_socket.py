@@ -180,8 +180,10 @@ def _connect(req: Request, net):
     if ino in net.sockets:
         _checked(req)
         return Errno(errno.EISCONN)
-    if not net.client.up:
-        return Continue()   # tsord is not there (yet, or any more): native, without a round trip
+    if not net.client.up or not net.addrs:
+        # tsord is not there (yet, or any more), or the sandbox registered no address to connect
+        # from (tsord would answer fallback): native, without a round trip
+        return Continue()
     s = _dup(req, fd)
     if s is None:
         return Continue()
