@@ -416,5 +416,15 @@ class Supervisor:
             ex = self.execs.pop(pid)
             self._drain_child(ex)
             ex.sock.close()
+        elif pid in self.execs and self.execs[pid].pid == 0:
+            # an exec's stage 1: its "pid" message may still be queued; if it never forked the
+            # process (setns or fork failed), the exec is over and must not keep us alive
+            ex = self.execs[pid]
+            self._drain_child(ex)
+            if ex.pid == 0:
+                del self.execs[pid]
+                if ex.client is not None:
+                    self._on_exec_msg(ex, {"type": "eof"}, [])
+                ex.sock.close()
         for conn in self.waiters.pop(pid, []):
             self._reply(conn, {"pid": pid, "exit_status": code, "exited_at": at})

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,34 @@ def quark(tmp_path_factory) -> Quark:
     for cid in leftovers:
         q("delete", "--force", cid, check=False)
     shutil.rmtree(root, ignore_errors=True)
+    # a supervisor carries its `quark --root ROOT` argv: none may outlive its container
+    survivors = _processes_mentioning(str(root))
+    for _ in range(50):
+        if not survivors:
+            break
+        time.sleep(0.1)
+        survivors = _processes_mentioning(str(root))
+    for pid in survivors:   # ours (this test's root): stop them so one leak fails one test only
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    assert not survivors, f"quark processes left behind: {survivors}"
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if text.encode() in argv:
+            found.append(int(d))
+    return found
 
 
 @pytest.fixture
