@@ -1,15 +1,18 @@
 """Container start-up, quark vs runc, side by side in one run.
 
-Rows: `run` of a busybox bundle running /bin/true through each CLI (create + start + wait +
-delete), and `ctr run --rm` of a busybox image through containerd with quark's shim vs
-io.containerd.runc.v2. Medians and the quark/runc ratio; JSON to bench/results/startup.json.
-Usage: python bench/startup.py [--runs N] [--no-containerd]
+N x (create, start, wait, delete) of /bin/true in one busybox bundle with quark and with runc,
+interleaved; median and p95 of each phase and the quark/runc ratio. The supervisor's resident
+(RSS) and proportional (PSS) memory per sandbox. `ctr run --rm` of a busybox image through
+containerd with quark's shim vs io.containerd.runc.v2. JSON to bench/results/startup.json.
+Usage: python bench/startup.py [--runs 50] [--ctr-runs 20] [--sandboxes 10] [--no-containerd]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import select
 import shutil
 import statistics
 import subprocess
@@ -25,68 +28,150 @@ QUARK = os.path.join(os.path.dirname(sys.executable), "quark")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def time_cli_run(argv: list[str], bundle: str, runs: int) -> list[float]:
-    times = []
-    for i in range(runs):
-        t0 = time.perf_counter()
-        subprocess.run(argv + ["run", "--bundle", bundle, f"bench-{i}"], check=True,
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        times.append(time.perf_counter() - t0)
-        if argv[0].endswith("runc"):
-            subprocess.run(argv + ["delete", "-f", f"bench-{i}"], capture_output=True)
-    return times
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def row(name: str, quark: list[float], ref: list[float], ref_name: str) -> dict:
-    q, r = statistics.median(quark), statistics.median(ref)
-    return {"benchmark": name, "reference": ref_name, "runs": len(quark), "quark_median_s": round(q, 4),
-            "reference_median_s": round(r, 4), "ratio": round(q / r, 2)}
+def lifecycle(argv: list[str], bundle: str, cid: str) -> dict[str, float]:
+    """create, start, wait (pidfd poll on the init, the same for both), delete: seconds each."""
+    t = {}
+    t0 = time.perf_counter()
+    subprocess.run(argv + ["create", "--bundle", bundle, cid], check=True,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    t["create"] = time.perf_counter() - t0
+    pid = json.loads(subprocess.run(argv + ["state", cid], check=True, capture_output=True).stdout)["pid"]
+    pidfd = os.pidfd_open(pid)   # before start: /bin/true may be gone before we look
+    t0 = time.perf_counter()
+    subprocess.run(argv + ["start", cid], check=True)
+    t["start"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    select.select([pidfd], [], [], 10)
+    t["wait"] = time.perf_counter() - t0
+    os.close(pidfd)
+    _reap_orphans()   # runc's init is re-parented to us (a subreaper): collect it
+    t0 = time.perf_counter()
+    subprocess.run(argv + ["delete", cid], check=True)
+    t["delete"] = time.perf_counter() - t0
+    t["total"] = sum(t.values())
+    return t
+
+
+def _reap_orphans() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def phase_rows(q: list[dict], r: list[dict]) -> list[dict]:
+    rows = []
+    for phase in ("create", "start", "wait", "delete", "total"):
+        qs, rs = [x[phase] for x in q], [x[phase] for x in r]
+        rows.append({"phase": phase, "runs": len(qs),
+                     "quark_median_ms": round(statistics.median(qs) * 1000, 1),
+                     "quark_p95_ms": round(_pct(qs, 0.95) * 1000, 1),
+                     "runc_median_ms": round(statistics.median(rs) * 1000, 1),
+                     "runc_p95_ms": round(_pct(rs, 0.95) * 1000, 1),
+                     "ratio": round(statistics.median(qs) / statistics.median(rs), 2)})
+    return rows
+
+
+def supervisor_memory(root: str, bundle: str, n: int) -> dict:
+    """Resident and proportional memory of the supervisors of n running sandboxes."""
+    argv = [QUARK, "--root", root]
+    rss, pss = [], []
+    try:
+        for i in range(n):
+            subprocess.run(argv + ["run", "-d", "--bundle", bundle, f"mem-{i}"], check=True,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        for i in range(n):
+            init = json.loads(subprocess.run(argv + ["state", f"mem-{i}"], check=True,
+                                             capture_output=True).stdout)["pid"]
+            with open(f"/proc/{init}/stat") as f:
+                sup = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{sup}/smaps_rollup") as f:
+                fields = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.endswith("kB\n")}
+            rss.append(fields["Rss"] / 1024)
+            pss.append(fields["Pss"] / 1024)
+    finally:
+        for i in range(n):
+            subprocess.run(argv + ["delete", "--force", f"mem-{i}"], capture_output=True)
+    return {"sandboxes": n, "rss_median_mib": round(statistics.median(rss), 1),
+            "pss_median_mib": round(statistics.median(pss), 1)}
+
+
+def time_ctr(runs: int, work: str) -> dict | None:
+    from tests.integration import containerd_env as ce
+    if ce.skip_reason() is not None:
+        return None
+    cd = ce.Containerd()
+    try:
+        cd.start()
+        tar = ce.busybox_image_tar(Path(work) / "busybox.tar")
+        cd.ctr("images", "import", str(tar))
+        ce.time_ctr_run_rm(cd, "io.containerd.runc.v2", 1)   # warm-up
+        ce.time_ctr_run_rm(cd, ce.RUNTIME, 1)
+        qs, rs = [], []
+        for _ in range(runs):
+            rs += ce.time_ctr_run_rm(cd, "io.containerd.runc.v2", 1)
+            qs += ce.time_ctr_run_rm(cd, ce.RUNTIME, 1)
+    finally:
+        cd.close()
+    return {"runs": runs, "quark_median_ms": round(statistics.median(qs) * 1000, 1),
+            "quark_p95_ms": round(_pct(qs, 0.95) * 1000, 1),
+            "runc_median_ms": round(statistics.median(rs) * 1000, 1),
+            "runc_p95_ms": round(_pct(rs, 0.95) * 1000, 1),
+            "ratio": round(statistics.median(qs) / statistics.median(rs), 2)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=50)
+    ap.add_argument("--ctr-runs", type=int, default=20)
+    ap.add_argument("--sandboxes", type=int, default=10, help="for the supervisor memory figure")
     ap.add_argument("--no-containerd", action="store_true")
     a = ap.parse_args()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER: runc's orphaned inits come to us
     work = tempfile.mkdtemp(prefix="quark-bench-")
-    rows = []
+    result: dict = {"command": "python bench/startup.py " + " ".join(sys.argv[1:])}
     try:
         bundle = os.path.join(work, "bundle")
         make_bundle(bundle, ["/bin/true"])
-        qroot, rroot = os.path.join(work, "quark"), os.path.join(work, "runc")
-        for argv in ([QUARK, "--root", qroot], ["runc", "--root", rroot]):  # warm-up
-            time_cli_run(argv, bundle, 1)
-        q_times, r_times = [], []
-        for _ in range(a.runs):  # interleaved, so drift hits both alike
-            q_times += time_cli_run([QUARK, "--root", qroot], bundle, 1)
-            r_times += time_cli_run(["runc", "--root", rroot], bundle, 1)
-        rows.append(row("run /bin/true (CLI: create+start+wait+delete)", q_times, r_times, "runc 1.1"))
+        quark, runc = [QUARK, "--root", os.path.join(work, "quark")], ["runc", "--root", os.path.join(work, "runc")]
+        lifecycle(quark, bundle, "warm")
+        lifecycle(runc, bundle, "warm")
+        q, r = [], []
+        for i in range(a.runs):   # interleaved, so drift hits both alike
+            q.append(lifecycle(quark, bundle, f"b{i}"))
+            r.append(lifecycle(runc, bundle, f"b{i}"))
+        result["lifecycle"] = phase_rows(q, r)
+        sleeper = os.path.join(work, "sleeper")
+        make_bundle(sleeper, ["sleep", "1000"])
+        result["supervisor_memory"] = supervisor_memory(os.path.join(work, "mem"), sleeper, a.sandboxes)
         if not a.no_containerd:
-            from tests.integration import containerd_env as ce
-            if ce.skip_reason() is None:
-                cd = ce.Containerd()
-                try:
-                    cd.start()
-                    tar = ce.busybox_image_tar(Path(work) / "busybox.tar")
-                    cd.ctr("images", "import", str(tar))
-                    ce.time_ctr_run_rm(cd, "io.containerd.runc.v2", 1)
-                    ce.time_ctr_run_rm(cd, ce.RUNTIME, 1)
-                    qs, rs = [], []
-                    for i in range(a.runs):
-                        rs += ce.time_ctr_run_rm(cd, "io.containerd.runc.v2", 1, )
-                        qs += ce.time_ctr_run_rm(cd, ce.RUNTIME, 1)
-                    rows.append(row("ctr run --rm /bin/true (containerd 1.6 shim)", qs, rs, "io.containerd.runc.v2"))
-                finally:
-                    cd.close()
+            result["ctr_run_rm"] = time_ctr(a.ctr_runs, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "startup.json").write_text(json.dumps(rows, indent=2) + "\n")
-    print("| benchmark | reference | runs | quark median | reference median | ratio |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['benchmark']} | {r['reference']} | {r['runs']} | {r['quark_median_s'] * 1000:.0f} ms "
-              f"| {r['reference_median_s'] * 1000:.0f} ms | {r['ratio']:.2f}x |")
+    (RESULTS / "startup.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"`{result['command']}`\n")
+    print("| phase | runs | quark median | quark p95 | runc median | runc p95 | ratio (median) |")
+    print("|---|---|---|---|---|---|---|")
+    for x in result["lifecycle"]:
+        print(f"| {x['phase']} | {x['runs']} | {x['quark_median_ms']} ms | {x['quark_p95_ms']} ms "
+              f"| {x['runc_median_ms']} ms | {x['runc_p95_ms']} ms | {x['ratio']:.2f}x |")
+    c = result.get("ctr_run_rm")
+    if c:
+        print(f"| ctr run --rm (quark shim vs io.containerd.runc.v2) | {c['runs']} | {c['quark_median_ms']} ms "
+              f"| {c['quark_p95_ms']} ms | {c['runc_median_ms']} ms | {c['runc_p95_ms']} ms | {c['ratio']:.2f}x |")
+    m = result["supervisor_memory"]
+    print(f"\nsupervisor memory ({m['sandboxes']} sandboxes): RSS median {m['rss_median_mib']} MiB, "
+          f"PSS median {m['pss_median_mib']} MiB")
     return 0
 
 

@@ -66,9 +66,10 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("-v", "--version", action="version", version="quark 0.1.0 (spec 1.0.2)")
     sub = p.add_subparsers(dest="verb", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
+        if verb is not None and verb != name:
+            continue   # one verb's subparser is all a real call needs (`quark --help` gets all)
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        if verb is None or verb == name:
-            importlib.import_module(f"qvisor.commands.{module}").add_arguments(sp)
+        importlib.import_module(f"qvisor.commands.{module}").add_arguments(sp)
     return p
 
 

@@ -171,7 +171,8 @@ class Supervisor:
             self.state.status = CREATED
             self.store.save(self.state)
             self._open_control()
-            # from here on the supervisor serves the container: hold only what that needs
+            # from here on the supervisor serves the container: hold only what that needs (before
+            # the report: if this fails, create fails and leaves nothing; it costs ~1.3 ms)
             confine.confine_supervisor(self.platform, self.spec.process.capabilities)
             self._report({"ok": True, "pid": child.pid})
         elif kind == "listener":

@@ -52,6 +52,12 @@ def serve(listener: socket.socket, address: str, namespace: str, bundle: str, de
     done = threading.Event()
     service = TaskService(Quark(paths.quark_root(bundle, namespace)), publisher.publish, namespace,
                           on_shutdown=lambda: threading.Timer(SHUTDOWN_GRACE_S, done.set).start())
+    # the inode of our socket file: a new shim for the same id may replace the file while we
+    # linger after Shutdown, and then it is not ours to remove
+    try:
+        bound_ino = os.stat(socket_path(address)).st_ino
+    except FileNotFoundError:
+        bound_ino = None
     server = Server(listener)
     service.register(server)
     threading.Thread(target=server.serve_forever, daemon=True, name="accept").start()
@@ -59,7 +65,8 @@ def serve(listener: socket.socket, address: str, namespace: str, bundle: str, de
     done.wait()
     server.close()
     try:
-        os.unlink(socket_path(address))
+        if os.stat(socket_path(address)).st_ino == bound_ino:
+            os.unlink(socket_path(address))
     except FileNotFoundError:
         pass
     publisher.close()

@@ -70,6 +70,14 @@ def test_run_image_output(cd):
     assert "image1" not in tasks(cd)
 
 
+def test_same_id_reused_at_once(cd):
+    # the previous shim of this id lingers briefly after Shutdown; it must not remove the socket
+    # of the next shim (containerd would fail with "dial unix ...: no such file or directory")
+    for i in range(6):
+        p = cd.ctr("run", "--rm", *R, ce.IMAGE, "reused", "sh", "-c", f"echo {i}", check=False)
+        assert (p.returncode, p.stdout) == (0, f"{i}\n".encode()), p.stderr
+
+
 def test_stdin_reaches_container_and_eof_ends_it(cd):
     p = cd.ctr("run", "--rm", *R, ce.IMAGE, "stdin1", "sh", "-c", "cat; echo done", input=b"abc\n")
     assert p.stdout == b"abc\ndone\n"

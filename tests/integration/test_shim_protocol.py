@@ -353,3 +353,51 @@ def test_paths(tmp_path):
     a1 = paths.socket_address("/run/c.sock", "ns1", "pod1")
     assert a1.startswith("unix:///run/containerd/s/") and len(a1) < 108
     assert a1 != paths.socket_address("/run/c.sock", "ns2", "pod1")
+
+
+def test_lingering_shim_leaves_the_next_shims_socket_alone(tmp_path):
+    """After Shutdown a shim lingers ~0.2 s; a new shim for the same id started meanwhile takes
+    over the socket path, and the old one must not remove it on its way out."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the shim's socket lives under /run/containerd/s")
+    import subprocess
+    import sys
+    from shim.ttrpc import socket_path
+    shim_bin = os.path.join(os.path.dirname(sys.executable), "containerd-shim-quark-v1")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    argv = [shim_bin, "-namespace", "t", "-address", str(tmp_path / "no-containerd.sock"), "-id", "same", "start"]
+    env = dict(os.environ, TTRPC_ADDRESS=str(tmp_path / "no-containerd.sock.ttrpc"))
+    pids = []
+    try:
+        first = subprocess.run(argv, cwd=bundle, env=env, capture_output=True, text=True, check=True).stdout
+        pids.append(int((bundle / "shim.pid").read_text()))
+        path = socket_path(first)
+        call(path, "Shutdown", pb.ShutdownRequest(id="same"), empty_pb2.Empty)   # no tasks: it exits soon
+        second = subprocess.run(argv, cwd=bundle, env=env, capture_output=True, text=True, check=True).stdout
+        pids.append(int((bundle / "shim.pid").read_text()))
+        assert second == first and pids[0] != pids[1]
+        assert wait_for(lambda: not os.path.exists(f"/proc/{pids[0]}") or _zombie(pids[0]), timeout=5)
+        time.sleep(0.1)
+        assert os.path.exists(path), "the old shim removed the new shim's socket"
+        with pytest.raises(RpcError) as e:
+            call(path, "State", pb.StateRequest(id="nope"), pb.StateResponse)
+        assert e.value.code == Code.NOT_FOUND   # the new shim answers
+    finally:
+        if len(pids) == 2:
+            try:
+                call(socket_path(first), "Shutdown", pb.ShutdownRequest(id="same"), empty_pb2.Empty)
+            except (OSError, RpcError):
+                pass
+        for pid in pids:
+            wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), timeout=5)
+            if os.path.exists(f"/proc/{pid}") and not _zombie(pid):
+                os.kill(pid, 9)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
