@@ -22,7 +22,9 @@ PROBES = [
     ("/proc/keys is masked", "wc -c < /proc/keys | sed 's/$/ bytes/'"),
     ("/proc/sys is read-only", "echo 1 > /proc/sys/kernel/domainname 2>&1 | sed 's/.*: //'"),
     ("memory limit seen in the container's cgroup", "cat /sys/fs/cgroup/memory/memory.limit_in_bytes"),
-    ("memory total per sysinfo(2) (answered by QKernel)", "free -m | awk '/Mem:/ {print $2 \" MiB\"}'"),
+    # busybox `free` prints its columns without separators and its "used" wraps (buff/cache
+    # comes from the host's /proc/meminfo), so the total column is read by position
+    ("memory total per sysinfo(2) (answered by QKernel)", "free | awk '/Mem:/ {print int(substr($0, 5, 15) / 1024) \" MiB\"}'"),
     ("pids limit", "cat /sys/fs/cgroup/pids/pids.max"),
     ("mounting (denied by the base policy)", "mount -t tmpfs t /tmp 2>&1 | sed 's/.*: //'"),
     ("new user namespace (denied)", "unshare -U true 2>&1 | sed 's/.*: //'"),
