@@ -73,10 +73,11 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
             try:
                 os.close(r)
                 os.setsid()
+                launcher = os.getpid()
                 if os.fork() == 0:
                     _log_to(log_file or store.path(container_id, "supervisor.log"))
                     st.supervisor_pid = os.getpid()
-                    Supervisor(store, st, spec, platform, console_socket, w).main()
+                    Supervisor(store, st, spec, platform, console_socket, w, launcher).main()
             finally:
                 os._exit(0)
         os.close(w)

@@ -4,6 +4,8 @@ It forks the container's init (sandbox.py), puts it in its cgroup, runs the runt
 then owns the container for its whole life: it is the init's parent (a child subreaper), reaps it
 and every exec'd process, records exit statuses in the state file, serves the control socket the
 CLI talks to (start, exec, wait), and hosts QKernel, which services the seccomp listener.
+Under a runc-driving manager that reaps the init itself (containerd's runc shim, conmon), the
+manager is the parent instead and exit statuses come from pidfds (see _choose_reaper).
 Everything runs on one single-threaded event loop (see eventloop.py for why).
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from typing import Any, NoReturn
 
 from qvisor import cgroups, channel, confine, hooks, sandbox
@@ -26,6 +29,9 @@ from qvisor.state import CREATED, RUNNING, SOCK_NAME, STOPPED, ContainerState, S
 
 log = logging.getLogger("quark.supervisor")
 _WALL = 0x40000000  # __WALL: also wait for tasks the ptrace platform traces
+# runc-compatible managers that reap the container's init themselves (see Supervisor._choose_reaper)
+RUNC_MANAGERS = ("containerd-shim-runc", "conmon")
+REAP_WAIT_S = 10
 
 
 def exit_code(status: int) -> int:
@@ -45,7 +51,7 @@ class _Child:
 
 class Supervisor:
     def __init__(self, store: StateStore, state: ContainerState, spec: Spec, platform: str,
-                 console_socket: str, ready_fd: int) -> None:
+                 console_socket: str, ready_fd: int, launcher_pid: int = 0) -> None:
         self.store, self.state, self.spec = store, state, spec
         self.platform, self.console_socket, self.ready_fd = platform, console_socket, ready_fd
         self.loop = Loop()
@@ -58,6 +64,8 @@ class Supervisor:
         self.execs: dict[int, _Child] = {}
         self.control: socket.socket | None = None
         self.clients: dict[int, tuple[socket.socket, channel.LineReader]] = {}
+        self.launcher_pid = launcher_pid       # the process that forked us and exits at once
+        self.caller_reaps = False              # see _choose_reaper
 
     # ---- life cycle -------------------------------------------------------------------------
 
@@ -85,13 +93,76 @@ class Supervisor:
         os._exit(0)
 
     def _setup_process(self) -> None:
-        L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)
+        self.caller_reaps = self._choose_reaper()
+        if not self.caller_reaps:
+            L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)
         for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_IGN)
         r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.loop.add_reader(r, lambda: (self._drain(r), self._reap()))
+
+    def _choose_reaper(self) -> bool:
+        """Who becomes the parent of the container's processes.
+
+        By default the supervisor (a child subreaper) does, and reaps them. A manager that drives
+        quark as a runc-compatible binary (containerd's runc shim with BinaryName, conmon) is a
+        child subreaper itself and waits for the init it was told about in --pid-file, as it does
+        with runc: then the container's processes go to it (the supervisor is no subreaper, so
+        they are re-parented past it when their first stage exits), and the supervisor learns
+        their exit statuses from their pidfds once the manager has reaped them (qvisor/pidfs.py).
+        QUARK_INIT_REAPER=caller|supervisor overrides the choice."""
+        from qvisor import pidfs
+        deadline = time.monotonic() + 1.0
+        while self.launcher_pid and os.getppid() == self.launcher_pid and time.monotonic() < deadline:
+            time.sleep(0.0002)   # the launcher exits right after forking us
+        choice = os.environ.get("QUARK_INIT_REAPER", "")
+        if choice == "supervisor":
+            return False
+        adopter = os.getppid()
+        if choice != "caller":
+            if adopter in (0, 1):
+                return False   # nobody adopts orphans above us
+            try:
+                name = os.path.basename(os.readlink(f"/proc/{adopter}/exe"))
+            except OSError:
+                return False
+            if not name.startswith(RUNC_MANAGERS):
+                return False
+        if not pidfs.supported():
+            log.warning("the caller reaps the container's processes, but this kernel cannot report "
+                        "their exit statuses through pidfds (Linux 6.15+): the supervisor reaps them")
+            return False
+        log.info("the container's processes go to pid %d, which reaps them", adopter)
+        return True
+
+    def _watch_exit(self, pid: int) -> None:
+        """(caller reaps) Learn when `pid` exits and, once reaped by its parent, its status."""
+        try:
+            fd = L.pidfd_open(pid)
+        except OSError:
+            return self._exited(pid, 255)   # already gone and reaped: the status is lost
+        self.loop.add_reader(fd, lambda: self._pidfd_readable(pid, fd, time.monotonic()))
+
+    def _pidfd_readable(self, pid: int, fd: int, since: float) -> None:
+        from qvisor import pidfs
+        status = pidfs.exit_status(fd)
+        if status is None:   # exited, not reaped yet: the pidfd stays readable, so look again later
+            self.loop.remove_reader(fd)
+            if time.monotonic() - since > REAP_WAIT_S:
+                log.warning("process %d exited but its parent did not reap it in %ds", pid, REAP_WAIT_S)
+                os.close(fd)
+                if pid not in self.exits:
+                    self._exited(pid, 255)
+                return
+            self.loop.call_later(0.002, lambda: self._pidfd_readable(pid, fd, since))
+            return
+        if self.loop.has_reader(fd):
+            self.loop.remove_reader(fd)
+        os.close(fd)
+        if pid not in self.exits:   # the ptrace platform may have seen the exit first
+            self._exited(pid, exit_code(status))
 
     def _done(self) -> bool:
         return self.state.status == STOPPED and not self.execs
@@ -158,6 +229,8 @@ class Supervisor:
             child.pid = msg["pid"]
             self.state.pid = child.pid
             self.state.pid_start_time = L.proc_start_time(child.pid) or 0
+            if self.caller_reaps:
+                self._watch_exit(child.pid)
             self._start_kernel(child.pid)
             channel.send(child.sock, {"type": "prepare", "cgroup_path": self.state.cgroup_path})
         elif kind == "create-runtime":
@@ -350,6 +423,8 @@ class Supervisor:
         if kind == "pid":
             ex.pid = msg["pid"]
             self.execs[ex.pid] = self.execs.pop(ex.stage1_pid)
+            if self.caller_reaps:
+                self._watch_exit(ex.pid)
             if self.platform == "ptrace":
                 self.kernel.attach(ex.pid)
             channel.send(ex.sock, {"type": "start", "platform": self.platform})

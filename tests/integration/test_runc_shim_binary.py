@@ -1,0 +1,105 @@
+"""containerd's own runc shim (io.containerd.runc.v2) driving quark as a runc-compatible binary
+(`BinaryName`, here `ctr --runc-binary`), as a person who replaces runc would run it.
+
+The runc shim is a child subreaper that waits for the init named in --pid-file; quark hands it the
+container's processes and its supervisor learns their exit statuses from pidfds (qvisor/pidfs.py).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+try:
+    from tests.integration import containerd_env as ce
+    from tests.integration.test_shim_containerd import remove, tasks, wait_status
+except ImportError:  # pytest put tests/integration itself on sys.path
+    import containerd_env as ce
+    from test_shim_containerd import remove, tasks, wait_status
+
+from qvisor import pidfs
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(ce.skip_reason() is not None, reason=ce.skip_reason() or ""),
+              pytest.mark.skipif(not pidfs.supported(), reason="needs PIDFD_GET_INFO exit statuses (Linux 6.15+)")]
+
+QUARK = os.path.join(os.path.dirname(sys.executable), "quark")
+R = ("--runtime", "io.containerd.runc.v2", "--runc-binary", QUARK)
+
+
+@pytest.fixture(scope="module")
+def cd(tmp_path_factory):
+    d = ce.Containerd()
+    try:
+        d.start()
+        d.ctr("images", "import", str(ce.busybox_image_tar(tmp_path_factory.mktemp("img") / "busybox.tar")))
+        yield d
+    finally:
+        d.close()
+
+
+
+
+def test_run_output_and_exit_code(cd):
+    p = cd.ctr("run", "--rm", *R, ce.IMAGE, "rs1", "sh", "-c", "echo hello; echo err >&2; exit 3", check=False)
+    assert (p.returncode, p.stdout) == (3, b"hello\n"), p.stderr
+    assert b"err" in p.stderr
+    assert "rs1" not in tasks(cd)
+
+
+def test_init_is_the_shims_child_and_runs_under_quark(cd):
+    cid = "rs2"
+    cd.ctr("run", "-d", *R, ce.IMAGE, cid, "sleep", "100")
+    try:
+        wait_status(cd, cid, "RUNNING")
+        pid = tasks(cd)[cid][0]
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        assert os.path.basename(os.readlink(f"/proc/{ppid}/exe")).startswith("containerd-shim-runc")
+        with open(f"/proc/{pid}/status") as f:
+            status = f.read()
+        # quark's filter (base policy + trapped socket family) is on the init: runc installs none here
+        assert "Seccomp:\t2" in status
+        out = cd.ctr("tasks", "exec", "--exec-id", "x", cid, "sh", "-c", "unshare -U true; echo $?").stdout
+        assert out == b"1\n"   # new user namespaces are denied by quark's base policy
+    finally:
+        remove(cd, cid)
+
+
+def test_exec_ps_pause_kill_and_exit_status(cd):
+    cid = "rs3"
+    cd.ctr("run", "-d", *R, ce.IMAGE, cid, "sh", "-c", "trap 'exit 7' TERM; while true; do sleep 0.1; done")
+    try:
+        wait_status(cd, cid, "RUNNING")
+        assert cd.ctr("tasks", "exec", "--exec-id", "e1", cid, "echo", "exec-out").stdout == b"exec-out\n"
+        assert cd.ctr("tasks", "exec", "--exec-id", "e2", cid, "sh", "-c", "exit 5", check=False).returncode == 5
+        cmd = (f"ctr --address {cd.address} --namespace {cd.namespace} tasks exec -t --exec-id e3 {cid} "
+               "sh -c 'tty; exit 6'")
+        p = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, timeout=60,
+                           stdin=subprocess.DEVNULL, env=cd.env)
+        assert p.returncode == 6 and b"/dev/pts/" in p.stdout, p.stdout + p.stderr
+        assert str(tasks(cd)[cid][0]) in cd.ctr("tasks", "ps", cid).stdout.decode().split()
+        cd.ctr("tasks", "pause", cid)
+        wait_status(cd, cid, "PAUSED")
+        cd.ctr("tasks", "resume", cid)
+        wait_status(cd, cid, "RUNNING")
+        metrics = cd.ctr("tasks", "metrics", cid).stdout.decode()   # `quark events --stats`
+        assert "memory" in metrics.lower() or "pids" in metrics.lower(), metrics
+        cd.ctr("tasks", "kill", cid)
+        wait_status(cd, cid, "STOPPED")
+        out = cd.ctr("tasks", "delete", cid).stdout.decode()
+        assert "7" in out or out == ""
+        assert cid not in tasks(cd)
+    finally:
+        remove(cd, cid)
+
+
+def test_terminal_run(cd):
+    cmd = (f"ctr --address {cd.address} --namespace {cd.namespace} run --rm -t {' '.join(R)} "
+           f"{ce.IMAGE} rs4 sh -c 'tty; exit 4'")
+    p = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, timeout=60,
+                       stdin=subprocess.DEVNULL, env=cd.env)
+    assert b"/dev/pts/" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 4
