@@ -125,6 +125,24 @@ def test_events_in_order_with_exit_status(cd):
     assert exit_event.get("exit_status") == 9 and exit_event.get("exited_at")
 
 
+def test_oom_event_and_exit(cd):
+    ev = subprocess.Popen(["ctr", "--address", cd.address, "events"], stdout=subprocess.PIPE, env=cd.env)
+    try:
+        time.sleep(0.5)
+        # a shell variable of 64 MiB in a 16 MiB cgroup: the kernel's OOM killer ends it
+        p = cd.ctr("run", "--rm", *R, "--memory-limit", str(16 << 20), ce.IMAGE, "oom1",
+                   "sh", "-c", "x=$(head -c 67108864 /dev/zero | tr '\\0' a); echo survived", check=False)
+        time.sleep(1.0)
+    finally:
+        ev.send_signal(signal.SIGTERM)
+        out = ev.communicate(timeout=10)[0].decode()
+    assert b"survived" not in p.stdout and p.returncode != 0
+    topics = [next(w for w in line.split() if w.startswith("/tasks/"))
+              for line in out.splitlines() if "oom1" in line and "/tasks/" in line]
+    assert "/tasks/oom" in topics, out
+    assert topics.index("/tasks/start") < topics.index("/tasks/oom") and topics[-1] == "/tasks/delete", topics
+
+
 def test_detached_exec_ps_pause_metrics_kill_delete(cd):
     cid = "detached1"
     cd.ctr("run", "-d", *R, ce.IMAGE, cid, "sh", "-c", "trap 'exit 7' TERM; while true; do sleep 0.1; done")
