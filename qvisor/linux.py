@@ -130,6 +130,28 @@ def mark_fds_cloexec(first: int) -> None:
                          ctypes.c_uint(CLOSE_RANGE_CLOEXEC)), "close_range")
 
 
+def close_fds_except(keep: set[int] | frozenset[int], first: int = 3) -> None:
+    """Close every fd >= first except those in `keep`: close_range(2) over the gaps, or, where a
+    seccomp profile refuses close_range, one close(2) per entry of /proc/self/fd."""
+    try:
+        lo = first
+        for fd in sorted(k for k in keep if k >= first):
+            if fd > lo:
+                _check(_libc.syscall(_SYS_CLOSE_RANGE, ctypes.c_uint(lo), ctypes.c_uint(fd - 1), ctypes.c_uint(0)),
+                       "close_range")
+            lo = fd + 1
+        _check(_libc.syscall(_SYS_CLOSE_RANGE, ctypes.c_uint(lo), ctypes.c_uint(0xFFFFFFFF), ctypes.c_uint(0)),
+               "close_range")
+    except OSError:
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd >= first and fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass   # the directory's own fd, already gone
+
+
 class _CapHeader(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 

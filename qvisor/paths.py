@@ -8,6 +8,7 @@ symlink swapped after the check cannot redirect the mount (the CVE-2021-30465 cl
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import stat
 
@@ -15,7 +16,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _SYS_OPENAT2 = 437
 RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
 RESOLVE_IN_ROOT = 0x10
+_MAX_RETRIES = 40   # symlinks followed plus entries that changed under us, as the kernel's MAXSYMLINKS
 
 
 class _OpenHow(ctypes.Structure):
@@ -33,28 +37,71 @@ def open_in_root(root_fd: int, path: str, flags: int = os.O_PATH, mode: int = 0)
     return fd
 
 
+def _open_child(dir_fd: int, name: str) -> int:
+    """O_PATH fd of the entry `name` of `dir_fd`, following nothing: ELOOP if it is a symlink."""
+    how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+    fd = _libc.syscall(_SYS_OPENAT2, ctypes.c_int(dir_fd), os.fsencode(name), ctypes.byref(how),
+                       ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), name)
+    return fd
+
+
 def ensure_in_root(root_fd: int, path: str, is_dir: bool, mode: int = 0o755) -> int:
     """Create `path` (a directory, or an empty file) inside the root if missing, parents included,
-    and return an O_PATH fd to it."""
-    parts = [p for p in path.split("/") if p and p != "."]
+    and return an O_PATH fd to it.
+
+    The walk is one component at a time and the kernel follows no symlink: a symlink met on the
+    way (the image's, or one a process sharing a volume swaps in) is read and followed here as the
+    container would follow it — an absolute target restarts at the root, '..' never climbs above
+    it — and a missing target is created inside the root, as runc's MkdirAll does."""
+    todo = [p for p in path.split("/") if p and p != "."]
+    canon: list[str] = []          # where `cur` is, from the root, for '..'
     cur = os.dup(root_fd)
+    retries = 0
     try:
-        for i, name in enumerate(parts):
-            last = i == len(parts) - 1
-            # resolve the whole prefix from the root each time, so a symlink met on the way is
-            # followed as the container would follow it; create missing parts in the resolved parent
-            prefix = "/".join(parts[:i + 1])
-            try:
-                nxt = open_in_root(root_fd, prefix)
-            except FileNotFoundError:
-                if last and not is_dir:
-                    os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644, dir_fd=cur))
-                else:
-                    os.mkdir(name, mode, dir_fd=cur)
-                nxt = open_in_root(root_fd, prefix)
+        while todo:
+            name = todo.pop(0)
+            last = not todo
+            if name == "..":
+                canon = canon[:-1]
+                nxt = open_in_root(root_fd, "/".join(canon))
+            else:
+                try:
+                    nxt = _open_child(cur, name)
+                except OSError as e:
+                    if e.errno not in (errno.ENOENT, errno.ELOOP):
+                        raise
+                    retries += 1
+                    if retries > _MAX_RETRIES:
+                        raise OSError(errno.ELOOP, "too many symbolic links or concurrent changes", path) from None
+                    if e.errno == errno.ELOOP:
+                        try:
+                            target = os.readlink(name, dir_fd=cur)
+                        except OSError:   # changed under us: look again
+                            todo.insert(0, name)
+                            continue
+                        if target.startswith("/"):
+                            canon = []
+                            os.close(cur)
+                            cur = os.dup(root_fd)
+                        todo[:0] = [p for p in target.split("/") if p and p != "."]
+                        continue
+                    try:
+                        if last and not is_dir:
+                            os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                             0o644, dir_fd=cur))
+                        else:
+                            os.mkdir(name, mode, dir_fd=cur)
+                    except FileExistsError:
+                        pass   # made meanwhile (or a symlink appeared): look again
+                    todo.insert(0, name)
+                    continue
+                canon.append(name)
             if not last and not stat.S_ISDIR(os.fstat(nxt).st_mode):
                 os.close(nxt)
-                raise NotADirectoryError(20, "not a directory", prefix)
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", "/".join(canon))
             os.close(cur)
             cur = nxt
         return cur

@@ -16,6 +16,7 @@ import signal
 from typing import Callable
 
 from qvisor import linux as L
+from qvisor import paths
 from qvisor.errors import SetupError
 from qvisor.spec import CAPABILITIES, RLIMITS, Capabilities, Process
 
@@ -31,11 +32,17 @@ def _mask(names: list[str], last: int) -> int:
     return m
 
 
+def _rlim(value: int) -> int:
+    """The spec's uint64 as Python's signed setrlimit argument with the same 64 bits: 2**64-1
+    (unlimited) is resource.RLIM_INFINITY (-1), and no value overflows a C long."""
+    return value - 2**64 if value >= 2**63 else value
+
+
 def set_rlimits(proc: Process) -> None:
     for r in proc.rlimits:
         try:
-            resource.setrlimit(RLIMITS[r.type], (r.soft, r.hard))
-        except (OSError, ValueError) as e:
+            resource.setrlimit(RLIMITS[r.type], (_rlim(r.soft), _rlim(r.hard)))
+        except (OSError, ValueError, OverflowError) as e:
             raise SetupError(f"process.rlimits: setting {r.type} to {r.soft}/{r.hard}: {e}") from None
 
 
@@ -92,8 +99,33 @@ def reset_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
-def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None]) -> None:
-    """Apply the process spec and execve. Does not return; raises SetupError before exec."""
+def chdir_in_root(cwd: str) -> None:
+    """chdir to `cwd`, resolved inside the container's root with no /proc magic links: a cwd such
+    as /proc/self/fd/N can never name a directory the runtime holds open (CVE-2024-21626 class).
+    Runs as the container's user, so search permissions apply as they would to chdir(2)."""
+    root = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = paths.open_in_root(root, cwd, os.O_PATH | os.O_DIRECTORY)
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.EPERM):
+            raise
+        # the bundle's seccomp profile refuses openat2: chdir, then refuse a directory that is not
+        # under our root (getcwd fails with ENOENT for one), as runc does
+        os.chdir(cwd)
+        os.getcwd()
+        return
+    finally:
+        os.close(root)
+    try:
+        os.fchdir(fd)
+    finally:
+        os.close(fd)
+
+
+def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None], keep_fds: tuple[int, ...] = ()) -> None:
+    """Apply the process spec and execve. Does not return; raises SetupError before exec.
+    Every fd >= 3 but `keep_fds` (the channel that reports a failed execve) is closed before execve,
+    so not even the path of the program can reach a runtime fd through /proc/self/fd."""
     last = L.last_cap()
     set_oom_score_adj(proc.oom_score_adj)
     if proc.user.umask is not None:
@@ -110,7 +142,7 @@ def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None]) ->
     except OSError as e:
         raise SetupError(f"process.user: switching to uid {proc.user.uid} gid {proc.user.gid}: {e.strerror}") from None
     try:
-        os.chdir(proc.cwd)
+        chdir_in_root(proc.cwd)
     except OSError as e:
         raise SetupError(f"process.cwd: {proc.cwd}: {e.strerror}") from None
     if caps is not None:
@@ -123,6 +155,7 @@ def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None]) ->
         install_filter(True)
     env = dict(e.split("=", 1) if "=" in e else (e, "") for e in proc.env)
     reset_signals()
+    L.close_fds_except(set(keep_fds))
     try:
         os.execvpe(proc.args[0], proc.args, env)
     except OSError as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 
 from qvisor import linux as L
@@ -39,8 +40,12 @@ def prepare(spec: Spec, cgroup_path: str, in_userns: bool) -> None:
     prop = mountopts.PROPAGATION.get(spec.linux.rootfs_propagation or "rslave")
     if prop is None:
         raise SetupError(f"linux.rootfsPropagation: unknown value {spec.linux.rootfs_propagation!r}")
-    L.mount(None, "/", None, prop)
-    L.mount(rootfs, rootfs, None, L.MS_BIND | L.MS_REC)
+    try:
+        L.mount(None, "/", None, prop)
+        _parent_mount_private(rootfs)
+        L.mount(rootfs, rootfs, None, L.MS_BIND | L.MS_REC)
+    except OSError as e:
+        raise _fail("mount root.path", rootfs, e) from None
     root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for m in spec.mounts:
@@ -72,8 +77,9 @@ def _mount_one(root_fd: int, m: Mount, bundle: str, cgroup_path: str) -> None:
         else:
             L.mount(source, paths.fd_path(fd), m.type, opts.flags, opts.data or None)
         # the fd still names the directory under the new mount: reopen to reach the mount itself
+        new = _reopen_new_mount(root_fd, m.destination, fd)
         os.close(fd)
-        fd = paths.open_in_root(root_fd, m.destination)
+        fd = new
         target = paths.fd_path(fd)
         # a bind ignores other flags on the first call: apply them with a remount, as runc does
         rest = opts.flags & ~(L.MS_BIND | L.MS_REC | L.MS_REMOUNT)
@@ -85,6 +91,65 @@ def _mount_one(root_fd: int, m: Mount, bundle: str, cgroup_path: str) -> None:
         raise _fail(f"mount {m.type or 'bind'}", m.destination, e) from None
     finally:
         os.close(fd)
+
+
+def _mnt_id(fd: int) -> int:
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        for line in f:
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
+    raise SetupError(f"no mnt_id for fd {fd}")
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _parent_mount_private(path: str) -> None:
+    """Make the mount that holds `path` private (in our mount namespace) if it is shared, as runc
+    does: the rootfs bind would otherwise propagate to its peers — with rootfsPropagation=shared on
+    a host whose / is shared, into the host — and pivot_root refuses a shared parent."""
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        mid = _mnt_id(fd)
+    finally:
+        os.close(fd)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            x = line.split()
+            if int(x[0]) == mid:
+                if any(o.startswith("shared:") for o in x[6:x.index("-")]):
+                    L.mount(None, _unescape(x[4]), None, L.MS_PRIVATE)
+                return
+
+
+def _reopen_new_mount(root_fd: int, dest: str, under_fd: int) -> int:
+    """After a mount onto `under_fd` (a directory, by its /proc/self/fd path), return an fd to the
+    new mount itself; `under_fd` stays open (the caller's to close). Reaching the mount means
+    resolving `dest` again, and a process that shares a volume on the way could swap a symlink in
+    meanwhile and make it name another mount — which would then get this mount's read-only or
+    propagation flags, leaving this one writable. So the mount found must sit on under_fd's
+    directory (stacked mounts allowed)."""
+    parent_id = _mnt_id(under_fd)
+    point = os.readlink(paths.fd_path(under_fd))
+    fd = paths.open_in_root(root_fd, dest)
+    try:
+        mounts = {}
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                x = line.split()
+                mounts[int(x[0])] = (int(x[1]), _unescape(x[4]))
+        mid = _mnt_id(fd)
+        for _ in range(len(mounts)):
+            if mid not in mounts or mounts[mid][1] != point:
+                break
+            if mounts[mid][0] == parent_id:
+                return fd
+            mid = mounts[mid][0]
+        raise SetupError(f"mount destination {dest}: it changed while it was being mounted (a symlink swapped in?)")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _v1_hierarchies() -> list[tuple[str, str]]:
@@ -109,13 +174,15 @@ def _mount_cgroup(root_fd: int, m: Mount, opts: mountopts.MountOptions, cgroup_p
         if cgroups.detect() == "v2":
             L.mount("/sys/fs/cgroup" + cgroup_path, paths.fd_path(fd), None, L.MS_BIND | L.MS_REC)
             if ro:
+                new = _reopen_new_mount(root_fd, m.destination, fd)
                 os.close(fd)
-                fd = paths.open_in_root(root_fd, m.destination)
+                fd = new
                 L.mount(None, paths.fd_path(fd), None, L.MS_BIND | L.MS_REMOUNT | L.MS_RDONLY | flags)
             return
         L.mount("tmpfs", paths.fd_path(fd), "tmpfs", flags, "mode=755")
+        new = _reopen_new_mount(root_fd, m.destination, fd)  # now the tmpfs
         os.close(fd)
-        fd = paths.open_in_root(root_fd, m.destination)  # now the tmpfs
+        fd = new
         for mnt, _ in _v1_hierarchies():
             src = mnt + cgroup_path
             if not mnt.startswith("/sys/fs/cgroup/") or not os.path.isdir(src):
@@ -123,9 +190,10 @@ def _mount_cgroup(root_fd: int, m: Mount, opts: mountopts.MountOptions, cgroup_p
             sub = paths.ensure_in_root(fd, os.path.basename(mnt), True)
             try:
                 L.mount(src, paths.fd_path(sub), None, L.MS_BIND)
+                new = _reopen_new_mount(fd, os.path.basename(mnt), sub)
             finally:
                 os.close(sub)
-            sub = paths.open_in_root(fd, os.path.basename(mnt))
+            sub = new
             try:
                 L.mount(None, paths.fd_path(sub), None, L.MS_BIND | L.MS_REMOUNT | flags | (L.MS_RDONLY if ro else 0))
             finally:
@@ -176,12 +244,16 @@ def _make_device(root_fd: int, path: str, typ: str, major: int, minor: int, mode
             return
         kind = {"c": stat.S_IFCHR, "u": stat.S_IFCHR, "b": stat.S_IFBLK, "p": stat.S_IFIFO}[typ]
         try:
+            dev = os.makedev(major, minor)
+        except (OverflowError, ValueError):
+            raise SetupError(f"linux.devices: {path}: device number {major}:{minor} is out of range") from None
+        try:
             os.unlink(name, dir_fd=parent)
         except FileNotFoundError:
             pass
         except IsADirectoryError:
             raise SetupError(f"device {path}: a directory is in the way") from None
-        os.mknod(name, kind | (mode & 0o7777), os.makedev(major, minor), dir_fd=parent)
+        os.mknod(name, kind | (mode & 0o7777), dev, dir_fd=parent)
         os.chmod(name, mode & 0o7777, dir_fd=parent)  # mknod is subject to the umask
         if uid is not None or gid is not None:
             os.chown(name, uid if uid is not None else -1, gid if gid is not None else -1, dir_fd=parent)
@@ -205,7 +277,13 @@ def pivot(rootfs: str) -> None:
 
 
 def finalize(spec: Spec) -> None:
-    """After pivot_root: masked paths, read-only paths, read-only root."""
+    """After pivot_root: shared root propagation if asked, masked paths, read-only paths, read-only root."""
+    prop = mountopts.PROPAGATION.get(spec.linux.rootfs_propagation or "rslave", 0)
+    if prop & L.MS_SHARED:   # the rootfs was bound from a private parent: share it now
+        try:
+            L.mount(None, "/", None, prop)
+        except OSError as e:
+            raise _fail("linux.rootfsPropagation", spec.linux.rootfs_propagation, e) from None
     for p in spec.linux.readonly_paths:
         try:
             L.mount(p, p, None, L.MS_BIND | L.MS_REC)

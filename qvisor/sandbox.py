@@ -8,8 +8,12 @@ the channel is close-on-exec, so EOF after "go" means the execve succeeded.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
+import gc
+import logging
 import os
+import signal
 import socket
 import termios
 import traceback
@@ -43,6 +47,40 @@ def run_child(sock: socket.socket, body: Callable[[], None]) -> NoReturn:
     os._exit(code)
 
 
+class _ChannelLog(logging.Handler):
+    """A forked child's log records travel to the supervisor as {"type": "log"} messages on its
+    channel, so the child needs no fd of the supervisor's log file (a host file)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self.sock = sock
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            channel.send(self.sock, {"type": "log", "level": record.levelno, "logger": record.name,
+                                     "message": record.getMessage()})
+        except Exception:  # noqa: BLE001 - logging must never break container set-up
+            pass
+
+
+_inherited: list = []  # the supervisor's handlers, kept referenced so no finaliser ever runs in a child
+
+
+def drop_runtime_fds(sock: socket.socket) -> None:
+    """First thing in a child forked from the supervisor: close every fd it inherited but stdio and
+    its channel — the supervisor's log file, control and client sockets, the seccomp listeners of
+    other processes, its event loop, tsord's socket, the `quark create` pipe, whatever the caller
+    of `quark` leaked — before it joins any namespace of the container (CVE-2024-21626 class).
+    The objects that own those fds are never finalised here: collection is off and the handlers
+    stay referenced, so no finaliser can close an fd number the child reuses."""
+    gc.disable()
+    signal.set_wakeup_fd(-1)   # the supervisor's wake-up pipe is closed below: no write may go there
+    root = logging.getLogger()
+    _inherited.extend(root.handlers)
+    root.handlers[:] = [_ChannelLog(sock)]
+    L.close_fds_except({sock.fileno()})
+
+
 def _expect(sock: socket.socket, kind: str) -> dict:
     msg, _ = channel.recv_packet(sock)
     if msg.get("type") == "error":
@@ -52,10 +90,27 @@ def _expect(sock: socket.socket, kind: str) -> dict:
     return msg
 
 
+def _reject_nul(value, field: str, origin: str = "config.json: ") -> None:
+    """No string handed to the kernel may hold a NUL: it would be cut short there (a path, a
+    hostname) or make Python refuse it half-way through set-up (args, env)."""
+    if isinstance(value, str):
+        if "\0" in value:
+            raise SetupError(f"{origin}{field}: must not contain a NUL character")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _reject_nul(k, field, origin)
+            _reject_nul(v, f"{field}.{k}" if field else str(k), origin)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _reject_nul(v, f"{field}[{i}]", origin)
+
+
 def stage1(sock: socket.socket, spec: Spec) -> None:
     """Namespaces, then fork the init (pid 1 of a new pid namespace)."""
     L.prctl(L.PR_SET_DUMPABLE, 0)  # nothing in the container may open /proc/<us>/exe or /mem
+    drop_runtime_fds(sock)
     _expect(sock, "go")  # the supervisor has put us in the cgroup
+    _reject_nul(spec.raw, "")
     joined = sorted((ns for ns in spec.linux.namespaces if ns.path), key=lambda ns: ns.type != "user")
     for ns in joined:
         try:
@@ -69,6 +124,11 @@ def stage1(sock: socket.socket, spec: Spec) -> None:
         finally:
             os.close(fd)
     new = {ns.type for ns in spec.linux.namespaces if not ns.path}
+    if any(ns.type == "user" for ns in joined):
+        # our host ids mean nothing in the joined namespace (files we create would fail with
+        # EOVERFLOW): become its root, as runc's nsexec does
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
     if "user" in new:
         L.unshare(L.CLONE_NEWUSER)
         channel.send(sock, {"type": "userns"})
@@ -122,10 +182,14 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool) -> None:
     rootfs.prepare(spec, msg["cgroup_path"], in_userns)
     channel.send(sock, {"type": "create-runtime"})  # prestart and createRuntime hooks, in the runtime namespace
     state = _expect(sock, "create-runtime-ok")["state"]
-    if spec.hostname:
-        L.sethostname(spec.hostname)
-    if spec.domainname:
-        L.setdomainname(spec.domainname)
+    for field, value, set_name in (("hostname", spec.hostname, L.sethostname),
+                                   ("domainname", spec.domainname, L.setdomainname)):
+        if value:
+            try:
+                set_name(value)
+            except OSError as e:
+                hint = " (at most 64 bytes)" if e.errno == errno.EINVAL else ""
+                raise SetupError(f"{field}: {value!r}: {os.strerror(e.errno)}{hint}") from None
     rootfs.pivot(spec.root.path)
     _sysctls(spec)
     hooks.run_hooks("createContainer", spec.hooks.create_container, state)
@@ -150,13 +214,16 @@ def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str) -> None
             channel.send(sock, {"type": "listener"}, [fd])
             os.close(fd)
 
-    process.finish_and_exec(proc, install_filter=install_filter)
+    process.finish_and_exec(proc, install_filter=install_filter, keep_fds=(sock.fileno(),))
 
 
 def exec_stage1(sock: socket.socket, init_pid: int, spec: Spec, proc: Process) -> None:
     """Join the init's namespaces (all at once, through its pidfd), then fork the process."""
     L.prctl(L.PR_SET_DUMPABLE, 0)
+    drop_runtime_fds(sock)
     _expect(sock, "go")
+    for field in ("args", "env", "cwd"):
+        _reject_nul(getattr(proc, field), f"process.{field}", "exec: ")
     flags = 0
     for t, name in PROC_NS_NAMES.items():
         try:

@@ -1,0 +1,139 @@
+"""QKernel with a handler that *tries* to act late: it holds each trapped connect() for a second,
+then writes a marker over the caller's sockaddr (as getsockname emulation writes into the task)
+and answers. If the task exited or exec'd meanwhile, QKernel must refuse both: nothing may land
+in a new program image that reuses the pid, and no answer may reach it.
+
+    python trap_harness.py --platform seccomp|ptrace -- PROGRAM ARGS...
+
+Runs PROGRAM the way tests/progs/qkernel_harness.py does (filter installed right before execve,
+Loop + Kernel, one reaper) and prints on stderr
+`trap-harness: deferred=N completed=N cancelled=N written=N refused=N`.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import errno
+import importlib.util
+import os
+import signal
+import socket
+import sys
+import time
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..")
+sys.path.insert(0, REPO)
+
+import qkernel  # noqa: E402
+from qkernel.errors import MemoryFault, TaskGone  # noqa: E402
+from qkernel.request import Errno  # noqa: E402
+from qvisor.eventloop import Loop  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("qkernel_harness", os.path.join(REPO, "tests", "progs", "qkernel_harness.py"))
+H = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(H)
+
+MARK = b"QUARK-ACTED-ON-A-GONE-TASK"
+HOLD_S = 1.0
+
+
+class Counters:
+    deferred = completed = cancelled = written = refused = 0
+
+
+def late_actor(loop: Loop, counters: Counters):
+    def handle(req):
+        d = req.defer()
+        counters.deferred += 1
+        d.on_cancel(lambda: setattr(counters, "cancelled", counters.cancelled + 1))
+
+        def act():
+            # deliberately not checking d.done first: the framework itself must refuse
+            try:
+                req.write(req.args[1], MARK)
+                counters.written += 1
+            except (TaskGone, MemoryFault):
+                counters.refused += 1
+            if not d.done:
+                counters.completed += 1
+            d.complete(Errno(errno.ECONNREFUSED))
+        loop.call_later(HOLD_S, act)
+        return d
+    return handle
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--platform", required=True)
+    p.add_argument("argv", nargs="+")
+    args = p.parse_args()
+
+    ctypes.CDLL(None).prctl(H.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    parent_sock, child_sock = socket.socketpair()
+    go_r, go_w = os.pipe()
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    pid = os.fork()
+    if pid == 0:
+        parent_sock.close()
+        H.child(args.argv, args.platform, child_sock, go_r, None, False)
+    child_sock.close()
+    os.close(go_r)
+
+    loop = Loop()
+    kernel = qkernel.Kernel(loop, args.platform, qkernel.SandboxContext("trap-harness", None, pid))
+    counters = Counters()
+    entry = qkernel.table.by_name()["connect"]
+    kernel.handlers[entry.nr(kernel.arch)] = dataclasses.replace(entry, handler=late_actor(loop, counters))
+    if args.platform == "ptrace":
+        kernel.attach(pid)
+    os.write(go_w, b"g")
+    if args.platform == "seccomp":
+        _, fds, _, _ = socket.recv_fds(parent_sock, 1, 1)
+        if not fds:
+            os.waitpid(pid, 0)
+            return 127
+        kernel.serve_listener(fds[0])
+
+    result: list[int] = []
+
+    def reap() -> None:
+        try:
+            while os.read(wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                wpid, status = os.waitpid(-1, os.WNOHANG | H.WALL)
+            except ChildProcessError:
+                return
+            if wpid == 0:
+                return
+            if kernel.on_child_status(wpid, status):
+                continue
+            if wpid == pid:
+                result.append(os.waitstatus_to_exitcode(status))
+
+    loop.add_reader(wake_r, reap)
+    reap()
+    deadline = time.monotonic() + 30
+    while not result and time.monotonic() < deadline:
+        loop.run_once(0.1)
+    if not result:
+        os.kill(pid, signal.SIGKILL)
+        return 124
+    end = time.monotonic() + HOLD_S + 0.5   # let every held call's late action run
+    while time.monotonic() < end:
+        loop.run_once(0.05)
+    kernel.close()
+    print(f"trap-harness: deferred={counters.deferred} completed={counters.completed} cancelled={counters.cancelled} "
+          f"written={counters.written} refused={counters.refused}", file=sys.stderr)
+    code = result[0]
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
