@@ -90,6 +90,37 @@ def _expect(sock: socket.socket, kind: str) -> dict:
     return msg
 
 
+def _fork_reported(sock: socket.socket) -> tuple[int, int]:
+    """Fork the process stage 1 exists for. Only stage 1 can tell the supervisor its pid; if stage 1
+    dies first (the OOM killer picks it under a tight memory limit), the child would wait for the
+    supervisor forever and the supervisor for the pid, each holding the channel open. So the child
+    first waits on a pipe for stage 1's word that the pid is sent: EOF instead means stage 1 died,
+    and the child exits, which closes the channel and fails the create or exec cleanly.
+    Returns (pid, fd): in the child the pipe's read end, in stage 1 its write end."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:
+        os.close(w)
+        return 0, r
+    os.close(r)
+    return pid, w
+
+
+def _report_pid(sock: socket.socket, pid: int, w: int) -> None:
+    channel.send(sock, {"type": "pid", "pid": pid})
+    os.write(w, b"s")
+    os.close(w)
+
+
+def _await_report(r: int) -> None:
+    try:
+        sent = os.read(r, 1)
+    finally:
+        os.close(r)
+    if not sent:
+        os._exit(1)   # stage 1 died before it could report us: nothing will ever answer
+
+
 def _reject_nul(value, field: str, origin: str = "config.json: ") -> None:
     """No string handed to the kernel may hold a NUL: it would be cut short there (a path, a
     hostname) or make Python refuse it half-way through set-up (args, env)."""
@@ -142,10 +173,10 @@ def stage1(sock: socket.socket, spec: Spec) -> None:
         L.unshare(flags)
     except OSError as e:
         raise SetupError(f"linux.namespaces: creating {sorted(new - {'user'})}: {e.strerror}") from None
-    pid = os.fork()
+    pid, reported = _fork_reported(sock)
     if pid == 0:
-        run_child(sock, lambda: init(sock, spec, "user" in new or any(ns.type == "user" for ns in joined)))
-    channel.send(sock, {"type": "pid", "pid": pid})
+        run_child(sock, lambda: init(sock, spec, "user" in new or any(ns.type == "user" for ns in joined), reported))
+    _report_pid(sock, pid, reported)
 
 
 def _sysctls(spec: Spec) -> None:
@@ -174,9 +205,10 @@ def _terminal(sock: socket.socket, proc: Process) -> None:
         os.close(slave)
 
 
-def init(sock: socket.socket, spec: Spec, in_userns: bool) -> None:
+def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int) -> None:
     """The container's init, until it execs the user's process."""
     L.prctl(L.PR_SET_DUMPABLE, 0)
+    _await_report(reported)
     os.setsid()
     msg = _expect(sock, "prepare")
     rootfs.prepare(spec, msg["cgroup_path"], in_userns)
@@ -238,14 +270,15 @@ def exec_stage1(sock: socket.socket, init_pid: int, spec: Spec, proc: Process) -
         raise SetupError(f"exec: joining the container's namespaces: {e.strerror}") from None
     finally:
         os.close(pidfd)
-    pid = os.fork()
+    pid, reported = _fork_reported(sock)
     if pid == 0:
-        run_child(sock, lambda: exec_init(sock, spec, proc))
-    channel.send(sock, {"type": "pid", "pid": pid})
+        run_child(sock, lambda: exec_init(sock, spec, proc, reported))
+    _report_pid(sock, pid, reported)
 
 
-def exec_init(sock: socket.socket, spec: Spec, proc: Process) -> None:
+def exec_init(sock: socket.socket, spec: Spec, proc: Process, reported: int) -> None:
     L.prctl(L.PR_SET_DUMPABLE, 0)
+    _await_report(reported)
     os.setsid()
     start = _expect(sock, "start")
     process.set_rlimits(proc)

@@ -183,7 +183,7 @@ def setup_mutation(draw, bundle_dir: str):
         return choice, lambda s: s.setdefault("hooks", {}).__setitem__(kind, [h])
     if choice == "resources":
         r = draw(st.fixed_dictionaries({}, optional={
-            "memory": st.fixed_dictionaries({"limit": st.integers(-1, 2**40)}),
+            "memory": st.fixed_dictionaries({"limit": st.integers(-1, 2**40) | st.integers(4096, 4 << 20)}),
             "pids": st.fixed_dictionaries({"limit": st.integers(-1, 10)}),
             "cpu": st.fixed_dictionaries({}, optional={"shares": st.integers(0, 2**20), "quota": st.integers(-1, 10**6),
                                                        "cpus": st.sampled_from(["0", "0-1", "99", "x", ""])})}))
@@ -213,12 +213,32 @@ def assert_nothing_left(quark, cid: str, bundle_dir: str, cgroup_path: str) -> N
 CREATES: dict[str, int] = {"created": 0, "refused": 0}
 
 
+def remove_fuzz_cgroups(paths: list[str]) -> None:
+    """After a failure mid-create: kill what is left in our own cgroups, remove them and their parent."""
+    import signal
+    from qvisor import cgroups
+    for path in paths:
+        cg = cgroups.open_cgroup(path)
+        if any(os.path.isdir(d) for d in cg.dirs()):
+            try:
+                cg.kill_all(signal.SIGKILL)
+                cg.destroy()
+            except Exception:  # noqa: BLE001 - best effort; the assertions already failed the test
+                pass
+    for d in os.listdir("/sys/fs/cgroup"):
+        try:
+            os.rmdir(f"/sys/fs/cgroup/{d}/quark-sec-fuzz")
+        except OSError:
+            pass
+
+
 @pytest.mark.root
 def test_create_with_fuzzed_specs_fails_cleanly(quark, bundle):
     b = bundle(["true"])
     with open(os.path.join(b, "config.json")) as f:
         pristine = f.read()
     seen: list[str] = []
+    made: list[str] = []
 
     @settings(max_examples=CREATE_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(st.data())
@@ -228,6 +248,7 @@ def test_create_with_fuzzed_specs_fails_cleanly(quark, bundle):
         choice, edit = data.draw(setup_mutation(b))
         cid = uid("fuzz")
         cgroup_path = f"/quark-sec-fuzz/{cid}"
+        made.append(cgroup_path)
 
         def apply(s: dict) -> None:
             edit(s)
@@ -257,12 +278,31 @@ def test_create_with_fuzzed_specs_fails_cleanly(quark, bundle):
     try:
         one()
     finally:
-        for base in ("/sys/fs/cgroup/" + d + "/quark-sec-fuzz" for d in os.listdir("/sys/fs/cgroup")):
-            try:
-                os.rmdir(base)
-            except OSError:
-                pass
+        remove_fuzz_cgroups(made)
     print("\n".join(seen))
     record("fuzz: quark create with set-up-breaking specs", "quark",
            f"{CREATES['created']} created and deleted, {CREATES['refused']} refused with a message; no traceback, "
            "nothing left")
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("limit", [64 * 1024, 680 * 1024, 1 << 20])
+def test_create_under_a_tight_memory_limit_fails_cleanly(quark, bundle, limit):
+    """Found by the fuzzer: with ~680 KiB the OOM killer took stage 1 after it forked the init and
+    before it reported the init's pid; `quark create` then waited forever."""
+    b = bundle(["true"])
+    cid = uid("oom")
+    cgroup_path = f"/quark-sec-fuzz/{cid}"
+
+    def edit(s: dict) -> None:
+        s["linux"]["resources"]["memory"] = {"limit": limit}
+        s["linux"]["cgroupsPath"] = cgroup_path
+    edit_config(b, edit)
+    try:
+        r = quark("create", "--bundle", b, cid, check=False, timeout=30)
+        assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stderr
+        if r.returncode == 0:
+            quark("delete", "--force", cid)
+        assert_nothing_left(quark, cid, b, cgroup_path)
+    finally:
+        remove_fuzz_cgroups([cgroup_path])
