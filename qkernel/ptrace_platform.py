@@ -52,11 +52,14 @@ class StopRequest(Request):
         super().__init__(platform.kernel, pid, regs.orig_rax, args)
         self.platform = platform
         self.regs = regs
+        self.task = platform.tasks.get(pid)
 
     def is_valid(self) -> bool:
         # The task stays in its seccomp stop until we resume it, and its pid cannot be reused
-        # before the supervisor reaps it, which tells us first.
-        return self.pid in self.platform.tasks
+        # before the supervisor reaps it, which tells us first. By identity, not by pid: a
+        # non-leader thread's execve gives the leader's pid to a new program image (see
+        # PTRACE_EVENT_EXEC below), which must never receive this stop's answer.
+        return self.task is not None and self.platform.tasks.get(self.pid) is self.task
 
     def is_interrupted(self) -> bool:
         return not self.is_valid() or _signal_pending(self.pid)
@@ -145,6 +148,9 @@ class PtracePlatform:
             former = self.ptrace(pt.ptrace_geteventmsg, pid)
             if former and former != pid:   # a non-leader thread exec'd and took the leader's pid
                 self.tasks.pop(former, None)
+                # the old leader's pending stop died with its image: a new _Task for the pid
+                self.tasks[pid] = _Task(started=True)
+                self.kernel.task_exited(pid)
             self.ptrace(pt.ptrace_cont, pid, 0)
         elif event == PTRACE_EVENT_STOP:
             if not task.started:   # an auto-attached child's first stop

@@ -57,6 +57,8 @@ def prepare(spec: Spec, cgroup_path: str, in_userns: bool) -> None:
 
 def _mount_one(root_fd: int, m: Mount, bundle: str, cgroup_path: str) -> None:
     opts = mountopts.parse(m.options)
+    if m.type == "bind" and not opts.is_bind:
+        opts.flags |= L.MS_BIND   # type "bind" without a bind option is a bind mount, as in runc
     if m.type == "cgroup" or m.type == "cgroup2":
         return _mount_cgroup(root_fd, m, opts, cgroup_path)
     if opts.is_bind:

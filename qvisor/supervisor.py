@@ -49,6 +49,13 @@ class _Child:
     console: list[int] = dataclasses.field(default_factory=list)  # exec: pty master for the client
 
 
+def _child_log(msg: dict) -> None:
+    """A forked child's log record (it has no fd of our log file): into our log."""
+    level = msg.get("level")
+    logging.getLogger(str(msg.get("logger", "quark"))).log(
+        level if isinstance(level, int) else logging.WARNING, "%s", msg.get("message"))
+
+
 class Supervisor:
     def __init__(self, store: StateStore, state: ContainerState, spec: Spec, platform: str,
                  console_socket: str, ready_fd: int, launcher_pid: int = 0) -> None:
@@ -222,6 +229,8 @@ class Supervisor:
 
     def _on_init_msg(self, child: _Child, msg: dict, fds: list[int]) -> None:
         kind = msg.get("type")
+        if kind == "log":
+            return _child_log(msg)
         if kind == "userns":
             self._write_id_maps(child.stage1_pid)
             channel.send(child.sock, {"type": "userns-ok"})
@@ -420,6 +429,8 @@ class Supervisor:
 
     def _on_exec_msg(self, ex: _Child, msg: dict, fds: list[int]) -> None:
         kind = msg.get("type")
+        if kind == "log":
+            return _child_log(msg)
         if kind == "pid":
             ex.pid = msg["pid"]
             self.execs[ex.pid] = self.execs.pop(ex.stage1_pid)

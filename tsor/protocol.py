@@ -107,7 +107,7 @@ def decode(raw: bytes) -> tuple[int, object] | tuple[int, dict]:
     """A request -> (id, message dataclass); a reply -> (id, dict). ProtocolError if malformed."""
     try:
         msg = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:   # deep nesting: RecursionError
         raise ProtocolError(f"not JSON: {e}") from None
     if not isinstance(msg, dict):
         raise ProtocolError("message is not an object")

@@ -151,7 +151,10 @@ class Cgroup(ABC):
         return sorted(found)
 
     def kill_all(self, sig: int = signal.SIGKILL) -> None:
-        """Signal every process; frozen meanwhile so none escapes by forking. Leaves it thawed."""
+        """Signal every process; frozen meanwhile so none escapes by forking. Leaves it thawed.
+        A cgroup that no longer exists has no process to signal."""
+        if not any(os.path.isdir(d) for d in self.dirs()):
+            return
         try:
             self.freeze()
             frozen = True

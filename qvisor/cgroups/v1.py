@@ -124,8 +124,8 @@ class V1Cgroup(Cgroup):
         poll(lambda: self._freezer_state() == "THAWED", f"thawing {self._dir('freezer')}")
 
     def frozen(self) -> bool:
-        if "freezer" not in self.mounts:
-            return False
+        if "freezer" not in self.mounts or not os.path.isdir(self._dir("freezer")):
+            return False   # no freezer, or the cgroup is already gone (delete --force)
         poll(lambda: self._freezer_state() != "FREEZING", "waiting for FREEZING to settle")
         return self._freezer_state() == "FROZEN"
 

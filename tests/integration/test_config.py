@@ -84,6 +84,16 @@ def test_readonly_root_and_mounts(quark, bundle, tmp_path):
     assert not (host_dir / "g").exists()
 
 
+def test_mount_type_bind_without_bind_option_is_a_bind(quark, bundle, tmp_path):
+    host_dir = tmp_path / "typed"
+    host_dir.mkdir()
+    (host_dir / "f").write_text("bound\n")
+    b = bundle(["cat", "/typed/f"])
+    edit_config(b, lambda s: s["mounts"].append({"destination": "/typed", "type": "bind",
+                                                  "source": str(host_dir), "options": ["ro"]}))
+    assert run_report(quark, b) == "bound\n"
+
+
 def test_pid_network_ipc_uts_namespaces(quark, bundle):
     b = bundle(["sh", "-c", "echo $$; ls /sys/class/net; for n in ipc uts net; do readlink /proc/self/ns/$n; done"])
     out = run_report(quark, b).split()

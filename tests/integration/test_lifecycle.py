@@ -129,6 +129,19 @@ def test_delete_force_running_and_after_supervisor_killed(quark, bundle):
     assert cgroup_dirs(st2["cgroup_path"]) == []
 
 
+def test_delete_force_after_the_cgroup_is_gone(quark, bundle):
+    from tests.integration.conftest import cgroup_dirs
+    quark("run", "-d", "--bundle", bundle(["sleep", "100"]), "cg")
+    wait_status(quark, "cg", "running")
+    cg = json.loads(open(os.path.join(quark.root, "cg", "state.json")).read())["cgroup_path"]
+    quark("kill", "cg", "KILL")
+    assert wait_status(quark, "cg", "stopped")["status"] == "stopped"
+    for d in sorted(cgroup_dirs(cg), reverse=True):   # someone (an admin, systemd) removed it
+        os.rmdir(d)
+    quark("delete", "--force", "cg")
+    assert quark.ids() == []
+
+
 def test_delete_of_created_container_needs_no_force(quark, bundle):
     quark("create", "--bundle", bundle(["true"]), "cr")
     pid = quark.state("cr")["pid"]

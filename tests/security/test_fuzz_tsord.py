@@ -191,9 +191,6 @@ def test_tsord_answers_or_drops_and_keeps_serving(fuzzed):
     assert t1 <= t0 + 2, f"tsord threads {t0} -> {t1}"
 
 
-@pytest.mark.xfail(strict=True, reason="tsor/protocol.py decode() lets RecursionError out of json.loads for deeply "
-                                       "nested input: the session thread dies with a traceback (the connection is "
-                                       "dropped, tsord keeps serving). Reported; see SECURITY.md")
 def test_tsord_handlers_never_crash(fuzzed):
     log = fuzzed["log"]
     assert fuzzed["crashes"] == 0, log[max(0, log.find("Traceback") - 200):][:1500]

@@ -84,11 +84,6 @@ def harness_runs(tools) -> dict[tuple[str, str], subprocess.CompletedProcess]:
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_task_gone_mid_notification_is_never_acted_on(harness_runs, platform, mode, request):
-    if platform == "ptrace" and mode == "leader":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "qkernel/ptrace_platform.py: when a non-leader thread execs, the old leader vanishes "
-            "without an exit report; its held StopRequest stays valid (pid still in .tasks) and the "
-            "late write lands in the new image. Reported; see SECURITY.md")))
     r = harness_runs[(platform, mode)]
     line = [ln for ln in r.stderr.splitlines() if ln.startswith("trap-harness:")]
     assert line, r.stderr
