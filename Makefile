@@ -8,7 +8,7 @@ APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf
 	redis-server redis-tools python3-venv python3-dev python3-seccomp python3-pyverbs \
 	iproute2 gcc libc6-dev procps util-linux
 
-.PHONY: install apt venv links bytecode demo test test-unit bench proto clean
+.PHONY: install apt venv links bytecode trampoline demo test test-unit bench proto clean
 install: apt venv links
 
 apt:
@@ -50,6 +50,12 @@ test-unit: install
 bench: install
 	$(PY) bench/startup.py
 	$(PY) bench/tsor.py
+
+# rebuild the exec trampoline from qvisor/trampoline.S and print the base64 embedded in
+# qvisor/trampoline.py (tests/unit/test_trampoline.py checks the two agree)
+trampoline:
+	gcc -nostdlib -static -Wl,--build-id=none -Wl,-n -s -o /tmp/quark-trampoline qvisor/trampoline.S
+	base64 -w0 /tmp/quark-trampoline; echo
 
 # regenerate the committed protobuf modules of the shim from shim/proto/*.proto
 proto: install

@@ -16,6 +16,7 @@ import signal
 from typing import Callable
 
 from qvisor import linux as L
+from qvisor import trampoline
 from qvisor import paths
 from qvisor.errors import SetupError
 from qvisor.spec import CAPABILITIES, RLIMITS, Capabilities, Process
@@ -157,7 +158,9 @@ def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None], ke
     reset_signals()
     L.close_fds_except(set(keep_fds))
     try:
-        os.execvpe(proc.args[0], proc.args, env)
+        # never execve the container's program from the runtime's own binary (qvisor/trampoline.py)
+        path = trampoline.resolve(proc.args[0], env)
+        trampoline.execve(trampoline.sealed_memfd(), path, proc.args, env)
     except OSError as e:
         what = "executable file not found in $PATH" if e.errno == errno.ENOENT else e.strerror
         raise SetupError(f"exec: {proc.args[0]!r}: {what}") from None
