@@ -55,7 +55,7 @@ bench: install
 # qvisor/trampoline.py (tests/unit/test_trampoline.py checks the two agree)
 trampoline:
 	gcc -nostdlib -static -Wl,--build-id=none -Wl,-n -s -o /tmp/quark-trampoline qvisor/trampoline.S
-	base64 -w0 /tmp/quark-trampoline; echo
+	base64 -w0 /tmp/quark-trampoline; echo; rm -f /tmp/quark-trampoline
 
 # regenerate the committed protobuf modules of the shim from shim/proto/*.proto
 proto: install
