@@ -96,6 +96,12 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
         self.stop()
         self.start()
 
+    def ctr_tty(self, args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """`ctr ARGS` (one shell string, for -t runs) on a pseudo-terminal of its own (script(1))."""
+        cmd = f"{CTR} --address {self.address} --namespace {self.namespace} {args}"
+        return subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL, env=self.env)
+
     def ctr(self, *args: str, input: bytes | None = None, timeout: float = 60,
             check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run([CTR, "--address", self.address, "--namespace", self.namespace, *args],

@@ -7,7 +7,6 @@ container's processes and its supervisor learns their exit statuses from pidfds 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -75,10 +74,7 @@ def test_exec_ps_pause_kill_and_exit_status(cd):
         wait_status(cd, cid, "RUNNING")
         assert cd.ctr("tasks", "exec", "--exec-id", "e1", cid, "echo", "exec-out").stdout == b"exec-out\n"
         assert cd.ctr("tasks", "exec", "--exec-id", "e2", cid, "sh", "-c", "exit 5", check=False).returncode == 5
-        cmd = (f"ctr --address {cd.address} --namespace {cd.namespace} tasks exec -t --exec-id e3 {cid} "
-               "sh -c 'tty; exit 6'")
-        p = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, timeout=60,
-                           stdin=subprocess.DEVNULL, env=cd.env)
+        p = cd.ctr_tty(f"tasks exec -t --exec-id e3 {cid} sh -c 'tty; exit 6'")
         assert p.returncode == 6 and b"/dev/pts/" in p.stdout, p.stdout + p.stderr
         assert str(tasks(cd)[cid][0]) in cd.ctr("tasks", "ps", cid).stdout.decode().split()
         cd.ctr("tasks", "pause", cid)
@@ -97,9 +93,6 @@ def test_exec_ps_pause_kill_and_exit_status(cd):
 
 
 def test_terminal_run(cd):
-    cmd = (f"ctr --address {cd.address} --namespace {cd.namespace} run --rm -t {' '.join(R)} "
-           f"{ce.IMAGE} rs4 sh -c 'tty; exit 4'")
-    p = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, timeout=60,
-                       stdin=subprocess.DEVNULL, env=cd.env)
+    p = cd.ctr_tty(f"run --rm -t {' '.join(R)} {ce.IMAGE} rs4 sh -c 'tty; exit 4'")
     assert b"/dev/pts/" in p.stdout, p.stdout + p.stderr
     assert p.returncode == 4

@@ -84,10 +84,7 @@ def test_stdin_reaches_container_and_eof_ends_it(cd):
 
 
 def test_terminal_run(cd):
-    cmd = (f"ctr --address {cd.address} --namespace {cd.namespace} run --rm -t --runtime {ce.RUNTIME} "
-           f"{ce.IMAGE} tty1 sh -c 'tty; exit 4'")
-    p = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, timeout=60,
-                       stdin=subprocess.DEVNULL, env=cd.env)
+    p = cd.ctr_tty(f"run --rm -t --runtime {ce.RUNTIME} {ce.IMAGE} tty1 sh -c 'tty; exit 4'")
     assert b"/dev/pts/" in p.stdout or b"/dev/console" in p.stdout, p.stdout + p.stderr
     assert p.returncode == 4
 
@@ -151,10 +148,7 @@ def test_detached_exec_ps_pause_metrics_kill_delete(cd):
         assert cd.ctr("tasks", "exec", "--exec-id", "e1", cid, "echo", "exec-out").stdout == b"exec-out\n"
         p = cd.ctr("tasks", "exec", "--exec-id", "e2", cid, "sh", "-c", "exit 5", check=False)
         assert p.returncode == 5
-        cmd = (f"ctr --address {cd.address} --namespace {cd.namespace} tasks exec -t --exec-id e3 {cid} "
-               "sh -c 'tty; exit 6'")
-        p = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, timeout=60,
-                           stdin=subprocess.DEVNULL, env=cd.env)
+        p = cd.ctr_tty(f"tasks exec -t --exec-id e3 {cid} sh -c 'tty; exit 6'")
         assert p.returncode == 6 and b"/dev/pts/" in p.stdout, p.stdout + p.stderr
 
         pid = tasks(cd)[cid][0]

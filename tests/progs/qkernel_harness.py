@@ -32,6 +32,8 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 class FakeCgroup:
+    """A cgroup's memory figures without a cgroup: the harness runs without namespaces or a rootfs."""
+
     def __init__(self, limit: int | None, usage: int) -> None:
         self.limit, self.usage = limit, usage
 
@@ -93,6 +95,66 @@ def child(argv: list[str], platform: str, sock: socket.socket, go: int, bundle, 
         os._exit(127)
 
 
+class Run:
+    """One program started under QKernel: `kernel.handlers` may be changed until `serve()` runs."""
+
+    def __init__(self, argv: list[str], platform: str, name: str, cgroup=None, bundle=None,
+                 nnp: bool = False) -> None:
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        self.platform = platform
+        self.parent_sock, child_sock = socket.socketpair()
+        go_r, self.go_w = os.pipe()
+        self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(wake_w)
+        self.pid = os.fork()
+        if self.pid == 0:
+            self.parent_sock.close()
+            child(argv, platform, child_sock, go_r, bundle, nnp)
+        child_sock.close()
+        os.close(go_r)
+        self.loop = Loop()
+        self.kernel = qkernel.Kernel(self.loop, platform, qkernel.SandboxContext(name, cgroup, self.pid))
+        self.status: int | None = None
+
+    def serve(self, timeout: float | None = None) -> int | None:
+        """Let the program go and serve it until it exits: its exit code (negative: killed by a
+        signal), 127 if it never installed its filter, None if `timeout` passed first."""
+        if self.platform == "ptrace":
+            self.kernel.attach(self.pid)
+        os.write(self.go_w, b"g")
+        if self.platform == "seccomp":
+            _, fds, _, _ = socket.recv_fds(self.parent_sock, 1, 1)
+            if not fds:
+                os.waitpid(self.pid, 0)
+                return 127
+            self.kernel.serve_listener(fds[0])
+        self.loop.add_reader(self.wake_r, self._reap)
+        self._reap()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.status is None and (deadline is None or time.monotonic() < deadline):
+            self.loop.run_once(0.1)
+        return self.status
+
+    def _reap(self) -> None:
+        try:
+            while os.read(self.wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                wpid, status = os.waitpid(-1, os.WNOHANG | WALL)
+            except ChildProcessError:
+                return
+            if wpid == 0:
+                return
+            if self.kernel.on_child_status(wpid, status):
+                continue
+            if wpid == self.pid:
+                self.status = os.waitstatus_to_exitcode(status)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--platform", required=True)
@@ -104,72 +166,23 @@ def main() -> int:
     p.add_argument("argv", nargs="+")
     args = p.parse_args()
 
-    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     bundle = oci_seccomp(args.seccomp_json) if args.seccomp_json else None
-    parent_sock, child_sock = socket.socketpair()
-    go_r, go_w = os.pipe()
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.set_wakeup_fd(wake_w)
-
-    pid = os.fork()
-    if pid == 0:
-        parent_sock.close()
-        child(args.argv, args.platform, child_sock, go_r, bundle, args.nnp)
-    child_sock.close()
-    os.close(go_r)
-
-    loop = Loop()
     cgroup = FakeCgroup(args.memory_limit, args.memory_usage) if args.memory_limit else None
-    kernel = qkernel.Kernel(loop, args.platform, qkernel.SandboxContext("harness", cgroup, pid))
+    run = Run(args.argv, args.platform, "harness", cgroup, bundle, args.nnp)
     counters = Counters()
     for spec in args.delay:
         name, seconds = spec.split("=")
         entry = qkernel.table.by_name()[name]
-        handler = delay_handler(loop, float(seconds), counters)
-        kernel.handlers[entry.nr(kernel.arch)] = dataclasses.replace(entry, handler=handler)
-    if args.platform == "ptrace":
-        kernel.attach(pid)
-    os.write(go_w, b"g")
-    if args.platform == "seccomp":
-        _, fds, _, _ = socket.recv_fds(parent_sock, 1, 1)
-        if not fds:
-            os.waitpid(pid, 0)
-            return 127
-        kernel.serve_listener(fds[0])
-
-    result: list[int] = []
-
-    def reap() -> None:
-        try:
-            while os.read(wake_r, 512):
-                pass
-        except BlockingIOError:
-            pass
-        while True:
-            try:
-                wpid, status = os.waitpid(-1, os.WNOHANG | WALL)
-            except ChildProcessError:
-                return
-            if wpid == 0:
-                return
-            if kernel.on_child_status(wpid, status):
-                continue
-            if wpid == pid:
-                result.append(os.waitstatus_to_exitcode(status))
-
-    loop.add_reader(wake_r, reap)
-    reap()
-    while not result:
-        loop.run_once(1.0)
+        handler = delay_handler(run.loop, float(seconds), counters)
+        run.kernel.handlers[entry.nr(run.kernel.arch)] = dataclasses.replace(entry, handler=handler)
+    code = run.serve()
     # Drain deferred answers still held for tasks that are gone, so their drop path runs.
     deadline = time.monotonic() + 3
-    while kernel._pending and time.monotonic() < deadline:
-        loop.run_once(0.05)
-    kernel.close()
+    while run.kernel._pending and time.monotonic() < deadline:
+        run.loop.run_once(0.05)
+    run.kernel.close()
     print(f"qkernel-harness: deferred={counters.deferred} completed={counters.completed} "
           f"cancelled={counters.cancelled}", file=sys.stderr)
-    code = result[0]
     return 128 - code if code < 0 else code
 
 

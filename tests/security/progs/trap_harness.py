@@ -12,13 +12,11 @@ Loop + Kernel, one reaper) and prints on stderr
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import errno
 import importlib.util
 import os
 import signal
-import socket
 import sys
 import time
 
@@ -69,69 +67,20 @@ def main() -> int:
     p.add_argument("argv", nargs="+")
     args = p.parse_args()
 
-    ctypes.CDLL(None).prctl(H.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    parent_sock, child_sock = socket.socketpair()
-    go_r, go_w = os.pipe()
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.set_wakeup_fd(wake_w)
-    pid = os.fork()
-    if pid == 0:
-        parent_sock.close()
-        H.child(args.argv, args.platform, child_sock, go_r, None, False)
-    child_sock.close()
-    os.close(go_r)
-
-    loop = Loop()
-    kernel = qkernel.Kernel(loop, args.platform, qkernel.SandboxContext("trap-harness", None, pid))
+    run = H.Run(args.argv, args.platform, "trap-harness")
     counters = Counters()
     entry = qkernel.table.by_name()["connect"]
-    kernel.handlers[entry.nr(kernel.arch)] = dataclasses.replace(entry, handler=late_actor(loop, counters))
-    if args.platform == "ptrace":
-        kernel.attach(pid)
-    os.write(go_w, b"g")
-    if args.platform == "seccomp":
-        _, fds, _, _ = socket.recv_fds(parent_sock, 1, 1)
-        if not fds:
-            os.waitpid(pid, 0)
-            return 127
-        kernel.serve_listener(fds[0])
-
-    result: list[int] = []
-
-    def reap() -> None:
-        try:
-            while os.read(wake_r, 512):
-                pass
-        except BlockingIOError:
-            pass
-        while True:
-            try:
-                wpid, status = os.waitpid(-1, os.WNOHANG | H.WALL)
-            except ChildProcessError:
-                return
-            if wpid == 0:
-                return
-            if kernel.on_child_status(wpid, status):
-                continue
-            if wpid == pid:
-                result.append(os.waitstatus_to_exitcode(status))
-
-    loop.add_reader(wake_r, reap)
-    reap()
-    deadline = time.monotonic() + 30
-    while not result and time.monotonic() < deadline:
-        loop.run_once(0.1)
-    if not result:
-        os.kill(pid, signal.SIGKILL)
+    run.kernel.handlers[entry.nr(run.kernel.arch)] = dataclasses.replace(entry, handler=late_actor(run.loop, counters))
+    code = run.serve(timeout=30)
+    if code is None:
+        os.kill(run.pid, signal.SIGKILL)
         return 124
     end = time.monotonic() + HOLD_S + 0.5   # let every held call's late action run
     while time.monotonic() < end:
-        loop.run_once(0.05)
-    kernel.close()
+        run.loop.run_once(0.05)
+    run.kernel.close()
     print(f"trap-harness: deferred={counters.deferred} completed={counters.completed} cancelled={counters.cancelled} "
           f"written={counters.written} refused={counters.refused}", file=sys.stderr)
-    code = result[0]
     return 128 - code if code < 0 else code
 
 
