@@ -23,6 +23,8 @@ def needs_root() -> None:
 
 class Quark:
     """Runs the real `quark` CLI against a private state root."""
+    argv0 = QUARK
+    name = "quark"
 
     def __init__(self, root: Path) -> None:
         self.root = str(root)
@@ -31,13 +33,13 @@ class Quark:
         # files, not pipes: a created container keeps the stdio it was given (as with runc), so
         # a pipe would not reach EOF when `quark create` exits
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-            p = subprocess.run(QUARK + ["--root", self.root, *args], stdout=out, stderr=err,
+            p = subprocess.run(self.argv0 + ["--root", self.root, *args], stdout=out, stderr=err,
                                stdin=kw.pop("stdin", subprocess.DEVNULL), timeout=timeout, **kw)
             out.seek(0)
             err.seek(0)
             r = subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read())
         if check and r.returncode != 0:
-            raise AssertionError(f"quark {' '.join(args)} exited {r.returncode}: {r.stderr}")
+            raise AssertionError(f"{self.name} {' '.join(args)} exited {r.returncode}: {r.stderr}")
         return r
 
     def state(self, cid: str) -> dict:

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,17 +35,8 @@ def needs_runc() -> None:
 
 class Runc(Quark):
     """runc's CLI against a private --root; same calling convention as the Quark fixture."""
-
-    def __call__(self, *args: str, check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-            p = subprocess.run([RUNC, "--root", self.root, *args], stdout=out, stderr=err,
-                               stdin=kw.pop("stdin", subprocess.DEVNULL), timeout=timeout, **kw)
-            out.seek(0)
-            err.seek(0)
-            r = subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read())
-        if check and r.returncode != 0:
-            raise AssertionError(f"runc {' '.join(args)} exited {r.returncode}: {r.stderr}")
-        return r
+    argv0 = [RUNC]
+    name = "runc"
 
     def ids(self) -> list[str]:
         r = self("list", "-q", check=False)
