@@ -67,6 +67,34 @@ def socket_inode(pid: int, fd: int) -> int | None:
     return int(link[8:-1])
 
 
+def held_elsewhere(pid: int, fd: int, ino: int) -> bool:
+    """Whether the socket `ino` at the task's `fd` is also reachable another way in the task: by
+    another fd number (dup) or as an entry of an epoll set. Such a socket cannot be swapped for
+    another one under the application's feet (the other references would keep the old one)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return True
+    want = f"ino:{ino:x}"
+    for name in fds:
+        if int(name) == fd:
+            continue
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if link == f"socket:[{ino}]":
+            return True
+        if link == "anon_inode:[eventpoll]":
+            try:
+                with open(f"/proc/{pid}/fdinfo/{name}") as f:
+                    if any(line.startswith("tfd:") and want in line.split() for line in f):
+                        return True
+            except OSError:
+                continue
+    return False
+
+
 def socket_inodes(pids: list[int]) -> set[int]:
     """Every socket inode any of `pids` holds open."""
     found = set()

@@ -184,6 +184,11 @@ def _connect(req: Request, net):
         # tsord is not there (yet, or any more), or the sandbox registered no address to connect
         # from (tsord would answer fallback): native, without a round trip
         return Continue()
+    from tsor import _sys
+    if _sys.held_elsewhere(req.pid, fd, ino):
+        # dup'ed or already in an epoll set (nginx registers before connect): swapping the socket
+        # would leave those references on the old one, so this connection stays native
+        return Continue()
     s = _dup(req, fd)
     if s is None:
         return Continue()

@@ -312,6 +312,41 @@ class Client:
             got += s.recv(100)
         return got == want, got.decode(), s
 
+    def check_epoll_registered_before_connect(self):
+        """nginx's order: the socket joins an epoll set before connect(). It must just work (TSoR
+        leaves such a socket native)."""
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setblocking(False)
+        ep = select.epoll()
+        ep.register(s.fileno(), select.EPOLLOUT | select.EPOLLIN)
+        err = s.connect_ex((self.ip, self.port))
+        writable = any(fd == s.fileno() and ev & select.EPOLLOUT for fd, ev in ep.poll(10))
+        s.setblocking(True)
+        s.settimeout(10)
+        s.sendall(b"echo\nepoll")
+        deadline, readable = time.monotonic() + 10, False
+        while not readable and time.monotonic() < deadline:   # EPOLLOUT alone comes back at once
+            readable = any(fd == s.fileno() and ev & select.EPOLLIN for fd, ev in ep.poll(1))
+        got = b""
+        while len(got) < 5:
+            got += s.recv(100)
+        ep.close()
+        ok = err in (0, errno.EINPROGRESS) and writable and readable and got == b"epoll"
+        return ok, {"connect": err, "writable": writable, "got": got.decode(errors="replace")}, s
+
+    def check_dup_before_connect(self):
+        """A duplicate taken before connect() is the same connection afterwards."""
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.settimeout(10)
+        d = os.dup(s.fileno())
+        s.connect((self.ip, self.port))
+        os.write(d, b"echo\nvia-dup")
+        os.close(d)
+        got = b""
+        while len(got) < 7:
+            got += s.recv(100)
+        return got == b"via-dup", got.decode(errors="replace"), s
+
     def check_sendfile_and_splice(self):
         path = "/tmp/sendfile.bin"
         with open(path, "wb") as f:
