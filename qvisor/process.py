@@ -73,6 +73,17 @@ def _switch_user(proc: Process) -> None:
     os.setresuid(u.uid, u.uid, u.uid)
 
 
+def _not_held(names: list[str], last: int) -> list[str]:
+    """Those of `names` outside this process's permitted set (capset may not add them)."""
+    try:
+        with open("/proc/self/status") as f:
+            held = next(int(ln.split()[1], 16) for ln in f if ln.startswith("CapPrm:"))
+    except (OSError, StopIteration, ValueError):
+        return []
+    return sorted({n for n in names if n in CAPABILITIES and CAPABILITIES[n] <= last
+                   and not held & (1 << CAPABILITIES[n])})
+
+
 def _set_caps(caps: Capabilities, last: int) -> None:
     L.capset(_mask(caps.effective, last), _mask(caps.permitted, last), _mask(caps.inheritable, last))
     L.prctl(L.PR_CAP_AMBIENT, L.PR_CAP_AMBIENT_CLEAR_ALL)
@@ -150,7 +161,11 @@ def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None], ke
         try:
             _set_caps(caps, last)
         except OSError as e:
-            raise SetupError(f"process.capabilities: {e.strerror}") from None
+            missing = _not_held(caps.permitted + caps.effective + caps.inheritable, last)
+            why = (f"; not held by the runtime: {', '.join(missing)} (an exec'd process gets at most "
+                   "the capabilities the container's process was configured with, or the host withholds "
+                   "them)") if missing else ""
+            raise SetupError(f"process.capabilities: {e.strerror}{why}") from None
     if proc.no_new_privileges:
         L.prctl(L.PR_SET_NO_NEW_PRIVS, 1)
         install_filter(True)

@@ -77,7 +77,7 @@ def test_exec_cannot_ask_for_more_than_the_container_was_given(quark, bundle, tm
             "capabilities": {s: ["CAP_SYS_MODULE"] for s in ("bounding", "effective", "permitted")}}
     (tmp_path / "p.json").write_text(json.dumps(proc))
     r = quark("exec", "--process", str(tmp_path / "p.json"), "c2", check=False)
-    assert r.returncode != 0 and "capabilities" in r.stderr
+    assert r.returncode != 0 and "process.capabilities" in r.stderr and "CAP_SYS_MODULE" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("call,expected", [
