@@ -60,9 +60,37 @@ def main() -> int:
         for row in rows:
             fates[row["fate"]] = fates.get(row["fate"], 0) + 1
         print("  syscall table (`quark syscalls`): " + ", ".join(f"{n} {f}" for f, n in sorted(fates.items())))
+        _show_supervisor(quark, root, os.path.join(work, "bundle"))
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _show_supervisor(quark: str, root: str, bundle: str) -> None:
+    """The host side: how little the sandbox's supervisor holds while the container runs."""
+    with open(os.path.join(bundle, "config.json")) as f:
+        spec = json.load(f)
+    spec["process"]["args"] = ["sleep", "30"]
+    with open(os.path.join(bundle, "config.json"), "w") as f:
+        json.dump(spec, f)
+    subprocess.run([quark, "--root", root, "run", "-d", "--bundle", bundle, "sup"], check=True,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        init = json.loads(subprocess.run([quark, "--root", root, "state", "sup"], capture_output=True,
+                                         text=True, check=True).stdout)["pid"]
+        with open(f"/proc/{init}/stat") as f:
+            sup = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{sup}/status") as f:
+            st = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+        from qvisor.spec import CAPABILITIES
+        eff = int(st["CapEff"], 16)
+        kept = [n.removeprefix("CAP_").lower() for n, bit in sorted(CAPABILITIES.items(), key=lambda x: x[1])
+                if eff & (1 << bit)]
+        print(f"\n  the sandbox's supervisor (pid {sup}, host side), confined after create:")
+        print(f"    seccomp filter: {'on' if st['Seccomp'].strip() == '2' else 'OFF'}; "
+              f"capabilities kept ({len(kept)}): {' '.join(kept)}")
+    finally:
+        subprocess.run([quark, "--root", root, "delete", "--force", "sup"], capture_output=True)
 
 
 if __name__ == "__main__":
