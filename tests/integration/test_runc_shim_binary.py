@@ -13,10 +13,10 @@ import pytest
 
 try:
     from tests.integration import containerd_env as ce
-    from tests.integration.test_shim_containerd import remove, tasks, wait_status
+    from tests.integration.test_shim_containerd import exercise_a_running_task, remove, tasks, wait_status
 except ImportError:  # pytest put tests/integration itself on sys.path
     import containerd_env as ce
-    from test_shim_containerd import remove, tasks, wait_status
+    from test_shim_containerd import exercise_a_running_task, remove, tasks, wait_status
 
 from qvisor import pidfs
 
@@ -67,29 +67,8 @@ def test_init_is_the_shims_child_and_runs_under_quark(cd):
         remove(cd, cid)
 
 
-def test_exec_ps_pause_kill_and_exit_status(cd):
-    cid = "rs3"
-    cd.ctr("run", "-d", *R, ce.IMAGE, cid, "sh", "-c", "trap 'exit 7' TERM; while true; do sleep 0.1; done")
-    try:
-        wait_status(cd, cid, "RUNNING")
-        assert cd.ctr("tasks", "exec", "--exec-id", "e1", cid, "echo", "exec-out").stdout == b"exec-out\n"
-        assert cd.ctr("tasks", "exec", "--exec-id", "e2", cid, "sh", "-c", "exit 5", check=False).returncode == 5
-        p = cd.ctr_tty(f"tasks exec -t --exec-id e3 {cid} sh -c 'tty; exit 6'")
-        assert p.returncode == 6 and b"/dev/pts/" in p.stdout, p.stdout + p.stderr
-        assert str(tasks(cd)[cid][0]) in cd.ctr("tasks", "ps", cid).stdout.decode().split()
-        cd.ctr("tasks", "pause", cid)
-        wait_status(cd, cid, "PAUSED")
-        cd.ctr("tasks", "resume", cid)
-        wait_status(cd, cid, "RUNNING")
-        metrics = cd.ctr("tasks", "metrics", cid).stdout.decode()   # `quark events --stats`
-        assert "memory" in metrics.lower() or "pids" in metrics.lower(), metrics
-        cd.ctr("tasks", "kill", cid)
-        wait_status(cd, cid, "STOPPED")
-        out = cd.ctr("tasks", "delete", cid).stdout.decode()
-        assert "7" in out or out == ""
-        assert cid not in tasks(cd)
-    finally:
-        remove(cd, cid)
+def test_exec_ps_pause_metrics_kill_and_exit_status(cd):
+    exercise_a_running_task(cd, R, "rs3")
 
 
 def test_terminal_run(cd):

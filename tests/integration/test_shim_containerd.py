@@ -140,33 +140,34 @@ def test_oom_event_and_exit(cd):
     assert topics.index("/tasks/start") < topics.index("/tasks/oom") and topics[-1] == "/tasks/delete", topics
 
 
-def test_detached_exec_ps_pause_metrics_kill_delete(cd):
-    cid = "detached1"
-    cd.ctr("run", "-d", *R, ce.IMAGE, cid, "sh", "-c", "trap 'exit 7' TERM; while true; do sleep 0.1; done")
+def exercise_a_running_task(cd, runtime: tuple[str, ...], cid: str) -> None:
+    """Detached run, exec (plain, failing, with a terminal), ps, pause/resume, metrics, kill (SIGTERM,
+    trapped: exit 7), delete: what a user does with a task, through the given runtime flags."""
+    cd.ctr("run", "-d", *runtime, ce.IMAGE, cid, "sh", "-c", "trap 'exit 7' TERM; while true; do sleep 0.1; done")
     try:
         wait_status(cd, cid, "RUNNING")
         assert cd.ctr("tasks", "exec", "--exec-id", "e1", cid, "echo", "exec-out").stdout == b"exec-out\n"
-        p = cd.ctr("tasks", "exec", "--exec-id", "e2", cid, "sh", "-c", "exit 5", check=False)
-        assert p.returncode == 5
+        assert cd.ctr("tasks", "exec", "--exec-id", "e2", cid, "sh", "-c", "exit 5", check=False).returncode == 5
         p = cd.ctr_tty(f"tasks exec -t --exec-id e3 {cid} sh -c 'tty; exit 6'")
         assert p.returncode == 6 and b"/dev/pts/" in p.stdout, p.stdout + p.stderr
-
-        pid = tasks(cd)[cid][0]
-        ps = cd.ctr("tasks", "ps", cid).stdout.decode().split()
-        assert str(pid) in ps
-
+        assert str(tasks(cd)[cid][0]) in cd.ctr("tasks", "ps", cid).stdout.decode().split()
         cd.ctr("tasks", "pause", cid)
         wait_status(cd, cid, "PAUSED")
         cd.ctr("tasks", "resume", cid)
         wait_status(cd, cid, "RUNNING")
-
-        cd.ctr("tasks", "kill", cid)  # SIGTERM, trapped: exit 7
+        metrics = cd.ctr("tasks", "metrics", cid).stdout.decode()   # `quark events --stats`
+        assert "memory" in metrics.lower() or "pids" in metrics.lower(), metrics
+        cd.ctr("tasks", "kill", cid)
         wait_status(cd, cid, "STOPPED")
         out = cd.ctr("tasks", "delete", cid).stdout.decode()
         assert "7" in out or out == ""
         assert cid not in tasks(cd)
     finally:
         remove(cd, cid)
+
+
+def test_detached_exec_ps_pause_metrics_kill_delete(cd):
+    exercise_a_running_task(cd, R, "detached1")
 
 
 def _quark_has(verb: str) -> bool:
