@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from qvisor.busybox import make_bundle  # noqa: E402
+from tests.cleanup import quark_cgroup_dirs, remove_empty_since  # noqa: E402
 
 QUARK = os.path.join(os.path.dirname(sys.executable), "quark")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -139,6 +140,7 @@ def main() -> int:
     prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER: runc's orphaned inits come to us
     work = tempfile.mkdtemp(prefix="quark-bench-")
     result: dict = {"command": "python bench/startup.py " + " ".join(sys.argv[1:])}
+    cgroups_before = quark_cgroup_dirs()
     try:
         bundle = os.path.join(work, "bundle")
         make_bundle(bundle, ["/bin/true"])
@@ -157,6 +159,7 @@ def main() -> int:
             result["ctr_run_rm"] = time_ctr(a.ctr_runs, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        remove_empty_since(cgroups_before)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "startup.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"`{result['command']}`\n")

@@ -26,6 +26,7 @@ import zlib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from tests.cleanup import quark_cgroup_dirs, remove_empty_since  # noqa: E402
 from tsor.testbed import Testbed  # noqa: E402
 
 GOALS = {"iperf3_gbps": (">=", 2.0), "rtt_p50_us": ("<=", 0.75), "redis_c50_rps": (">=", 1.5),
@@ -157,11 +158,15 @@ def main() -> int:
     pp = os.path.join(REPO, "bench", ".pingpong")
     subprocess.run(["gcc", "-O2", "-o", pp, os.path.join(REPO, "bench/pingpong.c"), "-lpthread"], check=True)
     pp_in = "/repo/bench/.pingpong"
-    results = {"machine": {"kernel": platform.release(), "cpus": os.cpu_count()},
-               "one_node": {"quark_tsor_local": one_node("quark", pp_in, "q"),
-                            "runc_bridge": one_node("runc", pp_in, "r")},
-               "two_nodes": {"quark_tsor_tcp": two_nodes("quark", pp_in, "q"),
-                             "runc_plain_tcp": two_nodes("runc", pp_in, "r")}}
+    cgroups_before = quark_cgroup_dirs()
+    try:
+        results = {"machine": {"kernel": platform.release(), "cpus": os.cpu_count()},
+                   "one_node": {"quark_tsor_local": one_node("quark", pp_in, "q"),
+                                "runc_bridge": one_node("runc", pp_in, "r")},
+                   "two_nodes": {"quark_tsor_tcp": two_nodes("quark", pp_in, "q"),
+                                 "runc_plain_tcp": two_nodes("runc", pp_in, "r")}}
+    finally:
+        remove_empty_since(cgroups_before)
     q, r = results["one_node"]["quark_tsor_local"], results["one_node"]["runc_bridge"]
     q2, r2 = results["two_nodes"]["quark_tsor_tcp"], results["two_nodes"]["runc_plain_tcp"]
     ratios = {"iperf3_gbps": q["iperf3_gbps"] / r["iperf3_gbps"],
