@@ -77,21 +77,13 @@ def drop_capabilities(keep: set[str]) -> int:
         bit = CAPABILITIES.get(name)
         if bit is not None and bit <= last:
             mask |= 1 << bit
-    mask &= _permitted()   # a capability the host already withheld cannot be kept
+    mask &= L.permitted_caps()   # a capability the host already withheld cannot be kept
     for bit in range(last + 1):
         if not mask & (1 << bit):
             L.prctl(L.PR_CAPBSET_DROP, bit)
     L.prctl(L.PR_CAP_AMBIENT, L.PR_CAP_AMBIENT_CLEAR_ALL)
     L.capset(mask, mask, 0)
     return mask
-
-
-def _permitted() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("CapPrm:"):
-                return int(line.split()[1], 16)
-    return 0
 
 
 def install_filter(platform: str) -> None:

@@ -132,10 +132,10 @@ def start(root: str, container_id: str) -> None:
     st = state(root, container_id)
     if st.status != CREATED:
         raise InvalidState(f"cannot start a container in the {st.status} state")
-    with Connection(StateStore(root).dir(container_id)) as c:
+    store = StateStore(root)
+    with Connection(store.dir(container_id)) as c:
         c.call({"op": "start"})
     # like runc, the runtime (not the sandbox's supervisor) runs poststart, after start succeeded
-    store = StateStore(root)
     spec = _saved_spec(store, st, only_if_hook="poststart")
     if spec is not None:
         from qvisor import hooks

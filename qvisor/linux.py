@@ -177,6 +177,15 @@ def last_cap() -> int:
         return int(f.read())
 
 
+def permitted_caps() -> int:
+    """This process's permitted capability set, as a mask (capset may not add to it)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapPrm:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
 def proc_start_time(pid: int) -> int | None:
     """Field 22 of /proc/PID/stat: tells a live pid from a reused one. None if the pid is gone."""
     try:

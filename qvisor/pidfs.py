@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import os
 import struct
 
 _INFO_SIZE = 64                     # struct pidfd_info, PIDFD_INFO_SIZE_VER0
@@ -36,7 +37,6 @@ def exit_status(pidfd: int) -> int | None:
 
 def supported() -> bool:
     """Whether this kernel reports exit statuses through pidfds."""
-    import os
     fd = os.pidfd_open(os.getpid())
     try:
         exit_status(fd)

@@ -76,9 +76,8 @@ def _switch_user(proc: Process) -> None:
 def _not_held(names: list[str], last: int) -> list[str]:
     """Those of `names` outside this process's permitted set (capset may not add them)."""
     try:
-        with open("/proc/self/status") as f:
-            held = next(int(ln.split()[1], 16) for ln in f if ln.startswith("CapPrm:"))
-    except (OSError, StopIteration, ValueError):
+        held = L.permitted_caps()
+    except (OSError, ValueError):
         return []
     return sorted({n for n in names if n in CAPABILITIES and CAPABILITIES[n] <= last
                    and not held & (1 << CAPABILITIES[n])})

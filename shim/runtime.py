@@ -151,40 +151,32 @@ class Quark:
             args += ["--console-socket", console_socket]
         self._run_with_stdio([*args, cid], stdio, log_path)
 
-    def start(self, cid: str) -> None:
+    def _in_process(self, verb: str, operation: str, *args):
+        """qvisor.container.<operation>(root, *args), its errors as RpcErrors."""
         from qvisor import container
-        with _quark_errors("start"):
-            container.start(self.root, cid)
+        with _quark_errors(verb):
+            return getattr(container, operation)(self.root, *args)
+
+    def start(self, cid: str) -> None:
+        self._in_process("start", "start", cid)
 
     def state(self, cid: str) -> dict:
-        from qvisor import container
-        with _quark_errors("state"):
-            return container.state(self.root, cid).oci()
+        return self._in_process("state", "state", cid).oci()
 
     def kill(self, cid: str, signal: int, all_processes: bool = False) -> None:
-        from qvisor import container
-        with _quark_errors("kill"):
-            container.kill(self.root, cid, signal, all_processes)
+        self._in_process("kill", "kill", cid, signal, all_processes)
 
     def delete(self, cid: str, force: bool = False) -> None:
-        from qvisor import container
-        with _quark_errors("delete"):
-            container.delete(self.root, cid, force)
+        self._in_process("delete", "delete", cid, force)
 
     def pause(self, cid: str) -> None:
-        from qvisor import container
-        with _quark_errors("pause"):
-            container.pause(self.root, cid)
+        self._in_process("pause", "pause", cid)
 
     def resume(self, cid: str) -> None:
-        from qvisor import container
-        with _quark_errors("resume"):
-            container.resume(self.root, cid)
+        self._in_process("resume", "resume", cid)
 
     def ps(self, cid: str) -> list[int]:
-        from qvisor import container
-        with _quark_errors("ps"):
-            return [int(p) for p in container.pids(self.root, cid)]
+        return [int(p) for p in self._in_process("ps", "pids", cid)]
 
     def update(self, cid: str, resources_json: bytes) -> None:
         with tempfile.NamedTemporaryFile(prefix="quark-resources-", suffix=".json") as f:
@@ -201,9 +193,7 @@ class Quark:
 
     def wait(self, cid: str, pid: int | None = None) -> Exit:
         """Block until the container's init (or the exec'd process `pid`) exits."""
-        from qvisor import container
-        with _quark_errors("wait"):
-            doc = container.wait(self.root, cid, pid or 0)
+        doc = self._in_process("wait", "wait", cid, pid or 0)
         return Exit(pid=int(doc["pid"]), status=int(doc["exit_status"]),
                     exited_at=parse_rfc3339(doc["exited_at"]))
 
