@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from qvisor.busybox import make_bundle  # noqa: E402
+from qvisor.linux import parent_pid  # noqa: E402
 from tests.cleanup import quark_cgroup_dirs, remove_empty_since  # noqa: E402
 
 QUARK = os.path.join(os.path.dirname(sys.executable), "quark")
@@ -92,8 +93,7 @@ def supervisor_memory(root: str, bundle: str, n: int) -> dict:
         for i in range(n):
             init = json.loads(subprocess.run(argv + ["state", f"mem-{i}"], check=True,
                                              capture_output=True).stdout)["pid"]
-            with open(f"/proc/{init}/stat") as f:
-                sup = int(f.read().rsplit(")", 1)[1].split()[1])
+            sup = parent_pid(init)
             with open(f"/proc/{sup}/smaps_rollup") as f:
                 fields = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.endswith("kB\n")}
             rss.append(fields["Rss"] / 1024)

@@ -78,8 +78,8 @@ def _show_supervisor(quark: str, root: str, bundle: str) -> None:
     try:
         init = json.loads(subprocess.run([quark, "--root", root, "state", "sup"], capture_output=True,
                                          text=True, check=True).stdout)["pid"]
-        with open(f"/proc/{init}/stat") as f:
-            sup = int(f.read().rsplit(")", 1)[1].split()[1])
+        from qvisor.linux import parent_pid
+        sup = parent_pid(init)
         with open(f"/proc/{sup}/status") as f:
             st = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
         from qvisor.spec import CAPABILITIES

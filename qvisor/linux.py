@@ -177,6 +177,18 @@ def last_cap() -> int:
         return int(f.read())
 
 
+def parent_pid(pid: int) -> int | None:
+    """The PPid of `pid` (from /proc/PID/status), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("PPid:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 def permitted_caps() -> int:
     """This process's permitted capability set, as a mask (capset may not add to it)."""
     with open("/proc/self/status") as f:

@@ -140,17 +140,6 @@ def netns_addresses(pid: int) -> set[str]:
             and not ipaddress.ip_address(a).is_link_local}
 
 
-def parent_pid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("PPid:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def peer_pid(sock: socket.socket) -> int:
     """SO_PEERCRED's pid: who is on the other end of a unix socket (the kernel says, not the peer)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))

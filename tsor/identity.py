@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Protocol
 
+from qvisor.linux import parent_pid
 from tsor import _sys
 from tsor.addr import unmapped
 from tsor.errors import NotAllowed
@@ -39,7 +40,7 @@ class ProcVerifier:
     def verify(self, peer_pid: int, hello: Hello) -> Identity:
         pid, depth = hello.pid, 0
         while pid not in (peer_pid, 0, 1) and depth < _MAX_DEPTH:
-            pid, depth = _sys.parent_pid(pid) or 0, depth + 1
+            pid, depth = parent_pid(pid) or 0, depth + 1
         if pid != peer_pid:
             raise NotAllowed(f"pid {hello.pid} is not a process of the sandbox connected (pid {peer_pid})")
         try:

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from qvisor import confine
+from qvisor.linux import parent_pid
 from qvisor.spec import CAPABILITIES
 from tests.integration.conftest import needs_root
 from tests.integration.test_lifecycle import wait_status
@@ -23,11 +24,6 @@ SIGCHLD = 17
 def _status(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/status") as f:
         return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
-
-
-def _ppid(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def _mask(names) -> int:
@@ -56,7 +52,7 @@ def _errno_of(fn) -> int:
 def test_supervisor_holds_only_what_it_needs(quark, bundle):
     quark("run", "-d", "--bundle", bundle(["sleep", "100"]), "c1")
     wait_status(quark, "c1", "running")
-    sup = _ppid(quark.state("c1")["pid"])
+    sup = parent_pid(quark.state("c1")["pid"])
     st = _status(sup)
     assert st["Seccomp"].strip() == "2" and int(st["Seccomp_filters"]) >= 1
     with open(os.path.join(quark.state("c1")["bundle"], "config.json")) as f:

@@ -19,6 +19,7 @@ except ImportError:  # pytest put tests/integration itself on sys.path
     from test_shim_containerd import exercise_a_running_task, remove, tasks, wait_status
 
 from qvisor import pidfs
+from qvisor.linux import parent_pid
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(ce.skip_reason() is not None, reason=ce.skip_reason() or ""),
@@ -54,8 +55,7 @@ def test_init_is_the_shims_child_and_runs_under_quark(cd):
     try:
         wait_status(cd, cid, "RUNNING")
         pid = tasks(cd)[cid][0]
-        with open(f"/proc/{pid}/stat") as f:
-            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        ppid = parent_pid(pid)
         assert os.path.basename(os.readlink(f"/proc/{ppid}/exe")).startswith("containerd-shim-runc")
         with open(f"/proc/{pid}/status") as f:
             status = f.read()

@@ -35,8 +35,8 @@ def daemon():
 
 
 def supervisor_of(c, cid: str) -> int:
-    with open(f"/proc/{init_pid(c, cid)}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
+    from qvisor.linux import parent_pid
+    return parent_pid(init_pid(c, cid))
 
 
 def run_probe(c, host_bundle, targets: dict, edit=None) -> dict:
