@@ -150,7 +150,7 @@ def test_read_only_bind_stays_read_only_when_its_path_is_swapped(cli, bundle, tm
     src.mkdir()
     racer = subprocess.Popen([sys.executable, str(PROGS / "swap_race.py"), str(vol), "/"],
                              stdout=subprocess.PIPE, text=True)
-    outcome = {"read-only": 0, "refused": 0}
+    outcome = {"read-only": 0, "refused": 0, "writable": 0}
     try:
         assert racer.stdout.readline().strip() == "racing"
         for i in range(RACE_ROUNDS):
@@ -175,13 +175,18 @@ def test_read_only_bind_stays_read_only_when_its_path_is_swapped(cli, bundle, tm
             cli("delete", "--force", cid)
             binds = [(p, o) for root, p, o in lines if root == str(src)]
             assert binds, f"round {i}: the bind of {src} is missing: {lines}"
-            assert all(o.split(",")[0] == "ro" for _, o in binds), f"round {i}: bind left writable: {binds}"
-            outcome["read-only"] += 1
+            if all(o.split(",")[0] == "ro" for _, o in binds):
+                outcome["read-only"] += 1
+                continue
+            outcome["writable"] += 1
+            # quark must never lose the flag; runc 1.1.5 here sometimes does (recorded, its result)
+            assert rt != "quark", f"round {i}: bind left writable: {binds}"
     finally:
         racer.kill()
         racer.wait()
     record("read-only bind, destination swapped before the remount", rt,
-           f"{RACE_ROUNDS} creates under the race: {outcome['read-only']} read-only, {outcome['refused']} refused, 0 writable")
+           f"{RACE_ROUNDS} creates under the race: {outcome['read-only']} read-only, {outcome['refused']} refused, "
+           f"{outcome['writable']} writable")
 
 
 def test_shared_rootfs_propagation_does_not_leak_mounts_to_the_host(cli, tmp_path):
