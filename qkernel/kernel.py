@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from qkernel import table
 from qkernel.errors import MemoryFault, TaskGone
-from qkernel.request import Answer, Deferred, Errno, Request
+from qkernel.request import Answer, Continue, Deferred, Errno, Request
 
 if TYPE_CHECKING:
     from tsor.sandbox import SandboxNet
@@ -88,14 +88,25 @@ class Kernel:
         except MemoryFault:
             answer = Errno(errno.EFAULT)
         except Exception:
-            log.exception("handler for %s failed", req.name)
-            answer = Errno(errno.ENOSYS)
+            answer = self._failed(req)
         if isinstance(answer, Deferred):
             if not answer.done:   # (a handler may complete it before returning it)
                 self._pending.append(req)
                 self._schedule_poll()
             return
         self._finish(req, answer)
+
+    @staticmethod
+    def _failed(req: Request) -> Answer:
+        """A handler raised (a bug in quark): the task must not pay for it where it need not."""
+        if req.syscall.native_on_error:
+            # Safe for these calls only (see table.Syscall.native_on_error): the native call is what
+            # the application would have got without quark (SECCOMP_USER_NOTIF_FLAG_CONTINUE on the
+            # seccomp platform; ptrace lets the stopped syscall run).
+            log.exception("handler for %s from pid %d failed; the call runs natively", req.name, req.pid)
+            return Continue()
+        log.exception("handler for %s from pid %d failed; the call fails with ENOSYS", req.name, req.pid)
+        return Errno(errno.ENOSYS)
 
     def _finish(self, req: Request, answer: Answer) -> None:
         if req in self._pending:

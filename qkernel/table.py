@@ -45,6 +45,10 @@ class Syscall:
     errno: int | None = None          # DENIED: what the container gets
     handler: Callable | None = None   # TRAPPED: handler(request) -> answer
     when: ArgMask | None = None       # DENIED only for these argument bits; native otherwise
+    # TRAPPED: when the handler fails, run the call natively instead of answering ENOSYS. Only for
+    # handlers that accelerate (TSoR's socket calls: the native call is exactly what the task would
+    # get without quark); a handler that enforces policy (personality) must fail closed.
+    native_on_error: bool = False
 
     def nr(self, arch: str) -> int | None:
         return self.x86_64 if arch == "x86_64" else self.aarch64
@@ -54,8 +58,8 @@ def _denied(err: int, reason: str, when: ArgMask | None = None) -> dict:
     return {"fate": Fate.DENIED, "errno": err, "reason": reason, "when": when}
 
 
-def _trapped(handler: Callable, reason: str) -> dict:
-    return {"fate": Fate.TRAPPED, "handler": handler, "reason": reason}
+def _trapped(handler: Callable, reason: str, native_on_error: bool = False) -> dict:
+    return {"fate": Fate.TRAPPED, "handler": handler, "reason": reason, "native_on_error": native_on_error}
 
 
 _MODULES = "changes the code the host kernel runs"
@@ -120,7 +124,8 @@ POLICY: dict[str, dict] = {
                             "only the default personas (PER_LINUX, PER_LINUX32, UNAME26, query)"),
     "sysinfo": _trapped(sys_sysinfo.handle, "memory totals from the container's cgroup"),
     **{name: _trapped(sys_socket.handle, "handled by TSoR: TCP to quark pods is carried by tsord's "
-                                         "local/tcp paths (seccomp platform); anything else runs natively")
+                                         "local/tcp paths (seccomp platform); anything else runs natively",
+                       native_on_error=True)
        for name in sys_socket.TRAPPED},
 }
 

@@ -148,6 +148,29 @@ def test_sockets_pass_through(platform):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+def test_a_failing_socket_handler_falls_back_to_the_native_call(platform):
+    """A bug in a socket handler must not break the application's connect (it used to get ENOSYS):
+    the call runs natively, and the log names the handler and shows the traceback."""
+    code = ("import socket; s = socket.create_server(('127.0.0.1', 0)); c = socket.socket();"
+            "c.connect(s.getsockname()); a, _ = s.accept(); c.sendall(b'ping'); print(a.recv(4).decode())")
+    r = harness(platform, [sys.executable, "-c", code], "--fail", "connect", "--fail", "getsockname")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ping"
+    assert "handler for connect from pid" in r.stderr and "the call runs natively" in r.stderr
+    assert "Traceback" in r.stderr and "RuntimeError: injected failure in the connect handler" in r.stderr
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_a_failing_policy_handler_still_fails_closed(platform):
+    """personality enforces policy: a failing handler must not let the call through natively."""
+    code = "import ctypes, sys; r = ctypes.CDLL(None, use_errno=True).personality(0x0400000); print(r, ctypes.get_errno())"
+    r = harness(platform, [sys.executable, "-c", code], "--fail", "personality")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["-1", str(errno.ENOSYS)]
+    assert "handler for personality from pid" in r.stderr and "fails with ENOSYS" in r.stderr
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 def test_bundle_filter_is_stacked_and_stricter_wins(platform, tmp_path):
     profile = {"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [
         {"names": ["getsockopt"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EACCES},   # stricter than trap

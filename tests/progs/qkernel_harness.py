@@ -14,6 +14,7 @@ import argparse
 import ctypes
 import dataclasses
 import json
+import logging
 import os
 import signal
 import socket
@@ -42,6 +43,11 @@ class FakeCgroup:
 
     def memory_usage(self) -> int:
         return self.usage
+
+
+def failing_handler(req):
+    """A handler with a bug: what QKernel does then is what the application sees."""
+    raise RuntimeError(f"injected failure in the {req.name} handler")
 
 
 def oci_seccomp(path: str) -> SimpleNamespace:
@@ -163,8 +169,12 @@ def main() -> int:
     p.add_argument("--delay", action="append", default=[], metavar="SYSCALL=SECONDS")
     p.add_argument("--seccomp-json", help="a bundle's linux.seccomp, stacked on quark's filter")
     p.add_argument("--nnp", action="store_true", help="no_new_privileges")
+    p.add_argument("--fail", action="append", default=[], metavar="SYSCALL",
+                   help="replace SYSCALL's handler with one that raises")
     p.add_argument("argv", nargs="+")
     args = p.parse_args()
+    # QKernel's log (the supervisor's log file in a sandbox) goes to stderr here
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s %(levelname)s: %(message)s")
 
     bundle = oci_seccomp(args.seccomp_json) if args.seccomp_json else None
     cgroup = FakeCgroup(args.memory_limit, args.memory_usage) if args.memory_limit else None
@@ -175,6 +185,9 @@ def main() -> int:
         entry = qkernel.table.by_name()[name]
         handler = delay_handler(run.loop, float(seconds), counters)
         run.kernel.handlers[entry.nr(run.kernel.arch)] = dataclasses.replace(entry, handler=handler)
+    for name in args.fail:
+        entry = qkernel.table.by_name()[name]
+        run.kernel.handlers[entry.nr(run.kernel.arch)] = dataclasses.replace(entry, handler=failing_handler)
     code = run.serve()
     # Drain deferred answers still held for tasks that are gone, so their drop path runs.
     deadline = time.monotonic() + 3
