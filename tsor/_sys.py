@@ -7,6 +7,7 @@ import ipaddress
 import os
 import socket
 import struct
+from typing import Iterator
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -95,19 +96,21 @@ def held_elsewhere(pid: int, fd: int, ino: int) -> bool:
     return False
 
 
-def socket_inodes(pids: list[int]) -> set[int]:
-    """Every socket inode any of `pids` holds open."""
-    found = set()
+def held_sockets(pids: list[int]) -> Iterator[int | None]:
+    """The socket inode at every fd of `pids`, one fd at a time (None: not a socket, or gone), so a
+    caller on an event loop can spread a scan of many fds over many turns of its loop."""
     for pid in pids:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
         for fd in fds:
-            ino = socket_inode(pid, int(fd))
-            if ino is not None:
-                found.add(ino)
-    return found
+            yield socket_inode(pid, int(fd))
+
+
+def socket_inodes(pids: list[int]) -> set[int]:
+    """Every socket inode any of `pids` holds open."""
+    return {ino for ino in held_sockets(pids) if ino is not None}
 
 
 def netns_inode(pid: int) -> int:

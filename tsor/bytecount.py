@@ -3,8 +3,9 @@ sock_diag (NETLINK_SOCK_DIAG) for the TCP_INFO of the sockets it handed out.
 
 Every tcp-path socket tsord gives a sandbox (the client's end on the dialling node, the server's on
 the other) is tracked by its socket cookie (SO_COOKIE, which sock_diag reports as idiag_cookie),
-with its tcpi_bytes_acked / tcpi_bytes_received at hand-off as the baseline (the set-up header and
-answer byte are not the application's). Then:
+with its tcpi_bytes_acked / tcpi_bytes_received at hand-off as the baseline (the set-up's nonces,
+header, proofs and answer byte are not the application's; set-up bytes still unacknowledged then
+count as sent). Then:
 
 * while the socket lives, a dump of tsord's network namespace (where those sockets were made) gives
   its current counters (on every metrics scrape);
@@ -20,9 +21,11 @@ AF_UNIX sockets, and nothing of quark is in that data path to count them.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import socket
 import struct
+import termios
 import threading
 
 log = logging.getLogger("tsor.bytes")
@@ -52,6 +55,11 @@ def tcp_bytes(sock: socket.socket) -> tuple[int, int]:
     if len(info) < _BYTES_RECEIVED_AT + 8:
         return 0, 0
     return struct.unpack_from("=QQ", info, _BYTES_ACKED_AT)
+
+
+def _unacked(sock: socket.socket) -> int:
+    """Bytes written to a TCP socket that the peer has not acknowledged yet (SIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
 
 
 def _parse(data: bytes):
@@ -121,10 +129,10 @@ class TcpByteCounter:
         try:
             cookie = cookie_of(sock)
             acked, rcvd = tcp_bytes(sock)
+            acked += _unacked(sock) + (1 if greeting else 0)
         except OSError as e:
             log.debug("cannot track %s: %s", sock, e)
             return
-        acked += 1 if greeting else 0
         with self._lock:
             self._tracked[cookie] = [acked, rcvd, acked, rcvd, 0]
 

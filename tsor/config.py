@@ -5,6 +5,12 @@
     listen: 10.99.0.1:7470          # node-to-node tcp transport (omit: this node takes no tcp peers)
     metrics: 127.0.0.1:9470         # Prometheus text; host:port or unix:/path (omit: none)
     routes: /etc/quark/tsor-routes.yaml   # static route file (routes.py), reloaded when it changes
+    cluster_secret_file: /etc/quark/tsor-secret   # shared by every node's tsord (mode 0600)
+    insecure_no_auth: false         # true: node-to-node without the secret (a trusted lab network)
+
+Node to node, each tsord proves to the other that it knows the cluster secret (transport/tcp.py).
+Without a secret there is no node-to-node TSoR (connections to other nodes' pods run natively, and
+`listen` is refused), unless `insecure_no_auth: true` says the network itself is trusted.
 """
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ import yaml
 from tsor import DEFAULT_SOCKET
 from tsor.errors import ConfigError
 
-_KEYS = {"node", "socket", "listen", "metrics", "routes"}
+_KEYS = {"node", "socket", "listen", "metrics", "routes", "cluster_secret_file", "insecure_no_auth"}
+MIN_SECRET = 16   # bytes: a guessable secret would be no authentication
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,15 @@ class Config:
     listen: HostPort | None = None
     metrics: HostPort | str | None = None   # str: a unix socket path
     routes: str | None = None
+    cluster_secret: bytes | None = None
+    insecure_no_auth: bool = False
+
+    @property
+    def node_key(self) -> bytes | None:
+        """The key of node-to-node authentication; None: no node-to-node TSoR."""
+        if self.cluster_secret is not None:
+            return self.cluster_secret
+        return b"" if self.insecure_no_auth else None
 
 
 def parse_hostport(value: object, path: str, field: str) -> HostPort:
@@ -86,4 +102,35 @@ def load(path: str) -> Config:
         if not isinstance(routes, str):
             raise ConfigError(path, "routes", f"expected a file path, got {routes!r}")
         routes = os.path.join(os.path.dirname(os.path.abspath(path)), routes)
-    return Config(node=node, socket=sock, listen=listen, metrics=metrics, routes=routes)
+    secret = _secret(raw.get("cluster_secret_file"), path)
+    insecure = raw.get("insecure_no_auth", False)
+    if not isinstance(insecure, bool):
+        raise ConfigError(path, "insecure_no_auth", f"expected true or false, got {insecure!r}")
+    if listen is not None and secret is None and not insecure:
+        raise ConfigError(path, "listen", "node-to-node set-up needs the cluster's shared secret: set "
+                                          "cluster_secret_file (or insecure_no_auth: true on a trusted network)")
+    return Config(node=node, socket=sock, listen=listen, metrics=metrics, routes=routes,
+                  cluster_secret=secret, insecure_no_auth=insecure)
+
+
+def _secret(value: object, path: str) -> bytes | None:
+    """The cluster secret from `cluster_secret_file`, which only its owner may read."""
+    field = "cluster_secret_file"
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(path, field, f"expected a file path, got {value!r}")
+    file = os.path.join(os.path.dirname(os.path.abspath(path)), value)
+    try:
+        with open(file, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            secret = f.read(4096).strip()
+    except OSError as e:
+        raise ConfigError(path, field, f"cannot read {file}: {e.strerror}") from None
+    if mode & 0o077:
+        raise ConfigError(path, field, f"{file} is readable or writable by group or others "
+                                       f"(mode {mode & 0o777:o}): chmod 600 it")
+    if len(secret) < MIN_SECRET:
+        raise ConfigError(path, field, f"{file} holds {len(secret)} bytes; the secret needs at least "
+                                       f"{MIN_SECRET} (e.g. `head -c 32 /dev/urandom | base64`)")
+    return secret

@@ -2,8 +2,10 @@
 
     tsord --config /etc/quark/tsor.yaml     (foreground; logs to stderr; SIGTERM/SIGINT: clean exit)
 
-One thread reads each sandbox's socket; connects are served from a thread pool, because a local
-connect waits for the server sandbox to take its end. tsord holds no connection once it is set up:
+One thread reads each registered sandbox's socket (at most MAX_SESSIONS); until its hello is
+verified a connection gets no thread of its own: one gate thread holds them all, at most
+MAX_UNREGISTERED for HELLO_TIMEOUT each (tsor/gate.py). Connects are served from a thread pool,
+because a local connect waits for the server sandbox to take its end. tsord holds no connection once it is set up:
 killing or restarting it never breaks an established connection, and while it is down sandboxes
 connect natively.
 """
@@ -25,6 +27,7 @@ from tsor import _sys
 from tsor.addr import Endpoint, family_of, is_unspecified, unmapped
 from tsor.bytecount import TcpByteCounter
 from tsor.errors import ConfigError, NotAllowed, ProtocolError
+from tsor.gate import Gate, Pending
 from tsor.identity import Identity, ProcVerifier, Verifier
 from tsor.metrics import Metrics, MetricsServer
 from tsor.transport.local import LocalTransport
@@ -32,6 +35,9 @@ from tsor.transport.tcp import TcpTransport
 
 log = logging.getLogger("tsor.daemon")
 OFFER_TIMEOUT = 5.0
+MAX_SESSIONS = 1024       # registered sandboxes (a thread each); Kubernetes runs ~110 pods a node
+MAX_UNREGISTERED = 64     # connections that have not said a valid hello yet
+HELLO_TIMEOUT = 5.0       # ... for this long; supervisors retry every second
 
 
 class Session:
@@ -99,6 +105,7 @@ class Daemon:
         self.local = LocalTransport(self.deliver)
         self.remote = None
         self.server: socket.socket | None = None
+        self.gate: Gate | None = None
         self.metrics_server: MetricsServer | None = None
         self.metrics.gauges = lambda: {"sandboxes": len(self.sessions), "listeners": len(self.listeners)}
         self.bytes = TcpByteCounter()   # tcp path only: the kernel counts, see tsor/bytecount.py
@@ -109,7 +116,7 @@ class Daemon:
         if self.route_source is not None:
             self.route_source.start(self.routes)
         self.bytes.start()
-        self.remote = TcpTransport(self.deliver, self.routes, self.cfg.listen)
+        self.remote = TcpTransport(self.deliver, self.routes, self.cfg.listen, self.cfg.node_key)
         os.makedirs(os.path.dirname(self.cfg.socket), exist_ok=True)
         try:
             os.unlink(self.cfg.socket)
@@ -122,7 +129,7 @@ class Daemon:
         self.server = s
         if self.cfg.metrics is not None:
             self.metrics_server = MetricsServer(self.metrics, self.cfg.metrics)
-        threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
+        self.gate = Gate(s, "sandboxes", self._opened, self._greeting, MAX_UNREGISTERED, HELLO_TIMEOUT)
         log.info("tsord node %s serving %s (tcp transport: %s, metrics: %s)", self.cfg.node,
                  self.cfg.socket, self.cfg.listen or "off", self.cfg.metrics or "off")
 
@@ -135,7 +142,7 @@ class Daemon:
                 os.unlink(self.cfg.socket)
             except FileNotFoundError:
                 pass
-            self.server.shutdown(socket.SHUT_RDWR)
+            self.gate.close()
             self.server.close()
         if self.remote is not None:
             self.remote.close()
@@ -149,43 +156,64 @@ class Daemon:
         self.pool.shutdown(wait=False, cancel_futures=True)
         log.info("tsord stopped")
 
-    def _accept_loop(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            sess = Session(self, conn, _sys.peer_pid(conn))
-            with self._lock:
-                self.sessions.add(sess)
-            threading.Thread(target=self._serve, args=(sess,), name="sandbox", daemon=True).start()
+    # ---- new connections: no thread until the hello checks out -----------------------------------
+    def _opened(self, p: Pending) -> bool:
+        if len(self.sessions) >= MAX_SESSIONS:
+            log.warning("refusing a sandbox: %d are registered already", MAX_SESSIONS)
+            return False
+        # non-blocking while at the gate: a peer that does not read our replies is dropped, never
+        # waited for (the gate thread serves every new connection)
+        p.conn.setblocking(False)
+        p.state = Session(self, p.conn, _sys.peer_pid(p.conn))
+        return True
+
+    def _greeting(self, p: Pending) -> bool | None:
+        """The gate's check: a record from an unregistered sandbox; it passes once its hello did."""
+        sess: Session = p.state
+        try:
+            if not self._packet(sess):
+                return False
+        except OSError:
+            return False
+        if sess.identity is None:
+            return None
+        sess.sock.setblocking(True)
+        with self._lock:
+            self.sessions.add(sess)
+        threading.Thread(target=self._serve, args=(sess,), name="sandbox", daemon=True).start()
+        return True
 
     # ---- one sandbox ---------------------------------------------------------------------------
     def _serve(self, sess: Session) -> None:
         try:
-            while True:
-                try:
-                    data, fds = protocol.recv(sess.sock)
-                except ProtocolError as e:
-                    self._malformed(sess, e)
-                    continue
-                for fd in fds:   # sandboxes never send tsord fds
-                    os.close(fd)
-                if not data:
-                    break
-                try:
-                    mid, msg = protocol.decode(data)
-                except ProtocolError as e:
-                    self._malformed(sess, e)
-                    continue
-                if isinstance(msg, dict):
-                    sess.answered(mid, msg)
-                else:
-                    self._request(sess, mid, msg)
+            while self._packet(sess):
+                pass
         except OSError:
             pass
         finally:
             self._drop(sess)
+
+    def _packet(self, sess: Session) -> bool:
+        """Read and act on one record from a sandbox; False at its end of file."""
+        try:
+            data, fds = protocol.recv(sess.sock)
+        except ProtocolError as e:
+            self._malformed(sess, e)
+            return True
+        for fd in fds:   # sandboxes never send tsord fds
+            os.close(fd)
+        if not data:
+            return False
+        try:
+            mid, msg = protocol.decode(data)
+        except ProtocolError as e:
+            self._malformed(sess, e)
+            return True
+        if isinstance(msg, dict):
+            sess.answered(mid, msg)
+        else:
+            self._request(sess, mid, msg)
+        return True
 
     def _malformed(self, sess: Session, e: Exception) -> None:
         self.metrics.error("protocol")

@@ -11,6 +11,7 @@ connects natively), and the client reconnects and re-announces its listeners onc
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import socket
@@ -25,6 +26,7 @@ log = logging.getLogger("quark.tsor")
 RECONNECT_S = 1.0
 HELLO_TIMEOUT_S = 1.0
 SWEEP_S = 5.0
+SWEEP_BATCH = 256   # fds looked at per turn of the loop (~1 ms), however many the sandbox holds
 
 Reply = Callable[[dict | None, list[int]], None]
 
@@ -43,43 +45,74 @@ class TsordClient:
         self._waiting: dict[int, Reply] = {}
         self._retrying = False
         self._closed = False
+        self._hello: socket.socket | None = None   # registering: sent our hello, awaiting the answer
+        self.refusal: str | None = None              # tsord's last answer refusing us
 
     @property
     def up(self) -> bool:
         return self.sock is not None
 
-    def open(self) -> bool:
-        """Connect and register; False (and retry later) if tsord is not there or refuses us."""
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    def start(self) -> None:
+        """Connect and register. Nothing here waits: the loop also answers the sandbox's trapped
+        syscalls, so a tsord that is slow or wedged must never hold it. The answer to our hello comes
+        through the loop (`_hello_answer`), or `_hello_timeout` gives up on it; either way requests
+        get None (native connects) until we are registered, and we try again every RECONNECT_S."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         try:
-            s.settimeout(HELLO_TIMEOUT_S)
-            s.connect(self.path)
+            s.connect(self.path)   # AF_UNIX: done at once, or EAGAIN while tsord's backlog is full
             protocol.send(s, protocol.encode(0, self.hello))
-            data, fds = protocol.recv(s)
-            for fd in fds:
-                os.close(fd)
-            _, answer = protocol.decode(data) if data else (0, {"error": "tsord closed the connection"})
-        except (OSError, ProtocolError) as e:
+        except OSError as e:
             s.close()
             log.debug("tsord at %s not reachable: %s", self.path, e)
-            return False
+            return self._retry_later()
+        self._hello = s
+        self.loop.add_reader(s.fileno(), lambda: self._hello_answer(s))
+        self.loop.call_later(HELLO_TIMEOUT_S, lambda: self._hello_timeout(s))
+
+    def _hello_answer(self, s: socket.socket) -> None:
+        try:
+            data, fds = protocol.recv(s)
+        except BlockingIOError:
+            return
+        except (OSError, ProtocolError) as e:
+            data, fds = b"", []
+            log.debug("tsord at %s: %s", self.path, e)
+        for fd in fds:
+            os.close(fd)
+        self._end_hello(s)
+        try:
+            _, answer = protocol.decode(data) if data else (0, {"error": "tsord closed the connection"})
+        except ProtocolError as e:
+            answer = {"error": f"malformed answer: {e}"}
         if not isinstance(answer, dict) or not answer.get("ok"):
             s.close()
-            log.warning("tsord refused sandbox %s: %s", self.hello.sandbox, answer.get("error"))
-            return False
-        s.setblocking(False)
-        self.sock, self.node = s, answer.get("node", "")
+            self.refusal = str(answer.get("error") if isinstance(answer, dict) else answer)
+            log.warning("tsord refused sandbox %s: %s", self.hello.sandbox, self.refusal)
+            return self._retry_later()
+        self.sock, self.node, self.refusal = s, answer.get("node", ""), None
         self.loop.add_reader(s.fileno(), self._readable)
         log.info("sandbox %s registered with tsord (node %s)", self.hello.sandbox, self.node)
         self.on_up()
-        return True
 
-    def start(self) -> None:
-        if not self.open():
-            self._retry_later()
+    def _hello_timeout(self, s: socket.socket) -> None:
+        if self._hello is not s:
+            return   # answered (or closed) in time
+        self._end_hello(s)
+        s.close()
+        log.warning("tsord at %s did not answer sandbox %s's registration in %.0fs; connecting natively "
+                    "meanwhile", self.path, self.hello.sandbox, HELLO_TIMEOUT_S)
+        self._retry_later()
+
+    def _end_hello(self, s: socket.socket) -> None:
+        self.loop.remove_reader(s.fileno())
+        self._hello = None
 
     def close(self) -> None:
         self._closed = True
+        if self._hello is not None:
+            s = self._hello
+            self._end_hello(s)
+            s.close()
         self._down()
 
     def request(self, message: object, on_reply: Reply) -> None:
@@ -154,10 +187,8 @@ class TsordClient:
 
     def _retry(self) -> None:
         self._retrying = False
-        if self._closed or self.sock is not None:
-            return
-        if not self.open():
-            self._retry_later()
+        if not (self._closed or self.sock is not None or self._hello is not None):
+            self.start()
 
 
 @dataclass
@@ -306,14 +337,27 @@ class SandboxNet:
             self.loop.call_later(SWEEP_S, self._sweep)
 
     def _sweep(self) -> None:
-        self._sweeping = False
+        """Forget the state of sockets no process of the sandbox holds any more. The scan reads
+        every fd of every process of the sandbox, SWEEP_BATCH fds per turn of the loop, so trapped
+        syscalls are answered in between however many fds there are. Only state that existed when
+        the scan began may be dropped: a socket redirected meanwhile can sit in an fd already read."""
         if not self.sockets and not self.listeners:
+            self._sweeping = False
             return
-        live = _sys.socket_inodes(self.pids())
-        for ino in [i for i in self.sockets if i not in live]:
-            del self.sockets[ino]
-        for lst in [lst for i, lst in self.listeners.items() if i not in live]:
-            self._forget_listener(lst)
+        self._sweep_step(_sys.held_sockets(self.pids()), set(self.sockets), set(self.listeners), set())
+
+    def _sweep_step(self, scan, sockets: set[int], listeners: set[int], live: set[int | None]) -> None:
+        batch = list(itertools.islice(scan, SWEEP_BATCH))
+        live.update(batch)
+        if len(batch) == SWEEP_BATCH:
+            self.loop.call_later(0, lambda: self._sweep_step(scan, sockets, listeners, live))
+            return
+        for ino in sockets - live:
+            self.sockets.pop(ino, None)
+        for ino in listeners - live:
+            if ino in self.listeners:
+                self._forget_listener(self.listeners[ino])
+        self._sweeping = False
         self._schedule_sweep()
 
 

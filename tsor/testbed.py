@@ -105,7 +105,7 @@ class Node:
         cfg = os.path.join(self.bed.dir, f"{self.name}-tsor.yaml")
         with open(cfg, "w") as f:
             json.dump({"node": self.name, "socket": self.socket, "metrics": f"unix:{self.metrics}",
-                       "routes": self.bed.routes_file,
+                       "routes": self.bed.routes_file, "cluster_secret_file": self.bed.secret_file,
                        **({"listen": f"{self.address}:{TSORD_PORT}"} if self.address else {})}, f)
         log = open(os.path.join(self.bed.dir, f"{self.name}-tsord.log"), "a")
         self.tsord = subprocess.Popen(["ip", "netns", "exec", self.netns, sys.executable, "-m", "tsor.daemon",
@@ -147,6 +147,11 @@ class Testbed:
         self.netns: list[str] = []
         self.nodes: list[Node] = []
         self.routes_file = os.path.join(self.dir, "routes.yaml")
+        # the cluster secret every node's tsord proves to the others (tsor/config.py)
+        self.secret_file = os.path.join(self.dir, "cluster-secret")
+        fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32).hex().encode())
+        os.close(fd)
         self.runc: list[str] = []
         self.runc_root = os.path.join(self.dir, "runc")
         self._write_routes()

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import time
 
 import pytest
 
 from qvisor.eventloop import Loop
 from tsor import protocol
-from tsor.config import Config, HostPort
+from tsor.config import Config, HostPort, load
+from tsor.errors import ConfigError
+from tsor.transport import tcp
 from tsor.daemon import Daemon
 from tsor.errors import NotAllowed
 from tsor.identity import Identity, ProcVerifier
@@ -65,6 +68,15 @@ class Sandbox:
         self.accepted.append((socket.socket(fileno=os.dup(fd)), msg))
         return True
 
+    def register(self, timeout=5.0) -> bool:
+        """Start the client and run the loop until tsord took or refused its hello."""
+        self.client.refusal = None
+        self.client.start()
+        deadline = time.monotonic() + timeout
+        while not self.client.up and self.client.refusal is None and time.monotonic() < deadline:
+            self.loop.run_once(0.01)
+        return self.client.up
+
     def call(self, message, timeout=5.0):
         if isinstance(message, protocol.Listen):
             self.listens.append(message)
@@ -77,6 +89,9 @@ class Sandbox:
         return box[0]
 
 
+SECRET = b"the cluster secret of these tests"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,9 +102,9 @@ def free_port() -> int:
 def node(tmp_path):
     started = []
 
-    def make(name="node-a", owned=None, nodes=(), listen=None, metrics=None):
+    def make(name="node-a", owned=None, nodes=(), listen=None, metrics=None, secret=SECRET):
         sock = str(tmp_path / f"{name}.sock")
-        d = Daemon(Config(node=name, socket=sock, listen=listen, metrics=metrics),
+        d = Daemon(Config(node=name, socket=sock, listen=listen, metrics=metrics, cluster_secret=secret),
                    verifier=FakeVerifier(owned or {}), route_source=StaticRoutes(list(nodes)))
         d.start()
         started.append(d)
@@ -104,7 +119,7 @@ def test_local_path_gives_both_ends_of_one_socketpair(node):
     loop = Loop()
     srv = Sandbox(loop, d.cfg.socket, "srv", ["10.0.0.1"])
     cli = Sandbox(loop, d.cfg.socket, "cli", ["10.0.0.2"])
-    assert srv.client.open() and cli.client.open()
+    assert srv.register() and cli.register()
     r, _ = srv.call(protocol.Listen(77, "0.0.0.0", 8080))
     assert r["ok"]
     # (the server's incoming is answered from the same loop the client waits on)
@@ -126,7 +141,7 @@ def test_no_listener_or_unknown_destination_falls_back(node):
     d = node(owned={"cli": {"10.0.0.2"}})
     loop = Loop()
     cli = Sandbox(loop, d.cfg.socket, "cli", ["10.0.0.2"])
-    assert cli.client.open()
+    assert cli.register()
     for dst in [("10.0.0.1", 80), ("8.8.8.8", 53)]:
         r, fds = cli.call(protocol.Connect(dst, 1))
         assert r == {"re": r["re"], "path": "fallback"} and fds == []
@@ -136,9 +151,9 @@ def test_a_sandbox_cannot_claim_or_listen_on_another_sandboxes_address(node):
     d = node(owned={"a": {"10.0.0.1"}, "b": {"10.0.0.2"}})
     loop = Loop()
     thief = Sandbox(loop, d.cfg.socket, "b", ["10.0.0.1"])
-    assert not thief.client.open()
+    assert not thief.register()
     b = Sandbox(loop, d.cfg.socket, "b", ["10.0.0.2"])
-    assert b.client.open()
+    assert b.register()
     r, _ = b.call(protocol.Listen(1, "10.0.0.1", 80))
     assert "not an address of sandbox b" in r["error"]
     assert (("10.0.0.1", 80)) not in d.listeners
@@ -148,15 +163,15 @@ def test_a_sandbox_cannot_claim_or_listen_on_another_sandboxes_address(node):
 def test_same_address_from_two_netns_is_refused(node):
     d = node(owned={"a": {"10.0.0.1"}, "a2": {"10.0.0.1"}})
     loop = Loop()
-    assert Sandbox(loop, d.cfg.socket, "a", ["10.0.0.1"]).client.open()
-    assert not Sandbox(loop, d.cfg.socket, "a2", ["10.0.0.1"]).client.open()
+    assert Sandbox(loop, d.cfg.socket, "a", ["10.0.0.1"]).register()
+    assert not Sandbox(loop, d.cfg.socket, "a2", ["10.0.0.1"]).register()
 
 
 def test_malformed_messages_fail_that_request_and_tsord_keeps_serving(node):
     d = node(owned={"srv": {"10.0.0.1"}, "cli": {"10.0.0.2"}})
     loop = Loop()
     srv = Sandbox(loop, d.cfg.socket, "srv", ["10.0.0.1"])
-    assert srv.client.open()
+    assert srv.register()
     srv.call(protocol.Listen(5, "10.0.0.1", 80))
     bad = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     bad.connect(d.cfg.socket)
@@ -171,7 +186,7 @@ def test_malformed_messages_fail_that_request_and_tsord_keeps_serving(node):
     assert all("error" in r for r in replies)
     assert replies[1]["re"] == 4
     cli = Sandbox(loop, d.cfg.socket, "cli", ["10.0.0.2"])
-    assert cli.client.open()
+    assert cli.register()
     r, fds = cli.call(protocol.Connect(("10.0.0.1", 80), 2))
     assert r["path"] == "local"
     for fd in fds:
@@ -189,7 +204,7 @@ def test_tcp_path_between_two_tsords(node):
     loop = Loop()
     srv = Sandbox(loop, b.cfg.socket, "srv", ["10.2.0.7"])
     cli = Sandbox(loop, a.cfg.socket, "cli", ["10.1.0.5"])
-    assert srv.client.open() and cli.client.open()
+    assert srv.register() and cli.register()
     srv.call(protocol.Listen(9, "0.0.0.0", 5201))
     r, fds = cli.call(protocol.Connect(("10.2.0.7", 5201), 33333))
     assert r["path"] == "tcp", r
@@ -208,21 +223,90 @@ def test_tcp_path_between_two_tsords(node):
     assert r["path"] == "fallback" and not fds
 
 
-def test_tcp_transport_refuses_sources_not_of_the_calling_node(node):
-    pb = free_port()
-    nodes = [Node("node-b", HostPort("127.0.0.1", pb), (ipaddress.ip_network("10.2.0.0/24"),)),
-             Node("node-x", HostPort("192.0.2.1", 1), (ipaddress.ip_network("10.9.0.0/24"),))]
-    b = node("node-b", {"srv": {"10.2.0.7"}}, nodes, HostPort("127.0.0.1", pb))
+def dial(port: int, key: bytes, src: list, dst: list) -> bytes:
+    """A peer tsord's side of the set-up (transport/tcp.py) with `key`: what the server answers
+    after the header (b"": it closed the connection)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        theirs = s.recv(tcp.NONCE)
+        h = json.dumps({"src": src, "dst": dst, "nonce": os.urandom(tcp.NONCE).hex()}).encode()
+        try:
+            s.sendall(struct.pack("!I", len(h)) + h + tcp._mac(key, tcp.CLIENT, theirs, h))
+            return s.recv(tcp.MAC + 1)
+        except ConnectionResetError:
+            return b""
+
+
+def two_nodes(node, secret_a=SECRET, secret_b=SECRET):
+    pa, pb = free_port(), free_port()
+    nodes = [Node("node-a", HostPort("127.0.0.1", pa), (ipaddress.ip_network("10.1.0.0/24"),)),
+             Node("node-b", HostPort("127.0.0.1", pb), (ipaddress.ip_network("10.2.0.0/24"),))]
+    a = node("node-a", {"cli": {"10.1.0.5"}}, nodes, HostPort("127.0.0.1", pa), secret=secret_a)
+    b = node("node-b", {"srv": {"10.2.0.7"}}, nodes, HostPort("127.0.0.1", pb), secret=secret_b)
     loop = Loop()
     srv = Sandbox(loop, b.cfg.socket, "srv", ["10.2.0.7"])
-    assert srv.client.open()
+    cli = Sandbox(loop, a.cfg.socket, "cli", ["10.1.0.5"])
+    assert srv.register() and cli.register()
     srv.call(protocol.Listen(9, "0.0.0.0", 80))
-    import json, struct
-    with socket.create_connection(("127.0.0.1", pb), timeout=5) as s:
-        h = json.dumps({"src": ["10.9.0.1", 5], "dst": ["10.2.0.7", 80]}).encode()
-        s.sendall(struct.pack("!I", len(h)) + h)
-        assert s.recv(1) in (b"", b"\x00")
+    return pb, srv, cli
+
+
+def test_tcp_transport_refuses_sources_not_of_the_calling_node(node):
+    pb, srv, _ = two_nodes(node)
+    assert dial(pb, SECRET, ["10.9.0.1", 5], ["10.2.0.7", 80]) == b""
+    srv.loop.run_once(0.1)
     assert not srv.accepted
+
+
+def test_a_peer_without_the_cluster_secret_cannot_inject_a_connection(node):
+    """Coming from the right node's address is not enough: the peer must prove the secret."""
+    pb, srv, _ = two_nodes(node)
+    assert dial(pb, b"a guess at the cluster secret", ["10.1.0.5", 5], ["10.2.0.7", 80]) == b""
+    assert dial(pb, b"", ["10.1.0.5", 5], ["10.2.0.7", 80]) == b""
+    with socket.create_connection(("127.0.0.1", pb), timeout=5) as s:   # the old, unauthenticated set-up
+        s.recv(tcp.NONCE)
+        h = json.dumps({"src": ["10.1.0.5", 5], "dst": ["10.2.0.7", 80]}).encode()
+        s.sendall(struct.pack("!I", len(h)) + h)
+        s.shutdown(socket.SHUT_WR)
+        assert s.recv(1) == b""
+    time.sleep(0.2)
+    srv.loop.run_once(0.1)
+    assert not srv.accepted
+
+
+def test_tsords_with_different_secrets_connect_natively(node):
+    """Neither side trusts the other: the client pod falls back to a native connect."""
+    _, srv, cli = two_nodes(node, secret_b=b"another cluster's secret!")
+    r, fds = cli.call(protocol.Connect(("10.2.0.7", 80), 33333))
+    assert r["path"] == "fallback" and not fds
+    assert not srv.accepted
+
+
+def test_a_tsord_without_a_secret_takes_no_node_to_node_connections(node):
+    pb = free_port()
+    nodes = [Node("node-b", HostPort("127.0.0.1", pb), (ipaddress.ip_network("10.2.0.0/24"),))]
+    node("node-b", {}, nodes, HostPort("127.0.0.1", pb), secret=None)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", pb), timeout=5)
+
+
+def test_config_needs_a_private_secret_for_node_to_node(tmp_path):
+    cfg = tmp_path / "tsor.yaml"
+    cfg.write_text("node: a\nlisten: 127.0.0.1:7470\n")
+    with pytest.raises(ConfigError, match="listen: node-to-node set-up needs the cluster's shared secret"):
+        load(str(cfg))
+    cfg.write_text("node: a\nlisten: 127.0.0.1:7470\ninsecure_no_auth: true\n")
+    assert load(str(cfg)).node_key == b""
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    secret.chmod(0o640)
+    cfg.write_text("node: a\nlisten: 127.0.0.1:7470\ncluster_secret_file: secret\n")
+    with pytest.raises(ConfigError, match="cluster_secret_file: .* readable or writable by group or others"):
+        load(str(cfg))
+    secret.chmod(0o600)
+    assert load(str(cfg)).node_key == b"0123456789abcdef0123456789abcdef"
+    secret.write_text("short")
+    with pytest.raises(ConfigError, match="needs at least 16"):
+        load(str(cfg))
 
 
 def test_clients_fall_back_while_tsord_is_down_and_reregister_when_back(node, tmp_path):
@@ -230,9 +314,7 @@ def test_clients_fall_back_while_tsord_is_down_and_reregister_when_back(node, tm
     loop = Loop()
     srv = Sandbox(loop, d.cfg.socket, "srv", ["10.0.0.1"])
     cli = Sandbox(loop, d.cfg.socket, "cli", ["10.0.0.2"])
-    srv.client.start()
-    cli.client.start()
-    assert srv.client.up and cli.client.up
+    assert srv.register() and cli.register()
     srv.call(protocol.Listen(5, "10.0.0.1", 80))
     r, fds = cli.call(protocol.Connect(("10.0.0.1", 80), 1))
     established = (socket.socket(fileno=fds[0]), srv.accepted[0][0])
@@ -284,7 +366,7 @@ def test_quark_tsor_status_prints_the_counters(node, tmp_path, capsys):
     loop = Loop()
     srv = Sandbox(loop, d.cfg.socket, "srv", ["10.0.0.1"])
     cli = Sandbox(loop, d.cfg.socket, "cli", ["10.0.0.2"])
-    assert srv.client.open() and cli.client.open()
+    assert srv.register() and cli.register()
     srv.call(protocol.Listen(1, "10.0.0.1", 80))
     for port in (80, 81):
         _, fds = cli.call(protocol.Connect(("10.0.0.1", port), 5))
@@ -297,3 +379,85 @@ def test_quark_tsor_status_prints_the_counters(node, tmp_path, capsys):
     assert out["sandboxes"] == 2 and out["listeners"] == 1
     assert cmd.run(argparse.Namespace(metrics=f"unix:{m}", config="", format="table")) == 0
     assert capsys.readouterr().out.splitlines()[0].split()[:2] == ["PATH", "CONNECTIONS"]
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_flood_of_silent_connections_costs_no_threads_and_sandboxes_are_still_served(node):
+    """300 connections to each tsord's sandbox socket and 300 to the node port that never speak:
+    tsord spends no thread on them (it used to start one each), and sandboxes get through meanwhile."""
+    pb, srv, cli = two_nodes(node)
+    r, fds = cli.call(protocol.Connect(("10.2.0.7", 80), 1))   # warm up: the pool's threads exist
+    assert r["path"] == "tcp"
+    for fd in fds:
+        os.close(fd)
+    before = threads()
+    flood = []
+    try:
+        for _ in range(300):
+            for path in (srv.client.path, cli.client.path):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                s.connect(path)
+                flood.append(s)
+            flood.append(socket.create_connection(("127.0.0.1", pb), timeout=5))
+        time.sleep(0.3)
+        assert threads() <= before, f"tsord threads {before} -> {threads()} for silent connections"
+        # during the flood: a sandbox registers (on node a) and connects over the tcp path to node b
+        again = Sandbox(cli.loop, cli.client.path, "cli", ["10.1.0.5"])
+        assert again.register()
+        r, fds = again.call(protocol.Connect(("10.2.0.7", 80), 2))
+        assert r["path"] == "tcp", r
+        for fd in fds:
+            os.close(fd)
+        assert threads() <= before + 1   # the new sandbox's reader
+    finally:
+        for s in flood:
+            s.close()
+
+
+def test_a_connection_that_never_says_hello_is_closed(node, monkeypatch):
+    monkeypatch.setattr("tsor.daemon.HELLO_TIMEOUT", 0.3)
+    d = node(owned={})
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.connect(d.cfg.socket)
+        s.settimeout(5)
+        t0 = time.monotonic()
+        assert s.recv(100) == b""
+        assert time.monotonic() - t0 < 3
+
+
+def test_a_wedged_tsord_never_holds_the_supervisors_loop(tmp_path):
+    """A tsord that accepts connections and never answers (wedged, or an impostor on its socket):
+    the supervisor's loop, which also answers the sandbox's trapped syscalls, keeps turning. The
+    hello used to wait up to 1 s on the loop, again every second."""
+    wedged = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    wedged.bind(str(tmp_path / "wedged.sock"))
+    wedged.listen(64)   # the kernel completes connects to the backlog; nobody ever reads them
+    loop = Loop()
+    sb = Sandbox(loop, str(tmp_path / "wedged.sock"), "srv", ["10.0.0.1"])
+    gaps, last = [], [time.monotonic()]
+
+    def tick():
+        now = time.monotonic()
+        gaps.append(now - last[0])
+        last[0] = now
+        loop.call_later(0.01, tick)
+
+    try:
+        t0 = time.monotonic()
+        sb.client.start()
+        assert time.monotonic() - t0 < 0.1
+        loop.call_later(0.01, tick)
+        end = time.monotonic() + 3.5    # three hello timeouts and retries
+        while time.monotonic() < end:
+            loop.run_once(0.05)
+        assert not sb.client.up
+        assert max(gaps) < 0.3, f"the loop was held for {max(gaps):.2f}s"
+        answers = []
+        sb.client.request(protocol.Connect(("10.0.0.2", 80), 1), lambda r, fds: answers.append(r))
+        assert answers == [None]   # not registered: the connect goes native at once
+    finally:
+        sb.client.close()
+        wedged.close()

@@ -108,7 +108,7 @@ def test_route_file_reload_keeps_old_routes_on_a_bad_edit(tmp_path):
 def test_config_parses_and_names_bad_fields(tmp_path):
     f = tmp_path / "tsor.yaml"
     f.write_text("node: n1\nsocket: /run/x.sock\nlisten: 10.0.0.1:7470\nmetrics: unix:/run/m.sock\n"
-                 "routes: routes.yaml\n")
+                 "routes: routes.yaml\ninsecure_no_auth: true\n")
     c = config.load(str(f))
     assert (c.node, c.socket, str(c.listen), c.metrics) == ("n1", "/run/x.sock", "10.0.0.1:7470", "/run/m.sock")
     assert c.routes == str(tmp_path / "routes.yaml")

@@ -1,22 +1,42 @@
 """The tcp transport: node to node over one real TCP connection per application connection.
 
-The client's tsord dials the server node's tsord (its `listen` address) and sends a header
-(4-byte length + JSON {src, dst}); the server's tsord hands the accepted socket to the listening
-sandbox, whose supervisor writes one byte b"\\x01" on it *before* the application can accept it
-(so the byte always precedes application data); b"\\x00" or EOF means no taker. The client's tsord
-reads exactly that byte and hands its socket to the client sandbox. From then on the two pods hold
-the two ends of one kernel TCP connection: no process is in the data path.
+The client's tsord dials the server node's tsord (its `listen` address). Both know the cluster
+secret K (tsor/config.py), and each proves it over a fresh nonce of the other before anything is
+believed:
+
+    server -> client   NONCE_S (16 random bytes), at once
+    client -> server   4-byte length + JSON {src, dst, nonce: hex NONCE_C}
+                       + HMAC-SHA256(K, "tsor-client" NONCE_S header)
+    server -> client   HMAC-SHA256(K, "tsor-server" NONCE_C NONCE_S), once the client's proof checks
+    server -> client   one byte: b"\x01" written by the listening sandbox's supervisor *before* the
+                       application can accept (so it precedes application data); b"\x00" or EOF: no
+                       taker
+
+A host without K can neither inject a connection into a pod nor pose as a peer tsord to a client
+pod (the client checks the server's proof before the answer byte), and a recorded set-up does not
+replay (the other side's nonce is new each time). The server also checks that the claimed source
+pod belongs to the node the connection comes from. The client's tsord then hands its socket to the
+client sandbox: the two pods hold the two ends of one kernel TCP connection, no process is in the
+data path.
+
+New connections wait at a Gate (tsor/gate.py) until their header and proof are in, with no thread
+of their own; at most MAX_SETUPS checked set-ups are delivered at once (each waits for a supervisor
+to take it), and the excess is closed: the client then connects natively.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import os
 import socket
 import struct
 import threading
 
 from tsor.addr import Endpoint, unmapped, valid_ip
 from tsor.config import HostPort
+from tsor.gate import Gate, Pending
 from tsor.routes import Node, RouteTable
 from tsor.transport import Deliver
 
@@ -24,6 +44,10 @@ log = logging.getLogger("tsor.tcp")
 SETUP_TIMEOUT = 5.0
 _MAX_HEADER = 4096
 ACCEPTED, REFUSED = b"\x01", b"\x00"
+NONCE, MAC = 16, 32
+CLIENT, SERVER = b"tsor-client", b"tsor-server"
+MAX_PENDING = 128    # connections waiting for their header and proof
+MAX_SETUPS = 64      # checked set-ups being delivered at once (a thread each)
 
 
 def _recv_exact(s: socket.socket, n: int) -> bytes:
@@ -36,24 +60,42 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return buf
 
 
+def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, label + b"".join(parts), hashlib.sha256).digest()
+
+
+class _Setup:
+    """A server-side set-up at the gate: our nonce and what the client sent so far."""
+
+    def __init__(self) -> None:
+        self.nonce = os.urandom(NONCE)
+        self.buf = b""
+
+
 class TcpTransport:
     name = "tcp"
 
-    def __init__(self, deliver: Deliver, routes: RouteTable, listen: HostPort | None) -> None:
-        self.deliver, self.routes = deliver, routes
+    def __init__(self, deliver: Deliver, routes: RouteTable, listen: HostPort | None,
+                 key: bytes | None) -> None:
+        """`key`: the cluster secret (b"": insecure_no_auth); None: no node-to-node set-up at all."""
+        self.deliver, self.routes, self.key = deliver, routes, key
         self._server: socket.socket | None = None
-        if listen is not None:
+        self._gate: Gate | None = None
+        self._setups = threading.BoundedSemaphore(MAX_SETUPS)
+        if listen is not None and key is None:
+            log.warning("listen %s ignored: node-to-node set-up needs cluster_secret_file", listen)
+        elif listen is not None:
             fam = socket.AF_INET6 if ":" in listen.host else socket.AF_INET
             s = socket.socket(fam, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((listen.host, listen.port))
             s.listen(1024)
             self._server = s
-            threading.Thread(target=self._accept_loop, name="tcp-accept", daemon=True).start()
+            self._gate = Gate(s, "tcp", self._opened, self._readable, MAX_PENDING, SETUP_TIMEOUT)
 
     # ---- client side ---------------------------------------------------------------------------
     def connect(self, node: Node, src: Endpoint, dst: Endpoint) -> socket.socket | None:
-        if node.address is None:
+        if node.address is None or self.key is None:
             return None
         try:
             s = socket.create_connection((node.address.host, node.address.port), timeout=SETUP_TIMEOUT)
@@ -62,8 +104,15 @@ class TcpTransport:
             return None
         try:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            header = json.dumps({"src": list(src), "dst": list(dst)}).encode()
-            s.sendall(struct.pack("!I", len(header)) + header)
+            theirs, ours = _recv_exact(s, NONCE), os.urandom(NONCE)
+            header = json.dumps({"src": list(src), "dst": list(dst), "nonce": ours.hex()}).encode()
+            s.sendall(struct.pack("!I", len(header)) + header + _mac(self.key, CLIENT, theirs, header))
+            proof = _recv_exact(s, MAC)
+            if not hmac.compare_digest(proof, _mac(self.key, SERVER, ours, theirs)):
+                log.warning("node %s (%s) did not prove the cluster secret; connecting natively",
+                            node.name, node.address)
+                s.close()
+                return None
             status = _recv_exact(s, 1)
         except OSError as e:
             log.info("set-up with node %s failed: %s", node.name, e)
@@ -78,38 +127,81 @@ class TcpTransport:
         return s
 
     # ---- server side ---------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                s, peer = self._server.accept()
-            except OSError:
-                return   # closed
-            threading.Thread(target=self._serve, args=(s, peer[0]), name="tcp-setup", daemon=True).start()
+    def _opened(self, p: Pending) -> bool:
+        p.state = _Setup()
+        p.conn.sendall(p.state.nonce)   # 16 bytes into an empty send buffer: never blocks
+        return True
 
-    def _serve(self, s: socket.socket, peer_ip: str) -> None:
+    def _readable(self, p: Pending) -> bool | None:
+        """The gate's check: None until header and proof are in; then refuse, or hand over."""
+        setup: _Setup = p.state
+        peer_ip = p.peer[0]
+        try:
+            data = p.conn.recv(_MAX_HEADER + 4 + MAC, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return False
+        if not data:
+            return False
+        setup.buf += data
+        try:
+            header = self._check(setup, peer_ip)
+        except (ValueError, KeyError, TypeError, IndexError, PermissionError) as e:
+            log.warning("tcp set-up from %s refused: %s", peer_ip, e)
+            return False
+        if header is None:
+            return None
+        if not self._setups.acquire(blocking=False):
+            log.warning("tcp set-up from %s refused: %d set-ups already in progress", peer_ip, MAX_SETUPS)
+            return False
+        threading.Thread(target=self._serve, args=(p.conn, header, peer_ip), name="tcp-setup",
+                         daemon=True).start()
+        return True
+
+    def _check(self, setup: _Setup, peer_ip: str) -> dict | None:
+        """The client's header once it and its proof are complete (None before); raises if bad."""
+        buf = setup.buf
+        if len(buf) < 4:
+            return None
+        n, = struct.unpack("!I", buf[:4])
+        if n > _MAX_HEADER:
+            raise ValueError("header too long")
+        if len(buf) < 4 + n + MAC:
+            return None
+        if len(buf) > 4 + n + MAC:
+            raise ValueError("data before the set-up was answered")
+        raw, proof = buf[4:4 + n], buf[4 + n:]
+        if not hmac.compare_digest(proof, _mac(self.key, CLIENT, setup.nonce, raw)):
+            raise PermissionError("no valid proof of the cluster secret")
+        h = json.loads(raw)
+        src, dst, nonce = h["src"], h["dst"], bytes.fromhex(h["nonce"])
+        if not (valid_ip(src[0]) and valid_ip(dst[0]) and 0 <= src[1] < 65536 and 0 < dst[1] < 65536
+                and len(nonce) == NONCE):
+            raise ValueError("bad endpoints")
+        # A connection may only claim a source address of the node it comes from.
+        node = self.routes.lookup(src[0])
+        if node is None or node.address is None or unmapped(node.address.host) != unmapped(peer_ip):
+            raise PermissionError(f"{peer_ip} is not the node of pod {src[0]}")
+        return {"src": (src[0], src[1]), "dst": (dst[0], dst[1]), "proof": _mac(self.key, SERVER, nonce, setup.nonce)}
+
+    def _serve(self, s: socket.socket, header: dict, peer_ip: str) -> None:
         try:
             s.settimeout(SETUP_TIMEOUT)
-            n, = struct.unpack("!I", _recv_exact(s, 4))
-            if n > _MAX_HEADER:
-                raise ValueError("header too long")
-            h = json.loads(_recv_exact(s, n))
-            src, dst = h["src"], h["dst"]
-            if not (valid_ip(src[0]) and valid_ip(dst[0]) and 0 <= src[1] < 65536 and 0 < dst[1] < 65536):
-                raise ValueError("bad endpoints")
-            # A connection may only claim a source address of the node it comes from.
-            node = self.routes.lookup(src[0])
-            if node is None or node.address is None or unmapped(node.address.host) != unmapped(peer_ip):
-                raise PermissionError(f"{peer_ip} is not the node of pod {src[0]}")
+            s.sendall(header["proof"])
             s.settimeout(None)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 0)
-            if not self.deliver((dst[0], dst[1]), (src[0], src[1]), s, self.name, True):
+            if not self.deliver(header["dst"], header["src"], s, self.name, True):
                 s.send(REFUSED)
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-            log.warning("tcp set-up from %s refused: %s", peer_ip, e)
+        except OSError as e:
+            log.warning("tcp set-up from %s failed: %s", peer_ip, e)
         finally:
             s.close()
+            self._setups.release()
 
     def close(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
         if self._server is not None:
             try:
                 self._server.shutdown(socket.SHUT_RDWR)
