@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn
@@ -36,6 +37,9 @@ RLIMITS: dict[str, int] = {f"RLIMIT_{n}": getattr(resource, f"RLIMIT_{n}", i)
                            for i, n in enumerate(_LINUX_RLIMITS)}
 
 NAMESPACE_TYPES = ("pid", "network", "mount", "ipc", "uts", "user", "cgroup", "time")
+# namespace type -> its name under /proc/PID/ns/
+PROC_NS_NAMES = {"user": "user", "mount": "mnt", "pid": "pid", "network": "net", "ipc": "ipc", "uts": "uts",
+                 "cgroup": "cgroup", "time": "time"}
 SECCOMP_ACTIONS = ("SCMP_ACT_KILL", "SCMP_ACT_KILL_PROCESS", "SCMP_ACT_KILL_THREAD", "SCMP_ACT_TRAP",
                    "SCMP_ACT_ERRNO", "SCMP_ACT_TRACE", "SCMP_ACT_ALLOW", "SCMP_ACT_LOG", "SCMP_ACT_NOTIFY")
 SECCOMP_OPS = ("SCMP_CMP_NE", "SCMP_CMP_LT", "SCMP_CMP_LE", "SCMP_CMP_EQ", "SCMP_CMP_GE",
@@ -157,6 +161,12 @@ class MemoryResources:
     limit: int | None = None
     reservation: int | None = None
     swap: int | None = None
+    kernel: int | None = None
+    kernel_tcp: int | None = None
+    swappiness: int | None = None
+    disable_oom_killer: bool = False
+    use_hierarchy: bool | None = None
+    check_before_update: bool = False
 
 
 @dataclass
@@ -164,8 +174,66 @@ class CpuResources:
     shares: int | None = None
     quota: int | None = None
     period: int | None = None
+    realtime_runtime: int | None = None
+    realtime_period: int | None = None
     cpus: str = ""
     mems: str = ""
+    idle: int | None = None
+
+
+@dataclass
+class WeightDevice:
+    major: int = 0
+    minor: int = 0
+    weight: int | None = None
+    leaf_weight: int | None = None
+
+
+@dataclass
+class ThrottleDevice:
+    major: int = 0
+    minor: int = 0
+    rate: int = 0
+
+
+# blockIO's throttle lists: OCI key -> BlockIO attribute
+THROTTLES = {"throttleReadBpsDevice": "throttle_read_bps", "throttleWriteBpsDevice": "throttle_write_bps",
+             "throttleReadIOPSDevice": "throttle_read_iops", "throttleWriteIOPSDevice": "throttle_write_iops"}
+
+
+@dataclass
+class BlockIO:
+    weight: int | None = None
+    leaf_weight: int | None = None
+    weight_device: list[WeightDevice] = field(default_factory=list)
+    throttle_read_bps: list[ThrottleDevice] = field(default_factory=list)
+    throttle_write_bps: list[ThrottleDevice] = field(default_factory=list)
+    throttle_read_iops: list[ThrottleDevice] = field(default_factory=list)
+    throttle_write_iops: list[ThrottleDevice] = field(default_factory=list)
+
+
+@dataclass
+class HugepageLimit:
+    page_size: str = ""  # "2MB", "1GB": the kernel's name in hugetlb.<size>.* files
+    limit: int = 0
+
+
+@dataclass
+class InterfacePriority:
+    name: str = ""
+    priority: int = 0
+
+
+@dataclass
+class NetworkResources:
+    class_id: int | None = None
+    priorities: list[InterfacePriority] = field(default_factory=list)
+
+
+@dataclass
+class RdmaLimit:
+    hca_handles: int | None = None
+    hca_objects: int | None = None
 
 
 @dataclass
@@ -174,7 +242,11 @@ class Resources:
     cpu: CpuResources | None = None
     pids_limit: int | None = None
     devices: list[DeviceRule] = field(default_factory=list)
-    raw: dict = field(default_factory=dict)  # the whole object, for fields not modelled (blockIO, unified...)
+    block_io: BlockIO | None = None
+    hugepage_limits: list[HugepageLimit] = field(default_factory=list)
+    network: NetworkResources | None = None
+    rdma: dict[str, RdmaLimit] = field(default_factory=dict)  # device name -> its limits
+    unified: dict[str, str] = field(default_factory=dict)     # cgroup v2 file name -> value
 
 
 @dataclass
@@ -223,6 +295,18 @@ class Linux:
     def namespace(self, type: str) -> Namespace | None:
         return next((ns for ns in self.namespaces if ns.type == type), None)
 
+    def new_namespace(self, type: str) -> bool:
+        """Is a namespace of `type` made for the container (listed, without a path to join)?"""
+        ns = self.namespace(type)
+        return ns is not None and not ns.path
+
+
+def sysctl_key(key: str) -> str:
+    """sysctl(8) also spells keys with '/' (net/ipv4/conf/eth0.100/rp_filter); this is the dotted
+    form (net.ipv4.conf.eth0/100.rp_filter), in which a '.' inside a component becomes '/'."""
+    first = next((c for c in key if c in "./"), ".")
+    return key if first == "." else key.translate(str.maketrans("./", "/."))
+
 
 @dataclass
 class Spec:
@@ -267,6 +351,10 @@ class _Reader:
 def _str(r: _Reader, f: str, v: Any) -> str:
     if not isinstance(v, str):
         r.fail(f, "must be a string")
+    # the kernel takes C strings: a NUL would cut a path or a name short, or fail half-way through
+    # set-up with an error that names nothing
+    if "\0" in v:
+        r.fail(f, "must not contain a NUL character")
     return v
 
 
@@ -307,13 +395,13 @@ def _list(item: Check) -> Check:
 
 
 def _nonempty_strs(r: _Reader, f: str, v: Any) -> list[str]:
-    if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
+    if not isinstance(v, list) or not v:
         r.fail(f, "must be a non-empty list of strings")
-    return list(v)
+    return [_str(r, f"{f}[{i}]", x) for i, x in enumerate(v)]
 
 
 def _str_map(r: _Reader, f: str, v: Any) -> dict[str, str]:
-    return {k: _str(r, f"{f}.{k}", x) for k, x in _obj(r, f, v).items()}
+    return {_str(r, f, k): _str(r, f"{f}.{k}", x) for k, x in _obj(r, f, v).items()}
 
 
 def _abs(r: _Reader, f: str, v: Any) -> str:
@@ -437,7 +525,8 @@ def _device(r: _Reader, f: str, v: Any) -> Device:
     number = _int(0, 2**63 - 1)
     # A FIFO has no device numbers; every other node needs both to be created.
     default = 0 if kind == "p" else _MISSING
-    return Device(path=r.get(d, f, "path", _abs), type=kind, major=r.get(d, f, "major", number, default),
+    # "/dev/fuse/" names /dev/fuse (runc cleans the path too)
+    return Device(path=os.path.normpath(r.get(d, f, "path", _abs)), type=kind, major=r.get(d, f, "major", number, default),
                   minor=r.get(d, f, "minor", number, default), file_mode=r.get(d, f, "fileMode", _U32, None),
                   uid=r.get(d, f, "uid", _U32, None), gid=r.get(d, f, "gid", _U32, None))
 
@@ -457,22 +546,107 @@ def _device_rule(r: _Reader, f: str, v: Any) -> DeviceRule:
     return rule
 
 
+def _memory(r: _Reader, f: str, v: Any) -> MemoryResources:
+    d = _obj(r, f, v)
+    return MemoryResources(
+        limit=r.get(d, f, "limit", _I64, None), reservation=r.get(d, f, "reservation", _I64, None),
+        swap=r.get(d, f, "swap", _I64, None), kernel=r.get(d, f, "kernel", _I64, None),
+        kernel_tcp=r.get(d, f, "kernelTCP", _I64, None), swappiness=r.get(d, f, "swappiness", _int(0, 100), None),
+        disable_oom_killer=r.get(d, f, "disableOOMKiller", _bool, False),
+        use_hierarchy=r.get(d, f, "useHierarchy", _bool, None),
+        check_before_update=r.get(d, f, "checkBeforeUpdate", _bool, False))
+
+
+def _cpu(r: _Reader, f: str, v: Any) -> CpuResources:
+    d = _obj(r, f, v)
+    return CpuResources(
+        shares=r.get(d, f, "shares", _U64, None), quota=r.get(d, f, "quota", _I64, None),
+        period=r.get(d, f, "period", _U64, None), realtime_runtime=r.get(d, f, "realtimeRuntime", _I64, None),
+        realtime_period=r.get(d, f, "realtimePeriod", _U64, None), cpus=r.get(d, f, "cpus", _str, ""),
+        mems=r.get(d, f, "mems", _str, ""),
+        idle=r.get(d, f, "idle", _int(0, 1), None))  # the kernel's cpu.idle takes 0 or 1
+
+
+_BLKIO_WEIGHT = _int(10, 1000)  # the kernel's range for blkio (and BFQ) weights
+
+
+def _weight_device(r: _Reader, f: str, v: Any) -> WeightDevice:
+    d = _obj(r, f, v)
+    return WeightDevice(major=r.get(d, f, "major", _I64), minor=r.get(d, f, "minor", _I64),
+                        weight=r.get(d, f, "weight", _BLKIO_WEIGHT, None),
+                        leaf_weight=r.get(d, f, "leafWeight", _BLKIO_WEIGHT, None))
+
+
+def _throttle_device(r: _Reader, f: str, v: Any) -> ThrottleDevice:
+    d = _obj(r, f, v)
+    return ThrottleDevice(major=r.get(d, f, "major", _I64), minor=r.get(d, f, "minor", _I64),
+                          rate=r.get(d, f, "rate", _U64))
+
+
+def _block_io(r: _Reader, f: str, v: Any) -> BlockIO:
+    d = _obj(r, f, v)
+    throttles = {attr: r.get(d, f, key, _list(_throttle_device), []) for key, attr in THROTTLES.items()}
+    return BlockIO(weight=r.get(d, f, "weight", _BLKIO_WEIGHT, None),
+                   leaf_weight=r.get(d, f, "leafWeight", _BLKIO_WEIGHT, None),
+                   weight_device=r.get(d, f, "weightDevice", _list(_weight_device), []), **throttles)
+
+
+def _hugepage_limit(r: _Reader, f: str, v: Any) -> HugepageLimit:
+    d = _obj(r, f, v)
+    size = r.get(d, f, "pageSize", _str)
+    # it becomes part of a file name (hugetlb.<size>.max): only the kernel's spelling may pass
+    if not re.fullmatch(r"[0-9]+[KMGTP]B", size):
+        r.fail(f"{f}.pageSize", f'must be a huge page size such as "2MB" or "1GB", got {json.dumps(size)}')
+    return HugepageLimit(page_size=size, limit=r.get(d, f, "limit", _U64))
+
+
+def _word(r: _Reader, f: str, v: Any) -> str:
+    """A name the kernel reads from a "name value" line: non-empty, no whitespace."""
+    if not _str(r, f, v) or any(c.isspace() for c in v):
+        r.fail(f, f"must be a non-empty name without whitespace, got {json.dumps(v)}")
+    return v
+
+
+def _network(r: _Reader, f: str, v: Any) -> NetworkResources:
+    d = _obj(r, f, v)
+
+    def priority(r: _Reader, f: str, v: Any) -> InterfacePriority:
+        p = _obj(r, f, v)
+        return InterfacePriority(name=r.get(p, f, "name", _word), priority=r.get(p, f, "priority", _U32))
+    return NetworkResources(class_id=r.get(d, f, "classID", _U32, None),
+                            priorities=r.get(d, f, "priorities", _list(priority), []))
+
+
+def _rdma(r: _Reader, f: str, v: Any) -> dict[str, RdmaLimit]:
+    limits = {}
+    for device, x in _obj(r, f, v).items():
+        where = f"{f}.{device}"
+        d = _obj(r, where, x)
+        limits[_word(r, where, device)] = RdmaLimit(hca_handles=r.get(d, where, "hcaHandles", _U32, None),
+                                                   hca_objects=r.get(d, where, "hcaObjects", _U32, None))
+    return limits
+
+
+def _unified(r: _Reader, f: str, v: Any) -> dict[str, str]:
+    files = _str_map(r, f, v)
+    for key in files:
+        # a key is a file in the container's cgroup directory: nothing that leads out of it
+        if not re.fullmatch(r"[a-z0-9_]+\.[A-Za-z0-9_.]+", key):
+            r.fail(f"{f}.{key}", "must be a cgroup file name in the form CONTROLLER.PARAMETER")
+    return files
+
+
 def _resources(r: _Reader, f: str, v: Any) -> Resources:
     d = _obj(r, f, v)
-    mem = r.get(d, f, "memory", _obj, None)
-    cpu = r.get(d, f, "cpu", _obj, None)
     pids = r.get(d, f, "pids", _obj, None)
-    fm, fc = f"{f}.memory", f"{f}.cpu"
     return Resources(
-        memory=None if mem is None else MemoryResources(
-            limit=r.get(mem, fm, "limit", _I64, None), reservation=r.get(mem, fm, "reservation", _I64, None),
-            swap=r.get(mem, fm, "swap", _I64, None)),
-        cpu=None if cpu is None else CpuResources(
-            shares=r.get(cpu, fc, "shares", _U64, None), quota=r.get(cpu, fc, "quota", _I64, None),
-            period=r.get(cpu, fc, "period", _U64, None), cpus=r.get(cpu, fc, "cpus", _str, ""),
-            mems=r.get(cpu, fc, "mems", _str, "")),
+        memory=r.get(d, f, "memory", _memory, None), cpu=r.get(d, f, "cpu", _cpu, None),
         pids_limit=None if pids is None else r.get(pids, f"{f}.pids", "limit", _I64),
-        devices=r.get(d, f, "devices", _list(_device_rule), []), raw=d)
+        devices=r.get(d, f, "devices", _list(_device_rule), []),
+        block_io=r.get(d, f, "blockIO", _block_io, None),
+        hugepage_limits=r.get(d, f, "hugepageLimits", _list(_hugepage_limit), []),
+        network=r.get(d, f, "network", _network, None), rdma=r.get(d, f, "rdma", _rdma, {}),
+        unified=r.get(d, f, "unified", _unified, {}))
 
 
 def _seccomp_arg(r: _Reader, f: str, v: Any) -> SeccompArg:

@@ -10,19 +10,25 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import posixpath
 import signal
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..errors import SetupError, Unsupported
+from ..spec import HugepageLimit, RdmaLimit
 
 CGROUP_ROOT = "/sys/fs/cgroup"
+RESOURCES = "linux.resources"  # errors name the config.json field they concern under this
 CGROUP2_SUPER_MAGIC = 0x63677270
 # v1 reports "no limit" as LONG_MAX rounded down to a page; anything this large is no limit.
 UNLIMITED = 1 << 62
+KERNEL_MEMORY = "kernel memory limits are deprecated and no longer enforced by Linux"
+
+log = logging.getLogger("quark")
 
 
 def detect() -> str:
@@ -63,14 +69,48 @@ def device_rule(rule: Any) -> str:
     return f"{rule.type or 'a'} {num(rule.major)}:{num(rule.minor)} {rule.access or 'rwm'}"
 
 
-def write(d: str, name: str, value: object) -> None:
-    """Write one control file; a kernel rejection becomes a SetupError naming file and value."""
+def write(d: str, name: str, value: object, field: str = "") -> None:
+    """Write one control file; a kernel rejection becomes a SetupError naming file and value.
+    With `field`, the linux.resources field the write sets, errors name that field, and a file
+    this host lacks (the kernel has no such setting) is Unsupported."""
     path = os.path.join(d, name)
+    where = f"{RESOURCES}.{field}" if field else "cgroup"
     try:
-        with open(path, "w") as f:
-            f.write(str(value))
+        # Never O_CREAT: on cgroupfs that turns a missing file into EACCES, hiding what is wrong.
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+        try:
+            os.write(fd, str(value).encode())
+        finally:
+            os.close(fd)
+    except FileNotFoundError as e:
+        if field and os.path.isdir(d):
+            raise Unsupported(f"{where}: not supported on this host: the kernel has no {path}") from e
+        raise SetupError(f"{where}: writing {value!r} to {path}: {e.strerror}") from e
     except OSError as e:
-        raise SetupError(f"cgroup: writing {value!r} to {path}: {e.strerror}") from e
+        raise SetupError(f"{where}: writing {value!r} to {path}: {e.strerror}") from e
+
+
+def warn_ignored(field: str, why: str) -> None:
+    """A setting the kernel no longer has: runc ignores it with a warning, and so does quark."""
+    log.warning("%s.%s is ignored: %s", RESOURCES, field, why)
+
+
+def hugetlb_writes(d: str, limits: list[HugepageLimit], suffix: str) -> list[tuple[str, object, str]]:
+    """(file, value, field) for hugepageLimits in cgroup directory `d`: each limit, and its
+    reservation limit where the kernel has one (5.7+), as runc sets both."""
+    writes: list[tuple[str, object, str]] = []
+    for i, h in enumerate(limits):
+        prefix, field = f"hugetlb.{h.page_size}", f"hugepageLimits[{i}]"
+        writes.append((prefix + suffix, h.limit, field))
+        if os.path.exists(os.path.join(d, f"{prefix}.rsvd{suffix}")):
+            writes.append((f"{prefix}.rsvd{suffix}", h.limit, field))
+    return writes
+
+
+def rdma_line(device: str, limit: RdmaLimit) -> str:
+    """An rdma.max line: "DEVICE hca_handle=N hca_object=N" with the limits that are set."""
+    values = (("hca_handle", limit.hca_handles), ("hca_object", limit.hca_objects))
+    return " ".join([device] + [f"{key}={n}" for key, n in values if n is not None])
 
 
 def read(d: str, name: str) -> str:
@@ -96,13 +136,24 @@ def read_kv(d: str, name: str) -> dict[str, int]:
     return {k: int(v) for k, v, *_ in (line.split() for line in lines)}
 
 
-def poll(done: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    """Retry `done` until it holds; freezing and removal settle asynchronously."""
+def settle(done: Callable[[], bool], what: str, timeout: float = 5.0) -> Iterator[float]:
+    """Retry `done` until it holds, yielding the pause wanted before each retry: freezing and
+    removal settle asynchronously. A caller with an event loop waits on a timer, not a sleep."""
     deadline = time.monotonic() + timeout
     while not done():
         if time.monotonic() > deadline:
             raise SetupError(f"cgroup: timed out {what}")
-        time.sleep(0.01)
+        yield 0.01
+
+
+def run_steps(steps: Iterator[float]) -> None:
+    """Run a step generator (settle, Cgroup.kill_steps) to its end, sleeping between steps."""
+    for pause in steps:
+        time.sleep(pause)
+
+
+def poll(done: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    run_steps(settle(done, what, timeout))
 
 
 class Cgroup(ABC):
@@ -122,9 +173,11 @@ class Cgroup(ABC):
     @abstractmethod
     def apply(self, resources: Any) -> None: ...
     @abstractmethod
-    def freeze(self) -> None: ...
+    def try_freeze(self) -> bool:
+        """Ask for frozen (again: a stalled freeze retries); True once it is. Unsupported
+        without a freezer."""
     @abstractmethod
-    def thaw(self) -> None: ...
+    def try_thaw(self) -> bool: ...
     @abstractmethod
     def frozen(self) -> bool: ...
     @abstractmethod
@@ -150,13 +203,24 @@ class Cgroup(ABC):
                     pass  # a child cgroup removed while we walked
         return sorted(found)
 
+    def freeze(self) -> None:
+        poll(self.try_freeze, f"freezing {self.path}")
+
+    def thaw(self) -> None:
+        poll(self.try_thaw, f"thawing {self.path}")
+
     def kill_all(self, sig: int = signal.SIGKILL) -> None:
         """Signal every process; frozen meanwhile so none escapes by forking. Leaves it thawed.
         A cgroup that no longer exists has no process to signal."""
+        run_steps(self.kill_steps(sig))
+
+    def kill_steps(self, sig: int = signal.SIGKILL) -> Iterator[float]:
+        """kill_all as steps, each yield the pause before the next: the supervisor runs them on
+        its event loop's timers, so a freeze that takes seconds to settle holds nothing."""
         if not any(os.path.isdir(d) for d in self.dirs()):
             return
         try:
-            self.freeze()
+            yield from settle(self.try_freeze, f"freezing {self.path}")
             frozen = True
         except Unsupported:
             frozen = False
@@ -168,7 +232,7 @@ class Cgroup(ABC):
                     pass
         finally:
             if frozen:
-                self.thaw()
+                yield from settle(self.try_thaw, f"thawing {self.path}")
 
     def destroy(self) -> None:
         """Remove the cgroup and its children everywhere; kills nothing, idempotent."""

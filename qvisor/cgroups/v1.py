@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
 
 from ..errors import SetupError, Unsupported
-from . import UNLIMITED, Cgroup, device_rule, poll, read, read_int, read_kv, write
+from ..spec import THROTTLES, BlockIO, CpuResources, MemoryResources, NetworkResources, Resources
+from . import (KERNEL_MEMORY, RESOURCES, UNLIMITED, Cgroup, device_rule, hugetlb_writes, poll, rdma_line, read,
+               read_int, read_kv, warn_ignored, write)
+
+MEMSW = "memory.memsw.limit_in_bytes"
+KMEM_TCP = "memory.kmem.tcp.limit_in_bytes"
+Write = tuple[str, str, object, str]  # (controller, file, value, the linux.resources field it sets)
 
 
 def hierarchies() -> dict[str, str]:
@@ -33,6 +38,30 @@ def hierarchies() -> dict[str, str]:
     return found
 
 
+def _plan_cpu(cpu: CpuResources) -> list[Write]:
+    # Period before quota (and before runtime): the kernel checks each against the current
+    # period. 0 means unset, as in runc; cpu.idle's 0 is a value.
+    plan: list[Write] = [("cpu", name, value, field) for name, value, field in (
+        ("cpu.shares", cpu.shares, "cpu.shares"), ("cpu.cfs_period_us", cpu.period, "cpu.period"),
+        ("cpu.cfs_quota_us", cpu.quota, "cpu.quota"),
+        ("cpu.rt_period_us", cpu.realtime_period, "cpu.realtimePeriod"),
+        ("cpu.rt_runtime_us", cpu.realtime_runtime, "cpu.realtimeRuntime")) if value]
+    if cpu.idle is not None:
+        plan.append(("cpu", "cpu.idle", cpu.idle, "cpu.idle"))
+    plan += [("cpuset", name, value, field) for name, value, field in (
+        ("cpuset.cpus", cpu.cpus, "cpu.cpus"), ("cpuset.mems", cpu.mems, "cpu.mems")) if value]
+    return plan
+
+
+def _plan_network(net: NetworkResources) -> list[Write]:
+    plan: list[Write] = []
+    if net.class_id is not None:
+        plan.append(("net_cls", "net_cls.classid", net.class_id, "network.classID"))
+    plan += [("net_prio", "net_prio.ifpriomap", f"{p.name} {p.priority}", f"network.priorities[{i}]")
+             for i, p in enumerate(net.priorities)]
+    return plan
+
+
 class V1Cgroup(Cgroup):
     version = "v1"
 
@@ -43,9 +72,12 @@ class V1Cgroup(Cgroup):
     def dirs(self) -> list[str]:
         return [mp + self.path for mp in dict.fromkeys(self.mounts.values())]
 
-    def _dir(self, controller: str) -> str:
+    def _dir(self, controller: str, field: str = "") -> str:
+        """The directory in `controller`'s hierarchy; a refusal naming `field` if none is mounted."""
         if controller not in self.mounts:
-            raise Unsupported(f"cgroup v1 controller {controller!r} is not mounted on this host")
+            where = f"{RESOURCES}.{field}: " if field else ""
+            raise Unsupported(f"{where}the {controller} cgroup controller is not available on this host "
+                              "(no cgroup v1 hierarchy has it mounted)")
         return self.mounts[controller] + self.path
 
     def _int(self, controller: str, name: str) -> int | None:
@@ -70,58 +102,104 @@ class V1Cgroup(Cgroup):
                 if not read(d, name):
                     write(d, name, read(parent, name))
 
-    def apply(self, resources: Any) -> None:
-        mem = getattr(resources, "memory", None)
-        if mem is not None:
-            self._apply_memory(mem)
-        cpu = getattr(resources, "cpu", None)
-        if cpu is not None:
-            # Period before quota: the kernel checks the quota against the current period.
-            for name, value in (("cpu.shares", cpu.shares), ("cpu.cfs_period_us", cpu.period),
-                                ("cpu.cfs_quota_us", cpu.quota)):
-                if value:
-                    write(self._dir("cpu"), name, value)
-            for name, value in (("cpuset.cpus", cpu.cpus), ("cpuset.mems", cpu.mems)):
-                if value:
-                    write(self._dir("cpuset"), name, value)
-        limit = getattr(resources, "pids_limit", None)
-        if limit:  # 0 means unset in OCI, negative means unlimited
-            write(self._dir("pids"), "pids.max", "max" if limit < 0 else limit)
-        for rule in getattr(resources, "devices", None) or []:
-            write(self._dir("devices"), "devices.allow" if rule.allow else "devices.deny",
-                  device_rule(rule))
+    def apply(self, r: Resources) -> None:
+        """Write `r` into the cgroup. Every controller it needs is checked before the first
+        write, so a refusal (a controller this host lacks, a v2-only field) changes nothing."""
+        if r.unified:
+            raise Unsupported(f"{RESOURCES}.unified: cannot use unified on cgroup v1")  # as runc
+        plan = self._plan(r)
+        for controller, _, _, field in plan:
+            self._dir(controller, field)
+        for controller, name, value, field in plan:
+            write(self._dir(controller), name, value, field)
 
-    def _apply_memory(self, mem: Any) -> None:
-        d = self._dir("memory")
-        writes = []
+    def _plan(self, r: Resources) -> list[Write]:
+        """(controller, file, value, linux.resources field) for each write, in runc's order."""
+        plan = self._plan_memory(r.memory) if r.memory else []
+        plan += _plan_cpu(r.cpu) if r.cpu else []
+        if r.pids_limit:  # 0 means unset in OCI, negative means unlimited
+            plan.append(("pids", "pids.max", "max" if r.pids_limit < 0 else r.pids_limit, "pids.limit"))
+        plan += [("devices", "devices.allow" if rule.allow else "devices.deny", device_rule(rule), f"devices[{i}]")
+                 for i, rule in enumerate(r.devices)]
+        plan += self._plan_blkio(r.block_io) if r.block_io else []
+        if r.hugepage_limits:
+            d = self._dir("hugetlb", "hugepageLimits")
+            plan += [("hugetlb", *w) for w in hugetlb_writes(d, r.hugepage_limits, ".limit_in_bytes")]
+        plan += _plan_network(r.network) if r.network else []
+        plan += [("rdma", "rdma.max", rdma_line(dev, lim), f"rdma.{dev}") for dev, lim in r.rdma.items()]
+        return plan
+
+    def _plan_memory(self, mem: MemoryResources) -> list[Write]:
+        plan: list[Write] = []
+        if mem.use_hierarchy is not None:  # first: it cannot change once the cgroup has children
+            plan.append(("memory", "memory.use_hierarchy", int(mem.use_hierarchy), "memory.useHierarchy"))
         if mem.limit is not None:
-            writes.append(("memory.limit_in_bytes", mem.limit))
-        # memory+swap must never drop below the memory limit: when the new limit exceeds the
-        # current memsw limit, raise memsw first. The file is absent without swap accounting.
-        if mem.swap is not None and os.path.exists(os.path.join(d, "memory.memsw.limit_in_bytes")):
-            current = read_int(d, "memory.memsw.limit_in_bytes") or 0
-            first = mem.swap == -1 or (mem.limit is not None and (mem.limit == -1 or mem.limit > current))
-            writes.insert(0 if first else len(writes), ("memory.memsw.limit_in_bytes", mem.swap))
+            plan.append(("memory", "memory.limit_in_bytes", mem.limit, "memory.limit"))
+        if mem.swap is not None:
+            plan = self._plan_swap(mem, plan)
         if mem.reservation is not None:
-            writes.append(("memory.soft_limit_in_bytes", mem.reservation))
-        for name, value in writes:
-            write(d, name, value)
+            plan.append(("memory", "memory.soft_limit_in_bytes", mem.reservation, "memory.reservation"))
+        if mem.kernel is not None:
+            warn_ignored("memory.kernel", KERNEL_MEMORY)
+        if mem.kernel_tcp is not None:
+            if os.path.exists(os.path.join(self._dir("memory", "memory.kernelTCP"), KMEM_TCP)):
+                plan.append(("memory", KMEM_TCP, mem.kernel_tcp, "memory.kernelTCP"))
+            else:
+                warn_ignored("memory.kernelTCP", f"this kernel has no {KMEM_TCP}")
+        if mem.disable_oom_killer:
+            plan.append(("memory", "memory.oom_control", 1, "memory.disableOOMKiller"))
+        if mem.swappiness is not None:
+            plan.append(("memory", "memory.swappiness", mem.swappiness, "memory.swappiness"))
+        # checkBeforeUpdate asks for what v1 does anyway: the kernel refuses a limit below the usage.
+        return plan
+
+    def _plan_swap(self, mem: MemoryResources, plan: list[Write]) -> list[Write]:
+        """`plan` with the memory+swap limit added, before or after the memory limit."""
+        d = self._dir("memory", "memory.swap")
+        if not os.path.exists(os.path.join(d, MEMSW)):
+            if mem.swap == -1:  # no swap accounting: swap is unlimited already
+                return plan
+            raise Unsupported(f"{RESOURCES}.memory.swap: this host does not account swap "
+                              f"(the kernel has no {MEMSW})")
+        # memory+swap must never drop below the memory limit: when the new limit exceeds the
+        # current memsw limit, raise memsw first.
+        current = read_int(d, MEMSW) or 0
+        first = mem.swap == -1 or (mem.limit is not None and (mem.limit == -1 or mem.limit > current))
+        swap: Write = ("memory", MEMSW, mem.swap, "memory.swap")
+        return [swap] + plan if first else plan + [swap]
+
+    def _plan_blkio(self, b: BlockIO) -> list[Write]:
+        # CFQ's weight files, or BFQ's where CFQ is gone (Linux 5.0+), as runc picks them
+        d = self._dir("blkio", "blockIO")
+        weight = "blkio.weight" if os.path.exists(os.path.join(d, "blkio.weight")) else "blkio.bfq.weight"
+        plan: list[Write] = []
+        if b.weight is not None:
+            plan.append(("blkio", weight, b.weight, "blockIO.weight"))
+        if b.leaf_weight is not None:
+            plan.append(("blkio", "blkio.leaf_weight", b.leaf_weight, "blockIO.leafWeight"))
+        for i, wd in enumerate(b.weight_device):
+            where, dev = f"blockIO.weightDevice[{i}]", f"{wd.major}:{wd.minor}"
+            if wd.weight is not None:
+                plan.append(("blkio", weight + "_device", f"{dev} {wd.weight}", where + ".weight"))
+            if wd.leaf_weight is not None:
+                plan.append(("blkio", "blkio.leaf_weight_device", f"{dev} {wd.leaf_weight}", where + ".leafWeight"))
+        for key, attr in THROTTLES.items():
+            name = f"blkio.{attr.replace('throttle_', 'throttle.')}_device"  # blkio.throttle.read_bps_device
+            plan += [("blkio", name, f"{t.major}:{t.minor} {t.rate}", f"blockIO.{key}[{i}]")
+                     for i, t in enumerate(getattr(b, attr))]
+        return plan
 
     def _freezer_state(self) -> str:
         return read(self._dir("freezer"), "freezer.state")
 
-    def freeze(self) -> None:
-        d = self._dir("freezer")
+    def try_freeze(self) -> bool:
+        # FREEZING can stall on a task mid-syscall; asking again retries the freeze.
+        write(self._dir("freezer"), "freezer.state", "FROZEN")
+        return self._freezer_state() == "FROZEN"
 
-        def done() -> bool:
-            # FREEZING can stall on a task mid-syscall; asking again retries the freeze.
-            write(d, "freezer.state", "FROZEN")
-            return self._freezer_state() == "FROZEN"
-        poll(done, f"freezing {d}")
-
-    def thaw(self) -> None:
+    def try_thaw(self) -> bool:
         write(self._dir("freezer"), "freezer.state", "THAWED")
-        poll(lambda: self._freezer_state() == "THAWED", f"thawing {self._dir('freezer')}")
+        return self._freezer_state() == "THAWED"
 
     def frozen(self) -> bool:
         if "freezer" not in self.mounts or not os.path.isdir(self._dir("freezer")):

@@ -7,12 +7,15 @@ converts them (shares to weight, quota/period to cpu.max, memory+swap to swap al
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from ..errors import SetupError, Unsupported
-from . import CGROUP_ROOT, Cgroup, poll, read, read_int, read_kv, write
+from ..spec import THROTTLES, BlockIO, CpuResources, MemoryResources, NetworkResources, Resources
+from . import (CGROUP_ROOT, KERNEL_MEMORY, RESOURCES, Cgroup, hugetlb_writes, rdma_line, read, read_int,
+               read_kv, warn_ignored, write)
 
-CONTROLLERS = ("cpu", "cpuset", "memory", "pids", "io")
+# enabled in every ancestor, so that their files appear in the container's cgroup
+CONTROLLERS = ("cpu", "cpuset", "memory", "pids", "io", "hugetlb", "rdma", "misc")
+Write = tuple[str, object, str]  # (file, value, the linux.resources field it sets)
 
 
 def shares_to_weight(shares: int) -> int:
@@ -37,15 +40,41 @@ def swap_max(swap: int | None, limit: int | None) -> str | None:
     if swap == -1:
         return "max"
     if limit is None or limit <= 0:
-        raise SetupError("cgroup: memory.swap.max: a swap limit needs a memory limit")
+        raise SetupError(f"{RESOURCES}.memory.swap: a swap limit needs a memory limit")
     if swap < limit:
-        raise SetupError(f"cgroup: memory.swap.max: memory+swap {swap} is below memory {limit}")
+        raise SetupError(f"{RESOURCES}.memory.swap: memory+swap {swap} is below memory {limit}")
     return str(swap - limit)
+
+
+def blkio_to_io_weight(weight: int) -> int:
+    """blkio weight [10, 1000] to io.weight [1, 10000], as runc converts it."""
+    return 1 + (weight - 10) * 9999 // 990
+
+
+def _per_device_weights(d: str) -> bool:
+    # A kernel whose io.bfq.weight takes "MAJ:MIN WEIGHT" shows "default N" lines; an older
+    # one shows a single number (runc's bfqDeviceWeightSupported).
+    return not read(d, "io.bfq.weight").isdigit()
+
+
+def _plan_cpu(cpu: CpuResources) -> list[Write]:
+    if cpu.realtime_runtime or cpu.realtime_period:
+        field = "realtimeRuntime" if cpu.realtime_runtime else "realtimePeriod"
+        raise Unsupported(f"{RESOURCES}.cpu.{field}: cgroup v2 has no real-time group scheduling")
+    writes: list[Write] = []
+    if cpu.idle is not None:
+        writes.append(("cpu.idle", cpu.idle, "cpu.idle"))
+    writes += [(name, value, field) for name, value, field in (
+        ("cpu.weight", shares_to_weight(cpu.shares or 0), "cpu.shares"),
+        ("cpu.max", cpu_max(cpu.quota, cpu.period), "cpu.quota" if cpu.quota else "cpu.period"),
+        ("cpuset.cpus", cpu.cpus, "cpu.cpus"), ("cpuset.mems", cpu.mems, "cpu.mems")) if value]
+    return writes
 
 
 class V2Cgroup(Cgroup):
     """A v2 cgroup. Device rules need a BPF_CGROUP_DEVICE program, which quark does not
-    load: apply() accepts only allow-all rules and raises Unsupported for any other."""
+    load: apply() accepts only allow-all rules and raises Unsupported for any other. `root` is
+    where the unified hierarchy is mounted."""
 
     version = "v2"
 
@@ -76,40 +105,105 @@ class V2Cgroup(Cgroup):
                         pass
             d = os.path.join(d, part)
 
-    def apply(self, resources: Any) -> None:
-        devices = getattr(resources, "devices", None) or []
-        for rule in devices:  # checked first so nothing is half-applied
-            if not (rule.allow and (rule.type or "a") == "a" and rule.major is None
-                    and rule.minor is None):
-                raise Unsupported("cgroup v2 device rules need an eBPF device program, "
-                                  "which quark does not support yet")
-        writes: list[tuple[str, object]] = []
-        mem = getattr(resources, "memory", None)
-        if mem is not None:
-            if mem.limit is not None:
-                writes.append(("memory.max", "max" if mem.limit < 0 else mem.limit))
-            if mem.reservation is not None:
-                writes.append(("memory.low", mem.reservation))
-            writes.append(("memory.swap.max", swap_max(mem.swap, mem.limit)))
-        cpu = getattr(resources, "cpu", None)
-        if cpu is not None:
-            writes += [("cpu.weight", shares_to_weight(cpu.shares or 0) or None),
-                       ("cpu.max", cpu_max(cpu.quota, cpu.period)),
-                       ("cpuset.cpus", cpu.cpus or None), ("cpuset.mems", cpu.mems or None)]
-        limit = getattr(resources, "pids_limit", None)
-        if limit:
-            writes.append(("pids.max", "max" if limit < 0 else limit))
-        for name, value in writes:
-            if value is not None:
-                write(self.dir, name, value)
+    def apply(self, r: Resources) -> None:
+        """Write `r` into the cgroup. Every refusal (a v1-only field, a controller this cgroup
+        lacks) comes before the first write, so it changes nothing."""
+        writes = self._plan(r)
+        available = set(read(self.dir, "cgroup.controllers").split()) if writes else set()
+        for name, _, field in writes:
+            controller = name.split(".")[0]
+            if controller != "cgroup" and controller not in available:
+                raise Unsupported(f"{RESOURCES}.{field}: the {controller} cgroup controller is not "
+                                  "available on this host")
+        for name, value, field in writes:
+            write(self.dir, name, value, field)
 
-    def freeze(self) -> None:
+    def _plan(self, r: Resources) -> list[Write]:
+        """(file, value, linux.resources field) for each write, in runc's order."""
+        for i, rule in enumerate(r.devices):
+            if not (rule.allow and (rule.type or "a") == "a" and rule.major is None and rule.minor is None):
+                raise Unsupported(f"{RESOURCES}.devices[{i}]: cgroup v2 device rules need an eBPF device "
+                                  "program, which quark does not support yet")
+        if r.network is not None and r.network != NetworkResources():
+            raise Unsupported(f"{RESOURCES}.network: cgroup v2 has no net_cls or net_prio controller "
+                              "(match the cgroup path in eBPF or iptables instead)")
+        writes: list[Write] = []
+        if r.pids_limit:
+            writes.append(("pids.max", "max" if r.pids_limit < 0 else r.pids_limit, "pids.limit"))
+        writes += self._plan_memory(r.memory) if r.memory else []
+        writes += self._plan_io(r.block_io) if r.block_io else []
+        writes += _plan_cpu(r.cpu) if r.cpu else []
+        writes += hugetlb_writes(self.dir, r.hugepage_limits, ".max")
+        writes += [("rdma.max", rdma_line(dev, lim), f"rdma.{dev}") for dev, lim in r.rdma.items()]
+        writes += [(name, value, f"unified.{name}") for name, value in r.unified.items()]
+        return writes
+
+    def _plan_memory(self, mem: MemoryResources) -> list[Write]:
+        # v1-only settings are refused, where runc's fs2 ignores them; a default value sets nothing
+        for field, refused, why in (
+                ("swappiness", mem.swappiness is not None, "cgroup v2 has no per-cgroup swappiness"),
+                ("disableOOMKiller", mem.disable_oom_killer, "cgroup v2 cannot disable the OOM killer"),
+                ("useHierarchy", mem.use_hierarchy is False, "cgroup v2 memory accounting is always hierarchical")):
+            if refused:
+                raise Unsupported(f"{RESOURCES}.memory.{field}: {why}")
+        if mem.kernel is not None:
+            warn_ignored("memory.kernel", KERNEL_MEMORY)
+        if mem.kernel_tcp is not None:
+            warn_ignored("memory.kernelTCP", "cgroup v2 has no separate limit for TCP buffers")
+        if mem.check_before_update:
+            self._check_usage(mem)
+        writes: list[Write] = []
+        swap = swap_max(mem.swap, mem.limit)
+        accounted = os.path.exists(os.path.join(self.dir, "memory.swap.max"))
+        if swap is not None and (accounted or swap != "max"):  # unaccounted swap is unlimited already
+            writes.append(("memory.swap.max", swap, "memory.swap"))
+        if mem.limit is not None:
+            writes.append(("memory.max", "max" if mem.limit < 0 else mem.limit, "memory.limit"))
+        if mem.reservation is not None:
+            writes.append(("memory.low", mem.reservation, "memory.reservation"))
+        return writes
+
+    def _check_usage(self, mem: MemoryResources) -> None:
+        """checkBeforeUpdate: refuse a limit at or below the current usage, which v2 would meet
+        with the OOM killer (v1's kernel refuses it itself)."""
+        usage = read_int(self.dir, "memory.current")
+        for field, limit in (("swap", mem.swap), ("limit", mem.limit)):
+            if usage is not None and limit is not None and 0 < limit <= usage:
+                raise SetupError(f"{RESOURCES}.memory.{field}: rejecting limit {limit}: it is not above "
+                                 f"the current usage {usage} (checkBeforeUpdate)")
+
+    def _plan_io(self, b: BlockIO) -> list[Write]:
+        leaf = ["blockIO.leafWeight"] if b.leaf_weight is not None else []
+        leaf += [f"blockIO.weightDevice[{i}].leafWeight" for i, wd in enumerate(b.weight_device)
+                 if wd.leaf_weight is not None]
+        if leaf:
+            raise Unsupported(f"{RESOURCES}.{leaf[0]}: cgroup v2 has no leaf weights")
+        writes: list[Write] = []
+        # BFQ's own weight where the BFQ scheduler is there, as runc does; else io.weight
+        bfq = os.path.exists(os.path.join(self.dir, "io.bfq.weight"))
+        if b.weight is not None:
+            writes.append(("io.bfq.weight", b.weight, "blockIO.weight") if bfq
+                          else ("io.weight", blkio_to_io_weight(b.weight), "blockIO.weight"))
+        for i, wd in enumerate(b.weight_device):
+            if wd.weight is None:
+                continue
+            if not (bfq and _per_device_weights(self.dir)):
+                raise Unsupported(f"{RESOURCES}.blockIO.weightDevice[{i}].weight: per-device weights need the "
+                                  "BFQ I/O scheduler's io.bfq.weight, which this host lacks")
+            writes.append(("io.bfq.weight", f"{wd.major}:{wd.minor} {wd.weight}", f"blockIO.weightDevice[{i}]"))
+        for key, attr in THROTTLES.items():
+            limit = attr.removeprefix("throttle_").replace("read_", "r").replace("write_", "w")  # rbps, wiops
+            writes += [("io.max", f"{t.major}:{t.minor} {limit}={t.rate}", f"blockIO.{key}[{i}]")
+                       for i, t in enumerate(getattr(b, attr))]
+        return writes
+
+    def try_freeze(self) -> bool:
         write(self.dir, "cgroup.freeze", 1)
-        poll(self.frozen, f"freezing {self.dir}")
+        return self.frozen()
 
-    def thaw(self) -> None:
+    def try_thaw(self) -> bool:
         write(self.dir, "cgroup.freeze", 0)
-        poll(lambda: not self.frozen(), f"thawing {self.dir}")
+        return not self.frozen()
 
     def frozen(self) -> bool:
         return read_kv(self.dir, "cgroup.events").get("frozen") == 1

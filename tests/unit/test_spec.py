@@ -11,8 +11,10 @@ import pytest
 
 from qvisor import cli
 from qvisor.errors import ConfigError, QuarkError
-from qvisor.spec import (CAPABILITIES, RLIMITS, DeviceRule, Linux, Namespace, default_spec,
-                         load_spec, make_rootless, parse_spec)
+from qvisor.spec import (CAPABILITIES, RLIMITS, BlockIO, CpuResources, DeviceRule, HugepageLimit,
+                         InterfacePriority, Linux, MemoryResources, Namespace, NetworkResources, RdmaLimit,
+                         ThrottleDevice, WeightDevice, default_spec, load_spec, make_rootless, parse_resources,
+                         parse_spec)
 
 CFG = "/b/config.json"
 
@@ -82,6 +84,49 @@ MUTATIONS = [
 ]
 
 
+
+def _res(**fields):
+    return lambda s: s["linux"]["resources"].update(fields)
+
+
+# linux.resources beyond memory limits, cpu shares/quota, pids and devices: every field is modelled
+# and validated, so a bad value is named here rather than written (or dropped) by the cgroup code
+MUTATIONS += [
+    ("swappiness-101", _res(memory={"swappiness": 101}), "linux.resources.memory.swappiness", "between 0 and 100"),
+    ("oom-killer-str", _res(memory={"disableOOMKiller": "yes"}), "linux.resources.memory.disableOOMKiller",
+     "boolean"),
+    ("use-hierarchy-int", _res(memory={"useHierarchy": 1}), "linux.resources.memory.useHierarchy", "boolean"),
+    ("check-before-update-str", _res(memory={"checkBeforeUpdate": "no"}),
+     "linux.resources.memory.checkBeforeUpdate", "boolean"),
+    ("kernel-str", _res(memory={"kernel": "64M"}), "linux.resources.memory.kernel", "integer"),
+    ("kernel-tcp-float", _res(memory={"kernelTCP": 1.5}), "linux.resources.memory.kernelTCP", "integer"),
+    ("cpu-idle-2", _res(cpu={"idle": 2}), "linux.resources.cpu.idle", "between 0 and 1"),
+    ("rt-period-negative", _res(cpu={"realtimePeriod": -1}), "linux.resources.cpu.realtimePeriod", "negative"),
+    ("rt-runtime-str", _res(cpu={"realtimeRuntime": "1"}), "linux.resources.cpu.realtimeRuntime", "integer"),
+    ("blkio-weight-5", _res(blockIO={"weight": 5}), "linux.resources.blockIO.weight", "between 10 and 1000"),
+    ("blkio-leaf-weight-2000", _res(blockIO={"leafWeight": 2000}), "linux.resources.blockIO.leafWeight",
+     "between 10 and 1000"),
+    ("weight-device-leaf-2000", _res(blockIO={"weightDevice": [{"major": 8, "minor": 0, "leafWeight": 2000}]}),
+     "linux.resources.blockIO.weightDevice[0].leafWeight", "between 10 and 1000"),
+    ("weight-device-no-major", _res(blockIO={"weightDevice": [{"minor": 0, "weight": 100}]}),
+     "linux.resources.blockIO.weightDevice[0].major", "is required"),
+    ("throttle-no-rate", _res(blockIO={"throttleWriteIOPSDevice": [{"major": 8, "minor": 0}]}),
+     "linux.resources.blockIO.throttleWriteIOPSDevice[0].rate", "is required"),
+    ("hugepage-size-path", _res(hugepageLimits=[{"pageSize": "2MB/../x", "limit": 1}]),
+     "linux.resources.hugepageLimits[0].pageSize", "huge page size"),
+    ("hugepage-no-limit", _res(hugepageLimits=[{"pageSize": "2MB"}]), "linux.resources.hugepageLimits[0].limit",
+     "is required"),
+    ("classid-negative", _res(network={"classID": -1}), "linux.resources.network.classID", "negative"),
+    ("ifprio-name-space", _res(network={"priorities": [{"name": "eth 0", "priority": 1}]}),
+     "linux.resources.network.priorities[0].name", "without whitespace"),
+    ("rdma-handles-str", _res(rdma={"mlx5_0": {"hcaHandles": "3"}}), "linux.resources.rdma.mlx5_0.hcaHandles",
+     "integer"),
+    ("rdma-device-space", _res(rdma={"mlx 5": {}}), "linux.resources.rdma.mlx 5", "without whitespace"),
+    ("unified-escape", _res(unified={"../memory.max": "1"}), "linux.resources.unified.../memory.max",
+     "CONTROLLER.PARAMETER"),
+    ("unified-int", _res(unified={"memory.max": 1}), "linux.resources.unified.memory.max", "must be a string"),
+]
+
 @pytest.mark.parametrize("mutate,field,text", [m[1:] for m in MUTATIONS], ids=[m[0] for m in MUTATIONS])
 def test_bad_input_names_the_field(mutate, field, text):
     data = default_spec()
@@ -142,10 +187,36 @@ def test_full_featured_spec_parses():
     assert spec.linux.devices[1].major == 0 and spec.linux.devices[0].file_mode == 0o666
     res = spec.linux.resources
     assert res.memory.limit == 1 << 30 and res.memory.swap == -1 and res.cpu.cpus == "0-1" and res.pids_limit == 64
-    assert res.devices[0].minor is None and res.raw["unified"] == {"io.weight": "100"}
+    assert res.devices[0].minor is None and res.unified == {"io.weight": "100"}
     sc = spec.linux.seccomp
     assert sc.default_errno_ret == 1 and sc.syscalls[1].args[0].op == "SCMP_CMP_MASKED_EQ"
     assert spec.linux.namespace("user") == Namespace("user", "") and spec.linux.namespace("time") is None
+
+
+def test_every_resource_field_is_modelled():
+    res = parse_resources({
+        "memory": {"limit": 1 << 30, "reservation": 1 << 29, "swap": 2 << 30, "kernel": 1 << 20, "kernelTCP": 1 << 21,
+                   "swappiness": 0, "disableOOMKiller": True, "useHierarchy": False, "checkBeforeUpdate": True},
+        "cpu": {"shares": 512, "quota": 1000, "period": 2000, "realtimeRuntime": 300, "realtimePeriod": 4000,
+                "cpus": "0", "mems": "0", "idle": 1},
+        "blockIO": {"weight": 10, "leafWeight": 1000,
+                    "weightDevice": [{"major": 8, "minor": 0, "weight": 500}],
+                    "throttleReadBpsDevice": [{"major": 8, "minor": 0, "rate": 1}],
+                    "throttleWriteBpsDevice": [{"major": 8, "minor": 16, "rate": 2}],
+                    "throttleReadIOPSDevice": [{"major": 8, "minor": 32, "rate": 3}],
+                    "throttleWriteIOPSDevice": [{"major": 8, "minor": 48, "rate": 4}]},
+        "hugepageLimits": [{"pageSize": "2MB", "limit": 1 << 22}, {"pageSize": "1GB", "limit": 0}],
+        "network": {"classID": 0x100001, "priorities": [{"name": "eth0", "priority": 5}]},
+        "rdma": {"mlx5_1": {"hcaHandles": 3}}, "unified": {"memory.high": "max"}}, "r.json")
+    assert res.memory == MemoryResources(1 << 30, 1 << 29, 2 << 30, 1 << 20, 1 << 21, 0, True, False, True)
+    assert res.cpu == CpuResources(512, 1000, 2000, 300, 4000, "0", "0", 1)
+    assert res.block_io == BlockIO(10, 1000, [WeightDevice(8, 0, 500, None)], [ThrottleDevice(8, 0, 1)],
+                                   [ThrottleDevice(8, 16, 2)], [ThrottleDevice(8, 32, 3)], [ThrottleDevice(8, 48, 4)])
+    assert res.hugepage_limits == [HugepageLimit("2MB", 1 << 22), HugepageLimit("1GB", 0)]
+    assert res.network == NetworkResources(0x100001, [InterfacePriority("eth0", 5)])
+    assert res.rdma == {"mlx5_1": RdmaLimit(3, None)} and res.unified == {"memory.high": "max"}
+    # JSON null is absent, and an empty object sets nothing
+    assert parse_resources({"memory": {"swappiness": None}, "blockIO": {}}, "r.json").memory == MemoryResources()
 
 
 def test_partial_spec_gets_defaults():
