@@ -75,8 +75,11 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
 
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return json.dumps({"level": record.levelname.lower(), "msg": record.getMessage(),
-                           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created))})
+        entry = {"level": record.levelname.lower(), "msg": record.getMessage(),
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created))}
+        if hasattr(record, "kind"):   # a failure's QuarkError.kind, which the shim acts on
+            entry["kind"] = record.kind
+        return json.dumps(entry)
 
 
 def setup_logging(log: str, log_format: str, debug: bool) -> None:
@@ -112,7 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("quark").debug("%s failed", args.verb, exc_info=True)
         print(f"quark: {e}", file=sys.stderr)
         if args.log:
-            logging.getLogger("quark").error("%s", e)
+            logging.getLogger("quark").error("%s", e, extra={"kind": e.kind})
+        return 1
+    except OSError as e:   # a host call no step wrapped: say what failed, never a traceback
+        logging.getLogger("quark").debug("%s failed", args.verb, exc_info=True)
+        where = f": {e.filename}" if e.filename else ""
+        print(f"quark: {args.verb}: {e.strerror or e}{where}", file=sys.stderr)
         return 1
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import socket
 
 from qvisor import channel
-from qvisor.errors import InvalidState, QuarkError
+from qvisor.errors import SupervisorGone, from_kind
 from qvisor.state import SOCK_NAME
 
 
@@ -15,19 +15,20 @@ class Connection:
             self.sock.connect(f"{state_dir}/{SOCK_NAME}")
         except (FileNotFoundError, ConnectionRefusedError):
             self.sock.close()
-            raise InvalidState("the container's supervisor is not running") from None
+            raise SupervisorGone("the container's supervisor is not running") from None
         self.reader = channel.LineReader(self.sock)
 
     def call(self, msg: dict, fds: list[int] | tuple[int, ...] = ()) -> tuple[dict, list[int]]:
-        """Send one request and return the reply; an {"error"} reply raises QuarkError."""
+        """Send one request and return the reply; an {"error", "kind"} reply raises the QuarkError
+        of that kind."""
         try:
             channel.send(self.sock, msg, fds)
             reply, rfds = self.reader.read()
         except (channel.ChannelClosed, ConnectionError):
             # the supervisor exits right after its container does; callers treat this like no supervisor
-            raise InvalidState("the container's supervisor closed the connection") from None
+            raise SupervisorGone("the container's supervisor closed the connection") from None
         if "error" in reply:
-            raise QuarkError(reply["error"])
+            raise from_kind(reply.get("kind"), reply["error"])
         return reply, rfds
 
     def close(self) -> None:

@@ -1,12 +1,42 @@
-"""The errors quark reports to its users: each carries what the user must know to fix it."""
+"""The errors quark reports to its users: each carries what the user must know to fix it.
+
+Each error also has a `kind`, one word for what went wrong. The kind crosses process boundaries
+with the message (the supervisor's control-socket replies, the CLI's JSON log), so a caller such
+as the containerd shim acts on the kind and never on the wording of a message.
+"""
 from __future__ import annotations
 
 
 class QuarkError(Exception):
     """Base of every error quark reports; the CLI prints it and exits 1."""
+    kind = "unknown"
 
 
-class ConfigError(QuarkError):
+class NotFound(QuarkError):
+    """A container or process that does not exist, or no longer does."""
+    kind = "not_found"
+
+
+class AlreadyExists(QuarkError):
+    kind = "already_exists"
+
+
+class InvalidArgument(QuarkError):
+    """A malformed request: a bad flag value, config.json or process.json."""
+    kind = "invalid_argument"
+
+
+class InvalidState(QuarkError):
+    """The operation is not allowed in the container's current status (e.g. start twice)."""
+    kind = "invalid_state"
+
+
+class Unsupported(QuarkError):
+    """A valid OCI option quark does not implement on this host."""
+    kind = "unsupported"
+
+
+class ConfigError(InvalidArgument):
     """config.json is malformed or invalid; names the file and the field."""
 
     def __init__(self, path: str, field: str, message: str) -> None:
@@ -16,25 +46,30 @@ class ConfigError(QuarkError):
         super().__init__(f"{path}: {field}: {message}" if field else f"{path}: {message}")
 
 
-class ContainerNotFound(QuarkError):
+class ContainerNotFound(NotFound):
     def __init__(self, container_id: str) -> None:
         self.container_id = container_id
         super().__init__(f"container {container_id!r} does not exist")
 
 
-class ContainerExists(QuarkError):
+class ContainerExists(AlreadyExists):
     def __init__(self, container_id: str) -> None:
         self.container_id = container_id
         super().__init__(f"container {container_id!r} already exists")
 
 
-class InvalidState(QuarkError):
-    """The operation is not allowed in the container's current status (e.g. start twice)."""
-
-
-class Unsupported(QuarkError):
-    """A valid OCI option quark does not implement on this host."""
+class SupervisorGone(InvalidState):
+    """The container's supervisor is not there to answer (it exits right after its container)."""
 
 
 class SetupError(QuarkError):
     """A step of sandbox creation failed; carries the step that failed."""
+
+
+_BY_KIND = {cls.kind: cls for cls in (QuarkError, NotFound, AlreadyExists, InvalidArgument, InvalidState,
+                                      Unsupported)}
+
+
+def from_kind(kind: object, message: str) -> QuarkError:
+    """The error another quark process reported as {"error": message, "kind": kind}."""
+    return _BY_KIND.get(kind if isinstance(kind, str) else "", QuarkError)(message)

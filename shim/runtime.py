@@ -6,8 +6,8 @@ container's, so their errors are read from a JSON log file. Every other verb (st
 delete, pause, resume, ps, wait) only talks to the supervisor's control socket, the state file
 and the cgroup, so it is called in-process (`qvisor.container`): a CLI process costs ~40 ms of
 interpreter start-up per call. Failures become RpcErrors with the status code containerd expects
-(NotFound, AlreadyExists, FailedPrecondition, ...): by exception type in-process, classified
-from the message for the CLI.
+(NotFound, AlreadyExists, FailedPrecondition, ...), chosen by the error's kind (qvisor/errors.py):
+the exception's in-process, the "kind" of the CLI's JSON log entry otherwise. Never by its wording.
 """
 from __future__ import annotations
 
@@ -76,37 +76,28 @@ def find_quark() -> str:
     return found
 
 
-def classify(message: str) -> Code:
-    """quark's CLI reports errors as text; map them to the status codes containerd understands."""
-    m = message.lower()
-    if "does not exist" in m or "not found" in m or "no such" in m:
-        return Code.NOT_FOUND
-    if "already exists" in m:
-        return Code.ALREADY_EXISTS
-    if "invalid" in m or "malformed" in m or "usage:" in m:
-        return Code.INVALID_ARGUMENT
-    if ("status" in m or "not running" in m or "not paused" in m or "not created" in m
-            or "cannot" in m or "not allowed" in m):
-        return Code.FAILED_PRECONDITION
-    return Code.UNKNOWN
+# QuarkError.kind -> the status code containerd maps to its errdefs; other kinds are UNKNOWN
+KIND_CODES = {
+    "not_found": Code.NOT_FOUND,
+    "already_exists": Code.ALREADY_EXISTS,
+    "invalid_argument": Code.INVALID_ARGUMENT,
+    "invalid_state": Code.FAILED_PRECONDITION,
+    "unsupported": Code.FAILED_PRECONDITION,
+}
+
+
+def code_of(kind: object) -> Code:
+    return KIND_CODES.get(kind, Code.UNKNOWN) if isinstance(kind, str) else Code.UNKNOWN
 
 
 @contextmanager
 def _quark_errors(verb: str) -> Iterator[None]:
     """quark's exceptions as the status codes containerd understands."""
-    from qvisor import errors as E
+    from qvisor.errors import QuarkError
     try:
         yield
-    except E.ContainerNotFound as e:
-        raise RpcError(Code.NOT_FOUND, f"quark {verb}: {e}") from None
-    except E.ContainerExists as e:
-        raise RpcError(Code.ALREADY_EXISTS, f"quark {verb}: {e}") from None
-    except (E.InvalidState, E.Unsupported) as e:
-        raise RpcError(Code.FAILED_PRECONDITION, f"quark {verb}: {e}") from None
-    except E.ConfigError as e:
-        raise RpcError(Code.INVALID_ARGUMENT, f"quark {verb}: {e}") from None
-    except E.QuarkError as e:
-        raise RpcError(classify(str(e)), f"quark {verb}: {e}") from None
+    except QuarkError as e:
+        raise RpcError(code_of(e.kind), f"quark {verb}: {e}") from None
     except OSError as e:
         raise RpcError(Code.UNKNOWN, f"quark {verb}: {e}") from None
 
@@ -122,34 +113,31 @@ class Quark:
     def _argv(self, *args: str) -> list[str]:
         return [self.binary, "--root", self.root, *args]
 
-    def _run(self, *args: str, stdin: bytes | None = None) -> str:
-        proc = subprocess.run(self._argv(*args), input=stdin, capture_output=True, close_fds=True)
-        if proc.returncode != 0:
-            msg = proc.stderr.decode(errors="replace").strip() or f"exit status {proc.returncode}"
-            msg = msg.removeprefix("quark: ")
-            raise RpcError(classify(msg), f"quark {args[0]}: {msg}")
-        return proc.stdout.decode(errors="replace")
-
-    def _run_with_stdio(self, args: list[str], stdio: Stdio, log_path: str) -> None:
-        """Run a verb whose stdio belong to the container; its errors go to a JSON log file."""
+    def _run(self, args: list[str], log_path: str, stdio: Stdio | None = None) -> None:
+        """Run a verb with its errors in a JSON log file, read back with their kind. The stdio of
+        create and exec belong to the container; the others' go nowhere."""
         argv = self._argv("--log", log_path, "--log-format", "json", *args)
-        proc = subprocess.run(argv, stdin=stdio.stdin, stdout=stdio.stdout, stderr=stdio.stderr, close_fds=True)
+        if stdio is None:
+            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, close_fds=True)
+        else:
+            proc = subprocess.run(argv, stdin=stdio.stdin, stdout=stdio.stdout, stderr=stdio.stderr, close_fds=True)
         if proc.returncode != 0:
-            msg = _last_error(log_path) or f"exit status {proc.returncode}"
-            raise RpcError(classify(msg), f"quark {args[0]}: {msg}")
+            msg, kind = _last_error(log_path)
+            raise RpcError(code_of(kind), f"quark {args[0]}: {msg or f'exit status {proc.returncode}'}")
 
     def create(self, cid: str, bundle: str, pid_file: str, stdio: Stdio, console_socket: str | None) -> None:
         args = ["create", "--bundle", bundle, "--pid-file", pid_file]
         if console_socket:
             args += ["--console-socket", console_socket]
-        self._run_with_stdio([*args, cid], stdio, os.path.join(bundle, "quark-log.json"))
+        self._run([*args, cid], os.path.join(bundle, "quark-log.json"), stdio)
 
     def exec(self, cid: str, process_json: str, pid_file: str, stdio: Stdio,
              console_socket: str | None, log_path: str) -> None:
         args = ["exec", "--process", process_json, "--pid-file", pid_file, "-d"]
         if console_socket:
             args += ["--console-socket", console_socket]
-        self._run_with_stdio([*args, cid], stdio, log_path)
+        self._run([*args, cid], log_path, stdio)
 
     def _in_process(self, verb: str, operation: str, *args):
         """qvisor.container.<operation>(root, *args), its errors as RpcErrors."""
@@ -166,6 +154,10 @@ class Quark:
     def kill(self, cid: str, signal: int, all_processes: bool = False) -> None:
         self._in_process("kill", "kill", cid, signal, all_processes)
 
+    def kill_exec(self, cid: str, pid: int, signal: int) -> None:
+        """Signal an exec'd process; NOT_FOUND once it has exited (its pid is never signalled then)."""
+        self._in_process("kill", "kill_exec", cid, pid, signal)
+
     def delete(self, cid: str, force: bool = False) -> None:
         self._in_process("delete", "delete", cid, force)
 
@@ -179,17 +171,15 @@ class Quark:
         return [int(p) for p in self._in_process("ps", "pids", cid)]
 
     def update(self, cid: str, resources_json: bytes) -> None:
-        with tempfile.NamedTemporaryFile(prefix="quark-resources-", suffix=".json") as f:
-            f.write(resources_json)
-            f.flush()
-            self._run("update", "--resources", f.name, cid)
+        with tempfile.TemporaryDirectory(prefix="quark-update-") as d:
+            resources = os.path.join(d, "resources.json")
+            with open(resources, "wb") as f:
+                f.write(resources_json)
+            self._run(["update", "--resources", resources, cid], os.path.join(d, "log.json"))
 
     def stats(self, cid: str) -> dict:
-        out = self._run("events", "--stats", cid)
-        line = next((ln for ln in out.splitlines() if ln.strip()), "")
-        if not line:
-            raise RpcError(Code.UNKNOWN, f"quark events --stats {cid}: no output")
-        return json.loads(line).get("data", {})
+        """The cgroup statistics in runc's `events --stats` data layout."""
+        return self._in_process("stats", "stats", cid)
 
     def wait(self, cid: str, pid: int | None = None) -> Exit:
         """Block until the container's init (or the exec'd process `pid`) exits."""
@@ -198,17 +188,18 @@ class Quark:
                     exited_at=parse_rfc3339(doc["exited_at"]))
 
 
-def _last_error(log_path: str) -> str:
+def _last_error(log_path: str) -> tuple[str, str]:
+    """The message and kind of the last error in a JSON log quark wrote ("" for none)."""
     try:
         with open(log_path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
     except OSError:
-        return ""
+        return "", ""
     for line in reversed(lines):
         try:
             entry = json.loads(line)
         except ValueError:
             continue
-        if entry.get("level") in ("error", "fatal"):
-            return str(entry.get("msg", ""))
-    return ""
+        if isinstance(entry, dict) and entry.get("level") in ("error", "fatal"):
+            return str(entry.get("msg", "")), str(entry.get("kind", ""))
+    return "", ""

@@ -1,9 +1,10 @@
 """containerd.task.v2.Task: the RPCs containerd sends a shim, served by driving the `quark` CLI.
 
 One shim serves every container of a pod sandbox (or a single container). Container processes
-are children of quark's supervisor, not of the shim, so exits come from one `quark wait`
-subprocess per process, watched from a thread. Events keep containerd's order: an exit that
-races a start is held back until TaskStart is queued.
+are children of quark's supervisor, not of the shim, so exits come from one wait on the
+supervisor per process, watched from a thread; a Wait call holds no thread (see wait), and a
+Kill for an exec'd process goes through the supervisor (see kill). Events keep containerd's
+order: an exit that races a start is held back until TaskStart is queued.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from google.protobuf import empty_pb2
@@ -48,6 +50,7 @@ class Process:
     starting: bool = False
     pending_exit: Exit | None = None
     exited: threading.Event = field(default_factory=threading.Event)
+    waiters: set[Future] = field(default_factory=set)  # Wait calls answered when it exits
 
     @property
     def name(self) -> str:
@@ -88,7 +91,8 @@ class TaskService:
             "Stats": (pb.StatsRequest, self.stats), "Connect": (pb.ConnectRequest, self.connect),
             "Shutdown": (pb.ShutdownRequest, self.shutdown),
         }.items():
-            server.register(SERVICE, name, Method(req_type, lambda req, _md, h=handler: h(req)))
+            server.register(SERVICE, name, Method(req_type, lambda req, _md, h=handler: h(req),
+                                                  deferred=handler == self.wait))
 
     # lookups
 
@@ -250,6 +254,10 @@ class TaskService:
             self.publish(ev.TaskExit(container_id=c.id, id=p.name, pid=exit_.pid or p.pid,
                                      exit_status=exit_.status, exited_at=exit_.exited_at))
             p.exited.set()
+            waiters, p.waiters = p.waiters, set()
+        for answer in waiters:   # outside the lock: answering writes to containerd's connection
+            if answer.set_running_or_notify_cancel():
+                answer.set_result(_wait_response(exit_))
 
     def delete(self, req: pb.DeleteRequest) -> pb.DeleteResponse:
         c, p = self._process(req.id, req.exec_id)
@@ -294,11 +302,23 @@ class TaskService:
             resp.exited_at.CopyFrom(p.exit.exited_at)
         return resp
 
-    def wait(self, req: pb.WaitRequest) -> pb.WaitResponse:
+    def wait(self, req: pb.WaitRequest) -> Future:
+        """Answered when the process exits; no thread waits for it meanwhile (a deferred method)."""
         _c, p = self._process(req.id, req.exec_id)
-        p.exited.wait()
-        assert p.exit is not None
-        return pb.WaitResponse(exit_status=p.exit.status, exited_at=p.exit.exited_at)
+        answer: Future = Future()
+        with self.lock:
+            if p.exit is None:
+                p.waiters.add(answer)
+                # the server cancels a Wait whose connection closed: it is forgotten here too
+                answer.add_done_callback(lambda f: self._forget_waiter(p, f))
+                return answer
+            exit_ = p.exit
+        answer.set_result(_wait_response(exit_))
+        return answer
+
+    def _forget_waiter(self, p: Process, answer: Future) -> None:
+        with self.lock:
+            p.waiters.discard(answer)
 
     def state(self, req: pb.StateRequest) -> pb.StateResponse:
         c, p = self._process(req.id, req.exec_id)
@@ -320,10 +340,9 @@ class TaskService:
                     raise RpcError(Code.NOT_FOUND, f"process {p.name!r} already finished")
                 if p.pid == 0:
                     raise RpcError(Code.FAILED_PRECONDITION, f"process {p.name!r} not started")
-                try:
-                    os.kill(p.pid, req.signal)
-                except ProcessLookupError:
-                    raise RpcError(Code.NOT_FOUND, f"process {p.name!r} already finished") from None
+            # by quark's supervisor, which holds the process until it reaps it: the pid alone may
+            # be another process's by now (its exit reaches us up to OUTPUT_DRAIN_S later)
+            self.quark.kill_exec(c.id, p.pid, req.signal)
             return empty_pb2.Empty()
         if p.exit is not None and not req.all:
             raise RpcError(Code.NOT_FOUND, f"process {p.name!r} already finished")
@@ -406,6 +425,10 @@ class TaskService:
                 return empty_pb2.Empty()
         self.on_shutdown()
         return empty_pb2.Empty()
+
+
+def _wait_response(exit_: Exit) -> pb.WaitResponse:
+    return pb.WaitResponse(exit_status=exit_.status, exited_at=exit_.exited_at)
 
 
 def _remove(path: str) -> None:

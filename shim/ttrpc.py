@@ -2,8 +2,8 @@
 
 A frame is a 10-byte header `>IIBB` (payload length, stream id, type, flags) and a protobuf
 payload: a `ttrpc.Request` (type 1) or `ttrpc.Response` (type 2). Requests on one connection
-are served concurrently (Wait blocks until a process exits while other calls go on); each
-response carries the stream id of its request.
+are served concurrently (a Wait is answered when its process exits while other calls go on),
+by a bounded number of threads (see Server); each response carries the stream id of its request.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError, Message
@@ -24,6 +25,14 @@ log = logging.getLogger("quark.shim.ttrpc")
 
 HEADER = struct.Struct(">IIBB")
 MESSAGE_LENGTH_MAX = 4 << 20
+# containerd holds one connection to a shim (two across its restart): the bound only stops a flood
+MAX_CONNECTIONS = 32
+# threads answering requests at once, for all connections: containerd seldom has more than a few
+# calls in flight per container, and a call that takes long (create, exec) runs the quark CLI
+MAX_WORKERS = 32
+# deferred calls (one Wait per process containerd watches) waiting at once: they cost no thread
+MAX_PARKED = 4096
+SEND_TIMEOUT_S = 10   # a client that reads no answers for this long is disconnected
 TYPE_REQUEST = 1
 TYPE_RESPONSE = 2
 
@@ -65,9 +74,12 @@ class FrameError(Exception):
 
 @dataclass
 class Method:
-    """One served method: how to decode its request and the handler that answers it."""
+    """One served method: how to decode its request and the handler that answers it. A deferred
+    method's handler returns a Future of its answer (Wait: done when the process exits), and no
+    thread waits for it meanwhile."""
     request_type: type[Message]
-    handler: Callable[[Message, dict[str, str]], Message]
+    handler: Callable[[Message, dict[str, str]], Message | Future]
+    deferred: bool = False
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -100,13 +112,66 @@ def frame(stream_id: int, msg_type: int, payload: bytes) -> bytes:
     return HEADER.pack(len(payload), stream_id, msg_type, 0) + payload
 
 
+class _Connection:
+    """One client's connection: the lock that keeps each answer frame whole, and its parked calls."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._write_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._parked: set[Future] = set()
+        self._closed = False
+
+    def send(self, stream_id: int, response: ttrpc_pb2.Response) -> None:
+        data = frame(stream_id, TYPE_RESPONSE, response.SerializeToString())
+        with self._write_lock:
+            try:
+                self.sock.sendall(data)
+            except OSError as e:
+                # a client that reads no answers (SEND_TIMEOUT_S) must not hold a worker, and a
+                # half-written frame leaves the stream unreadable: end the connection
+                level = logging.WARNING if isinstance(e, BlockingIOError) else logging.DEBUG
+                log.log(level, "closing ttrpc connection: could not answer stream %d: %s", stream_id, e)
+                try:
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def park(self, answer: Future) -> None:
+        with self._lock:
+            if not self._closed:
+                self._parked.add(answer)
+                return
+        answer.cancel()
+
+    def unpark(self, answer: Future) -> None:
+        with self._lock:
+            self._parked.discard(answer)
+
+    def close(self) -> None:
+        """The client is gone: its parked calls are cancelled (their handlers forget them)."""
+        with self._lock:
+            self._closed = True
+            parked, self._parked = self._parked, set()
+        for answer in parked:
+            answer.cancel()
+        self.sock.close()
+
+
 class Server:
-    """Serves registered methods on a listening unix socket, a thread per connection and request."""
+    """Serves registered methods on a listening unix socket: a thread per connection (at most
+    MAX_CONNECTIONS) and at most MAX_WORKERS threads answering requests, for all connections
+    together. A request that finds every worker busy waits unread in its connection's socket, so a
+    flood is queued by the kernel, not by threads. A deferred method (Wait) holds no thread while
+    it waits; MAX_PARKED of them may wait at once, and more are refused with RESOURCE_EXHAUSTED."""
 
     def __init__(self, listener: socket.socket) -> None:
         self.listener = listener
         self.methods: dict[tuple[str, str], Method] = {}
         self._closing = False
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._workers = threading.BoundedSemaphore(MAX_WORKERS)
+        self._parked = threading.BoundedSemaphore(MAX_PARKED)
 
     def register(self, service: str, name: str, method: Method) -> None:
         self.methods[(service, name)] = method
@@ -119,7 +184,12 @@ class Server:
                 if self._closing:
                     return
                 raise
-            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
+            if not self._connections.acquire(blocking=False):
+                log.warning("refusing a ttrpc connection: %d are open already", MAX_CONNECTIONS)
+                conn.close()
+                continue
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
+            threading.Thread(target=self._serve_conn, args=(_Connection(conn),), daemon=True,
                              name="ttrpc-conn").start()
 
     def close(self) -> None:
@@ -130,11 +200,10 @@ class Server:
             pass
         self.listener.close()
 
-    def _serve_conn(self, conn: socket.socket) -> None:
-        write_lock = threading.Lock()
+    def _serve_conn(self, conn: _Connection) -> None:
         try:
             while True:
-                got = read_frame(conn)
+                got = read_frame(conn.sock)
                 if got is None:
                     return
                 stream_id, msg_type, _flags, payload = got
@@ -147,7 +216,14 @@ class Server:
                     request.ParseFromString(payload)
                 except DecodeError as e:
                     raise FrameError(f"undecodable request on stream {stream_id}: {e}") from None
-                threading.Thread(target=self._answer, args=(conn, write_lock, stream_id, request),
+                method = self.methods.get((request.service, request.method))
+                parked = method is not None and method.deferred
+                if parked and not self._parked.acquire(blocking=False):
+                    conn.send(stream_id, _status(Code.RESOURCE_EXHAUSTED,
+                                                 f"{MAX_PARKED} deferred calls are waiting already"))
+                    continue
+                self._workers.acquire()   # all busy: this connection is not read meanwhile
+                threading.Thread(target=self._answer, args=(conn, stream_id, request, method, parked),
                                  daemon=True, name=f"ttrpc-{request.method}").start()
         except FrameError as e:
             log.warning("closing ttrpc connection: %s", e)
@@ -155,28 +231,35 @@ class Server:
             log.debug("ttrpc connection ended: %s", e)
         finally:
             conn.close()
+            self._connections.release()
 
-    def _answer(self, conn: socket.socket, write_lock: threading.Lock, stream_id: int,
-                request: ttrpc_pb2.Request) -> None:
-        response = ttrpc_pb2.Response()
+    def _answer(self, conn: _Connection, stream_id: int, request: ttrpc_pb2.Request,
+                method: Method | None, parked: bool) -> None:
         try:
-            response.payload = self.dispatch(request)
-        except RpcError as e:
-            response.status.code = int(e.code)
-            response.status.message = e.message
-        except Exception as e:  # a handler bug must answer the caller, not kill the shim
-            log.exception("%s/%s failed", request.service, request.method)
-            response.status.code = int(Code.INTERNAL)
-            response.status.message = f"{type(e).__name__}: {e}"
-        data = frame(stream_id, TYPE_RESPONSE, response.SerializeToString())
-        with write_lock:
-            try:
-                conn.sendall(data)
-            except OSError as e:
-                log.debug("could not answer stream %d: %s", stream_id, e)
+            result = self._call(request, method)
+        except Exception as e:  # noqa: BLE001 - answered as a status by _response
+            result = e
+        finally:
+            self._workers.release()
+        if isinstance(result, Future):
+            conn.park(result)
+            result.add_done_callback(lambda f: self._answer_parked(conn, stream_id, request, f, parked))
+            return
+        conn.send(stream_id, _response(request, result))
+        if parked:
+            self._parked.release()
 
-    def dispatch(self, request: ttrpc_pb2.Request) -> bytes:
-        method = self.methods.get((request.service, request.method))
+    def _answer_parked(self, conn: _Connection, stream_id: int, request: ttrpc_pb2.Request,
+                       answer: Future, parked: bool) -> None:
+        conn.unpark(answer)
+        if parked:
+            self._parked.release()
+        if answer.cancelled():   # its connection closed
+            return
+        exc = answer.exception()
+        conn.send(stream_id, _response(request, exc if exc is not None else answer.result()))
+
+    def _call(self, request: ttrpc_pb2.Request, method: Method | None) -> Message | Future:
         if method is None:
             raise RpcError(Code.UNIMPLEMENTED, f"{request.service}/{request.method} is not implemented")
         message = method.request_type()
@@ -185,7 +268,24 @@ class Server:
         except DecodeError as e:
             raise RpcError(Code.INVALID_ARGUMENT, f"cannot decode {message.DESCRIPTOR.full_name}: {e}") from None
         metadata = {kv.key: kv.value for kv in request.metadata}
-        return method.handler(message, metadata).SerializeToString()
+        return method.handler(message, metadata)
+
+
+def _status(code: Code, message: str) -> ttrpc_pb2.Response:
+    response = ttrpc_pb2.Response()
+    response.status.code = int(code)
+    response.status.message = message
+    return response
+
+
+def _response(request: ttrpc_pb2.Request, result: Message | BaseException) -> ttrpc_pb2.Response:
+    """A handler's answer, or its error as a status."""
+    if isinstance(result, RpcError):
+        return _status(result.code, result.message)
+    if isinstance(result, BaseException):  # a handler bug must answer the caller, not kill the shim
+        log.error("%s/%s failed", request.service, request.method, exc_info=result)
+        return _status(Code.INTERNAL, f"{type(result).__name__}: {result}")
+    return ttrpc_pb2.Response(payload=result.SerializeToString())
 
 
 class Client:

@@ -2,7 +2,8 @@
 
 Framing faults close only the offending connection; unknown ids answer NotFound; unknown
 methods Unimplemented; Wait blocks while other calls on the same connection are answered;
-events come out in containerd's order even when an exit races its start.
+events come out in containerd's order even when an exit races its start; floods of requests,
+Waits and connections are served by a bounded number of threads.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from shim.pb import shim_pb2 as pb
 from shim.pb import types_task_pb2 as types
 from shim.runtime import Exit, parse_rfc3339
 from shim.service import SERVICE, TaskService
-from shim.ttrpc import HEADER, MESSAGE_LENGTH_MAX, Client, Code, RpcError, Server, frame, listen, read_frame
+from shim.ttrpc import (HEADER, MAX_CONNECTIONS, MAX_PARKED, MAX_WORKERS, MESSAGE_LENGTH_MAX, Client, Code,
+                        RpcError, Server, frame, listen, read_frame)
 
 
 class FakeQuark:
@@ -33,6 +35,7 @@ class FakeQuark:
         self.status: dict[tuple[str, int | None], int] = {}
         self.next_pid = 3_999_000
         self.exit_on_start = False
+        self.ps_seconds = 0.0   # how long Pids takes
 
     def _exit_event(self, cid: str, pid: int | None) -> threading.Event:
         return self.exits.setdefault((cid, pid), threading.Event())
@@ -81,7 +84,11 @@ class FakeQuark:
         self.calls.append(("resume", cid))
 
     def ps(self, cid):
+        time.sleep(self.ps_seconds)
         return [1000, 1001]
+
+    def kill_exec(self, cid, pid, signal):
+        self.calls.append(("kill_exec", cid, pid, signal))
 
     def update(self, cid, resources):
         self.calls.append(("update", cid, resources))
@@ -401,3 +408,164 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _request(stream_id: int, method: str, req) -> bytes:
+    return frame(stream_id, 1, ttrpc_pb2.Request(service=SERVICE, method=method,
+                                                 payload=req.SerializeToString()).SerializeToString())
+
+
+def _answers(s, n: int) -> dict[int, ttrpc_pb2.Response]:
+    out = {}
+    while len(out) < n:
+        sid, _k, _f, payload = read_frame(s)
+        out[sid] = ttrpc_pb2.Response.FromString(payload)
+    return out
+
+
+def test_request_flood_is_answered_by_a_bounded_number_of_threads(shim):
+    path, quark, _events, bundle, _ = shim
+    _create(path, bundle)
+    quark.ps_seconds = 0.05
+    base = _threads()
+    s = _raw_conn(path)
+    s.settimeout(60)
+    n = 500
+    s.sendall(b"".join(_request(2 * i + 1, "Pids", pb.PidsRequest(id="c1")) for i in range(n)))
+    peak = 0
+    stop = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, _threads())
+            time.sleep(0.005)
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        answers = _answers(s, n)
+    finally:
+        stop.set()
+        sampler.join()
+    assert sorted(answers) == [2 * i + 1 for i in range(n)]
+    assert all(r.status.code == Code.OK for r in answers.values())
+    # the workers, the connection's reader and the sampler
+    assert peak - base <= MAX_WORKERS + 2, f"{peak - base} threads for {n} requests"
+    s.close()
+    assert call(path, "Connect", pb.ConnectRequest(), pb.ConnectResponse).shim_pid == os.getpid()
+
+
+def test_wait_flood_holds_no_threads_and_is_refused_beyond_the_bound(shim):
+    path, quark, _events, bundle, _ = shim
+    _create(path, bundle)
+    base = _threads()
+    s = _raw_conn(path)
+    s.settimeout(60)
+    n = MAX_PARKED + 20
+    s.sendall(b"".join(_request(2 * i + 1, "Wait", pb.WaitRequest(id="c1")) for i in range(n)))
+    refused = _answers(s, 20)   # at once, while the others wait for the exit
+    assert all(r.status.code == Code.RESOURCE_EXHAUSTED for r in refused.values())
+    assert sorted(refused) == [2 * i + 1 for i in range(MAX_PARKED, n)]
+    assert wait_for(lambda: _threads() - base <= 1), f"{_threads() - base} threads hold {MAX_PARKED} Waits"
+    quark.finish("c1", None, 5)
+    waited = _answers(s, MAX_PARKED)
+    assert {pb.WaitResponse.FromString(r.payload).exit_status for r in waited.values()} == {5}
+    s.close()
+
+
+def test_waits_of_a_closed_connection_are_let_go(shim):
+    path, quark, _events, bundle, _ = shim
+    _create(path, bundle)
+    s = _raw_conn(path)
+    s.sendall(b"".join(_request(2 * i + 1, "Wait", pb.WaitRequest(id="c1")) for i in range(MAX_PARKED)))
+    s.sendall(_request(2 * MAX_PARKED + 1, "Connect", pb.ConnectRequest()))
+    assert read_frame(s)[0] == 2 * MAX_PARKED + 1   # the Waits before it have all taken their places
+    assert _waits_refused(path)
+    s.close()
+    assert wait_for(lambda: not _waits_refused(path)), "a closed connection's Waits still count"
+
+
+def _waits_refused(path) -> bool:
+    """Whether a Wait sent now is refused (else it is parked, and answered only at the exit)."""
+    s = _raw_conn(path)
+    try:
+        s.sendall(_request(1, "Wait", pb.WaitRequest(id="c1")))
+        s.settimeout(0.2)
+        try:
+            _sid, _k, _f, payload = read_frame(s)
+        except socket.timeout:
+            return False
+        return ttrpc_pb2.Response.FromString(payload).status.code == Code.RESOURCE_EXHAUSTED
+    finally:
+        s.close()
+
+
+def test_connection_flood_is_refused_beyond_the_bound(shim):
+    path, *_ = shim
+    conns = [_raw_conn(path) for _ in range(MAX_CONNECTIONS + 5)]
+    served = []
+    for s in conns:
+        try:
+            s.sendall(_request(1, "Connect", pb.ConnectRequest()))
+            served.append(read_frame(s) is not None)
+        except (ConnectionResetError, BrokenPipeError):
+            served.append(False)
+    assert served == [True] * MAX_CONNECTIONS + [False] * 5
+    for s in conns:
+        s.close()
+    assert wait_for(lambda: _connects(path))
+
+
+def _connects(path) -> bool:
+    try:
+        return call(path, "Connect", pb.ConnectRequest(), pb.ConnectResponse).shim_pid == os.getpid()
+    except (ConnectionError, OSError):
+        return False
+
+
+def test_client_that_reads_no_answers_is_disconnected(shim, monkeypatch):
+    """Its answers fill the socket and block the workers sending them, until SEND_TIMEOUT_S: then
+    the shim hangs up (its sender sees EPIPE) and serves others again."""
+    from shim import ttrpc
+    monkeypatch.setattr(ttrpc, "SEND_TIMEOUT_S", 1)
+    path, *_ = shim
+    s = _raw_conn(path)
+    s.settimeout(None)
+    flood = b"".join(_request(2 * i + 1, "Connect", pb.ConnectRequest()) for i in range(20000))
+    hung_up = []
+
+    def send():
+        try:
+            s.sendall(flood)   # more than the socket holds, as the shim stops reading
+        except OSError as e:
+            hung_up.append(e)
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        sender.join(15)
+        assert hung_up, "the shim kept a connection that reads no answers"
+        assert call(path, "Connect", pb.ConnectRequest(), pb.ConnectResponse).shim_pid == os.getpid()
+    finally:
+        s.close()
+        sender.join()
+
+
+def test_kill_of_an_exec_goes_through_quark_and_not_after_its_exit(shim):
+    path, quark, _events, bundle, _ = shim
+    _create(path, bundle)
+    call(path, "Start", pb.StartRequest(id="c1"), pb.StartResponse)
+    spec = any_pb2.Any(value=b'{"args":["sh"],"cwd":"/"}')
+    call(path, "Exec", pb.ExecProcessRequest(id="c1", exec_id="e1", spec=spec), empty_pb2.Empty)
+    epid = call(path, "Start", pb.StartRequest(id="c1", exec_id="e1"), pb.StartResponse).pid
+    call(path, "Kill", pb.KillRequest(id="c1", exec_id="e1", signal=15), empty_pb2.Empty)
+    assert ("kill_exec", "c1", epid, 15) in quark.calls
+    quark.finish("c1", epid, 143)
+    call(path, "Wait", pb.WaitRequest(id="c1", exec_id="e1"), pb.WaitResponse)
+    with pytest.raises(RpcError) as e:
+        call(path, "Kill", pb.KillRequest(id="c1", exec_id="e1", signal=9), empty_pb2.Empty)
+    assert e.value.code == Code.NOT_FOUND
+    assert [c for c in quark.calls if c[0] == "kill_exec"] == [("kill_exec", "c1", epid, 15)]
