@@ -10,7 +10,7 @@ import json
 import socket
 from typing import Any
 
-MAX_FDS = 8
+MAX_FDS = 253   # SCM_MAX_FD: the most one sendmsg can carry
 MAX_MSG = 1 << 20
 
 

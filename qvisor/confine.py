@@ -18,7 +18,8 @@ What it keeps, and why (everything else is dropped from its bounding, permitted 
   process.json asks for a capability outside that union fails with a clear error.
 
 Its seccomp filter (default allow; the denied calls answer EPERM) removes what the supervisor never
-does after set-up: mounting and the new mount API, chroot, unshare and clone() into new namespaces,
+does after set-up: mounting and the new mount API, chroot (kept for a container without a mount
+namespace of its own, whose exec'd processes enter its chroot), unshare and clone() into new namespaces,
 kernel modules, kexec, reboot, swap, bpf, perf_event_open, userfaultfd, io_uring, the keyring,
 setting the clock, acct, quotactl, open_by_handle_at, syslog, iopl/ioperm, mknod, sethostname,
 and ptrace itself unless the ptrace platform needs it. clone3 answers ENOSYS (its flags are behind
@@ -86,12 +87,15 @@ def drop_capabilities(keep: set[str]) -> int:
     return mask
 
 
-def install_filter(platform: str) -> None:
+def install_filter(platform: str, allow_chroot: bool = False) -> None:
+    """`allow_chroot`: the container has no mount namespace of its own and lives in a chroot, which
+    an exec'd process (forked from the supervisor) must enter the same way."""
     import seccomp   # python3-seccomp (libseccomp); imported here so the CLI never pays for it
     f = seccomp.SyscallFilter(seccomp.ALLOW)
     f.set_attr(seccomp.Attr.CTL_NNP, 0)
     eperm = seccomp.ERRNO(errno.EPERM)
-    for name in DENIED + (() if platform == "ptrace" else ("ptrace",)):
+    denied = [n for n in DENIED if not (allow_chroot and n == "chroot")]
+    for name in denied + ([] if platform == "ptrace" else ["ptrace"]):
         try:
             f.add_rule(eperm, name)
         except (RuntimeError, ValueError):
@@ -102,8 +106,8 @@ def install_filter(platform: str) -> None:
     f.load()
 
 
-def confine_supervisor(platform: str, process_caps: Capabilities | None) -> None:
+def confine_supervisor(platform: str, process_caps: Capabilities | None, allow_chroot: bool = False) -> None:
     """Drop capabilities, then install the filter (loading it needs CAP_SYS_ADMIN, which is kept)."""
     kept = drop_capabilities(kept_capabilities(process_caps))
-    install_filter(platform)
+    install_filter(platform, allow_chroot)
     log.debug("supervisor %d confined: capabilities %#x, seccomp filter loaded", os.getpid(), kept)

@@ -11,53 +11,42 @@ import os
 import shutil
 import signal
 import time
-from typing import TYPE_CHECKING
 
-from qvisor import cgroups
+from qvisor import cgroups, channel
 from qvisor import linux as L
 from qvisor.client import Connection
-from qvisor.errors import InvalidState, QuarkError, Unsupported
+from qvisor.errors import InvalidArgument, InvalidState, NotFound, QuarkError, SupervisorGone, from_kind
 from qvisor.state import (CREATED, CREATING, PAUSED, RUNNING, SOCK_NAME, STOPPED, ContainerState,
                           StateStore, init_alive, now_rfc3339)
-
-if TYPE_CHECKING:
-    from qvisor.spec import Spec
 
 log = logging.getLogger("quark")
 CONFIG_COPY = "config.json"
 
-# sysctls that belong to a namespace (runc's list): anything else would change the host
-_IPC_SYSCTLS = {"kernel.msgmax", "kernel.msgmnb", "kernel.msgmni", "kernel.sem", "kernel.shmall",
-                "kernel.shmmax", "kernel.shmmni", "kernel.shm_rmid_forced"}
-
-
-def check_supported(spec: Spec) -> None:
-    """Refuse, before anything is made, what quark cannot honour."""
-    if spec.process is None:
-        raise QuarkError(f"{spec.bundle}/config.json: process: is required to create a container")
-    if not os.path.isdir(spec.root.path):
-        raise QuarkError(f"{spec.bundle}/config.json: root.path: {spec.root.path} is not a directory")
-    types = {ns.type: ns for ns in spec.linux.namespaces}
-    if "mount" not in types or types["mount"].path:
-        raise Unsupported("linux.namespaces: quark needs a new mount namespace for the container")
-    for key in spec.linux.sysctl:
-        netns = key.startswith("net.") and "network" in types
-        if not (key in _IPC_SYSCTLS or key.startswith("fs.mqueue.")) and not netns and \
-                not (key in ("kernel.hostname", "kernel.domainname") and "uts" in types):
-            raise Unsupported(f"linux.sysctl: {key} is not in a namespace the container has its own of")
-    if spec.linux.seccomp is not None and spec.linux.seccomp.listener_path:
-        raise Unsupported("linux.seccomp.listenerPath: seccomp agents are not supported "
-                          "(quark's own kernel services the notifications)")
+def preserved_fds(count: int) -> list[int]:
+    """The caller's fds that --preserve-fds N passes to the container's process: 3 .. 2+N, which
+    must be open (they cannot be the runtime's own: those open above the caller's)."""
+    if count < 0:
+        raise InvalidArgument(f"--preserve-fds {count}: must not be negative")
+    for fd in range(3, 3 + count):
+        try:
+            os.fstat(fd)
+        except OSError:
+            raise InvalidArgument(f"--preserve-fds {count}: fd {fd} is not open") from None
+    return list(range(3, 3 + count))
 
 
 def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", console_socket: str = "",
-           platform: str = "seccomp", log_file: str = "") -> ContainerState:
+           platform: str = "seccomp", log_file: str = "", preserve_fds: int = 0) -> ContainerState:
+    """Build the sandbox; its init waits for start. The caller's fds 3..2+preserve_fds are the
+    init's too (the supervisor inherits them at those numbers and hands them on)."""
+    from qvisor import validate
     from qvisor.spec import load_spec
     from qvisor.supervisor import Supervisor
+    preserved_fds(preserve_fds)   # first: loading the spec must not take one of those numbers
     store = StateStore(root)
     bundle = os.path.abspath(bundle)
     spec = load_spec(bundle)
-    check_supported(spec)
+    validate.check_supported(spec)
     if spec.process.terminal and not console_socket:
         raise QuarkError("process.terminal is true: --console-socket is required to receive the pty master")
     store.reserve(container_id)
@@ -77,7 +66,7 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
                 if os.fork() == 0:
                     _log_to(log_file or store.path(container_id, "supervisor.log"))
                     st.supervisor_pid = os.getpid()
-                    Supervisor(store, st, spec, platform, console_socket, w, launcher).main()
+                    Supervisor(store, st, spec, platform, console_socket, w, launcher, preserve_fds).main()
             finally:
                 os._exit(0)
         os.close(w)
@@ -90,7 +79,7 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     if "error" in reply or "ok" not in reply:
         if os.path.isdir(store.dir(container_id)) and not os.path.exists(store.path(container_id, "state.json")):
             store.remove(container_id)
-        raise QuarkError(reply.get("error", "the supervisor exited before the container was created"))
+        raise from_kind(reply.get("kind"), reply.get("error", "the supervisor exited before the container was created"))
     if pid_file:
         write_pid_file(pid_file, reply["pid"])
     return store.load(container_id)
@@ -150,11 +139,11 @@ def wait(root: str, container_id: str, pid: int = 0) -> dict:
         with Connection(store.dir(container_id)) as c:
             reply, _ = c.call({"op": "wait", "pid": pid or st.pid})
             return reply
-    except InvalidState:
+    except SupervisorGone:
         pass
     st = store.load_raw(container_id)  # the supervisor is gone: the state file has the last word
     if pid and pid != st.pid:
-        raise QuarkError(f"process {pid} is not known: the container's supervisor has exited")
+        raise NotFound(f"process {pid} is not known: the container's supervisor has exited")
     if st.exit_status is None:
         raise QuarkError("the container's supervisor died before recording an exit status")
     return {"pid": st.pid, "exit_status": st.exit_status, "exited_at": st.exited_at}
@@ -166,12 +155,12 @@ def parse_signal(text: str) -> int:
         n = int(t)
         if 0 < n < signal.NSIG:
             return n
-        raise QuarkError(f"invalid signal {text!r}")
+        raise InvalidArgument(f"invalid signal {text!r}")
     name = t if t.startswith("SIG") else "SIG" + t
     try:
         return int(signal.Signals[name])
     except KeyError:
-        raise QuarkError(f"unknown signal {text!r}") from None
+        raise InvalidArgument(f"unknown signal {text!r}") from None
 
 
 def kill(root: str, container_id: str, sig: int, all_processes: bool = False) -> None:
@@ -189,6 +178,18 @@ def kill(root: str, container_id: str, sig: int, all_processes: bool = False) ->
         L.pidfd_send_signal(fd, sig)
     finally:
         os.close(fd)
+
+
+def kill_exec(root: str, container_id: str, pid: int, sig: int) -> None:
+    """Signal the exec'd process `pid`. The supervisor does it, through the pidfd it holds until it
+    reaps the process: once reaped, the pid may be another process's, and nothing is signalled."""
+    store = StateStore(root)
+    store.load(container_id)   # an unknown id says so
+    try:
+        with Connection(store.dir(container_id)) as c:
+            c.call({"op": "signal", "pid": pid, "signal": sig})
+    except SupervisorGone:   # it exits once the container and every exec'd process have
+        raise NotFound(f"process {pid} has exited: container {container_id!r} has no processes left") from None
 
 
 def _wait_stopped(store: StateStore, st: ContainerState, timeout: float = 10.0) -> None:
@@ -272,13 +273,18 @@ def pids(root: str, container_id: str) -> list[int]:
     return sorted(cgroups.open_cgroup(st.cgroup_path).pids())
 
 
-def exec_process(root: str, container_id: str, process: dict, fds: list[int]) -> tuple[int, list[int]]:
-    """Start `process` in the container; returns its host pid and, with a terminal, the pty master."""
+def exec_process(root: str, container_id: str, process: dict, fds: list[int],
+                 preserve_fds: int = 0) -> tuple[int, list[int]]:
+    """Start `process` in the container with stdio `fds` and the caller's fds 3..2+preserve_fds;
+    returns its host pid and, with a terminal, the pty master."""
+    preserved = preserved_fds(preserve_fds)
+    if len(fds) + len(preserved) > channel.MAX_FDS:
+        raise InvalidArgument(f"--preserve-fds {preserve_fds}: exec passes at most {channel.MAX_FDS - len(fds)} fds")
     st = state(root, container_id)
     if st.status != RUNNING:
         raise InvalidState(f"cannot exec in container {container_id!r}: it is {st.status}")
     with Connection(StateStore(root).dir(container_id)) as c:
-        reply, rfds = c.call({"op": "exec", "process": process}, fds)
+        reply, rfds = c.call({"op": "exec", "process": process, "preserve_fds": len(preserved)}, fds + preserved)
     return reply["pid"], rfds
 
 
@@ -301,15 +307,11 @@ def stats(root: str, container_id: str) -> dict:
             "pids": {"current": s.get("pids_current") or 0}}
 
 
-def update(root: str, container_id: str, resources_file: str) -> None:
-    """Apply new linux.resources (JSON file, "-" for stdin) to a live container's cgroup."""
-    import sys
+def update(root: str, container_id: str, resources: dict, source: str) -> None:
+    """Apply new linux.resources (the decoded JSON object; errors name `source`) to a live
+    container's cgroup."""
     from qvisor.spec import parse_resources
     st = state(root, container_id)
     if st.status not in (CREATED, RUNNING, PAUSED):
         raise InvalidState(f"container {container_id!r} is not running (status {st.status})")
-    try:
-        data = json.load(sys.stdin) if resources_file == "-" else json.load(open(resources_file))
-    except (OSError, ValueError) as e:
-        raise QuarkError(f"--resources {resources_file}: {e}") from None
-    cgroups.open_cgroup(st.cgroup_path).apply(parse_resources(data, resources_file))
+    cgroups.open_cgroup(st.cgroup_path).apply(parse_resources(resources, source))

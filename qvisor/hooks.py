@@ -21,7 +21,8 @@ def run_hooks(kind: str, hooks: list[Hook], state: dict, *, fatal: bool = True) 
     payload = json.dumps(state).encode()
     for i, h in enumerate(hooks):
         argv = h.args or [h.path]
-        env = dict(e.split("=", 1) for e in h.env if "=" in e)
+        # a hook without `env` sees the runtime's environment (runc's exec.Cmd with a nil Env)
+        env = dict(e.split("=", 1) for e in h.env if "=" in e) if h.env else None
         try:
             r = subprocess.run(argv, executable=h.path, input=payload, env=env, capture_output=True,
                                timeout=h.timeout, close_fds=True)

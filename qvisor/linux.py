@@ -6,7 +6,10 @@ package is plain Python. Each function raises OSError with errno on failure.
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import functools
 import os
+import socket
 import struct
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -64,6 +67,8 @@ _SYS_SETNS = 308
 _SYS_PIDFD_SEND_SIGNAL = 424
 _SYS_PIDFD_OPEN = 434
 _SYS_CLOSE_RANGE = 436
+_SYS_OPEN_TREE = 428    # the new mount API has the same numbers on every architecture
+_SYS_MOVE_MOUNT = 429
 CLOSE_RANGE_CLOEXEC = 4
 
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
@@ -113,6 +118,28 @@ def setdomainname(name: str) -> None:
 def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
     return _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg2), ctypes.c_ulong(arg3),
                               ctypes.c_ulong(arg4), ctypes.c_ulong(arg5)), "prctl")
+
+
+OPEN_TREE_CLONE = 1
+AT_RECURSIVE = 0x8000
+_AT_FDCWD = -100
+_AT_EMPTY_PATH = 0x1000
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+_MOVE_MOUNT_T_EMPTY_PATH = 0x40
+
+
+def open_tree_clone(path: str, recursive: bool) -> int:
+    """A detached copy of the mount tree at `path` (a bind mount not attached anywhere yet), as
+    an fd: opened with this process's credentials, it can be attached in another mount namespace."""
+    flags = OPEN_TREE_CLONE | os.O_CLOEXEC | (AT_RECURSIVE if recursive else 0)
+    return _check(_libc.syscall(_SYS_OPEN_TREE, ctypes.c_int(_AT_FDCWD), _b(path), ctypes.c_uint(flags)),
+                  "open_tree", path)
+
+
+def move_mount_fd(tree_fd: int, target_fd: int) -> None:
+    """Attach the detached tree `tree_fd` onto the directory or file `target_fd` (an O_PATH fd)."""
+    _check(_libc.syscall(_SYS_MOVE_MOUNT, ctypes.c_int(tree_fd), b"", ctypes.c_int(target_fd), b"",
+                         ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH | _MOVE_MOUNT_T_EMPTY_PATH)), "move_mount")
 
 
 def pidfd_open(pid: int) -> int:
@@ -172,9 +199,34 @@ def capset(effective: int, permitted: int, inheritable: int) -> None:
     _check(_libc.capset(ctypes.byref(hdr), data), "capset")
 
 
+@functools.cache
 def last_cap() -> int:
-    with open("/proc/sys/kernel/cap_last_cap") as f:
-        return int(f.read())
+    """The highest capability this kernel knows. Cached: the first call (before pivot_root) may be
+    the last chance to read /proc; without /proc, the bounding set is probed (as libcap does)."""
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            return int(f.read())
+    except FileNotFoundError:
+        lo, hi = 0, 63   # PR_CAPBSET_READ fails with EINVAL above the last capability
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            try:
+                prctl(PR_CAPBSET_READ, mid)
+                lo = mid
+            except OSError:
+                hi = mid - 1
+        return lo
+
+
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def set_link_up(name: str) -> None:
+    """Set IFF_UP on interface `name` of this process's network namespace (struct ifreq ioctls)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        req = fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, struct.pack("16sH22x", name.encode(), 0))
+        flags = struct.unpack_from("16sH", req)[1]
+        fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, struct.pack("16sH22x", name.encode(), flags | _IFF_UP))
 
 
 def parent_pid(pid: int) -> int | None:

@@ -13,6 +13,7 @@ import logging
 import os
 import resource
 import signal
+import stat
 from typing import Callable
 
 from qvisor import linux as L
@@ -133,11 +134,65 @@ def chdir_in_root(cwd: str) -> None:
         os.close(fd)
 
 
+def make_cwd(rootfs: str, cwd: str) -> None:
+    """Create process.cwd if it is missing, as runc does for the init (MkdirAll, 0755, by the
+    runtime's root and before the root turns read-only). It is resolved inside `rootfs` as the
+    container would resolve it, so a symlink in the image cannot place it outside; a path through
+    a /proc magic link (/proc/self/fd/N/...) is never created, and chdir_in_root refuses it."""
+    root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            os.close(paths.open_in_root(root, cwd))
+            return   # there: whether it is a directory is chdir's to say
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return   # ELOOP for a magic link on the way: not ours to create
+        os.close(paths.ensure_in_root(root, cwd, is_dir=True))
+    except OSError as e:
+        raise SetupError(f"process.cwd: creating {cwd}: {e.strerror}") from None
+    finally:
+        os.close(root)
+
+
+def home_of(uid: int) -> str:
+    """The home directory of `uid` in the container's /etc/passwd (its first entry, as runc's
+    user.GetExecUser reads it), or "/" when there is no such file or entry. Runs in the container's
+    root; the file is opened inside it, with no /proc magic link, and only if it is a regular file."""
+    root = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = paths.open_in_root(root, "/etc/passwd", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return "/"
+    finally:
+        os.close(root)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return "/"
+        text = f.read().decode("utf-8", "replace")
+    for line in text.splitlines():
+        fields = line.strip().split(":")   # name:password:uid:gid:gecos:home:shell
+        if len(fields) > 2 and fields[2].isdigit() and int(fields[2]) == uid:
+            return fields[5] if len(fields) > 5 else ""
+    return "/"
+
+
+def environment(proc: Process) -> dict[str, str]:
+    """process.env, with HOME from the container's passwd (else "/") when it is missing or empty,
+    as runc sets it. Called before the user switch and the seccomp filter, which could deny it."""
+    env = dict(e.split("=", 1) if "=" in e else (e, "") for e in proc.env)
+    if not env.get("HOME"):
+        env["HOME"] = home_of(proc.user.uid)
+    return env
+
+
 def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None], keep_fds: tuple[int, ...] = ()) -> None:
     """Apply the process spec and execve. Does not return; raises SetupError before exec.
-    Every fd >= 3 but `keep_fds` (the channel that reports a failed execve) is closed before execve,
-    so not even the path of the program can reach a runtime fd through /proc/self/fd."""
+    Every fd >= 3 but `keep_fds` (the close-on-exec channel that reports a failed execve, and the
+    fds --preserve-fds passes on) is closed before execve, so not even the path of the program can
+    reach a runtime fd through /proc/self/fd."""
     last = L.last_cap()
+    env = environment(proc)
     set_oom_score_adj(proc.oom_score_adj)
     if proc.user.umask is not None:
         os.umask(proc.user.umask)
@@ -168,7 +223,6 @@ def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None], ke
     if proc.no_new_privileges:
         L.prctl(L.PR_SET_NO_NEW_PRIVS, 1)
         install_filter(True)
-    env = dict(e.split("=", 1) if "=" in e else (e, "") for e in proc.env)
     reset_signals()
     L.close_fds_except(set(keep_fds))
     try:

@@ -34,8 +34,10 @@ def _kept_flags(path: str) -> int:
     return sum(bit for st, bit in _LOCKED.items() if f & st)
 
 
-def prepare(spec: Spec, cgroup_path: str, in_userns: bool) -> None:
-    """Everything before pivot_root. Runs in the container's new mount namespace."""
+def prepare(spec: Spec, cgroup_path: str, in_userns: bool, source_fds: dict[int, int]) -> None:
+    """Everything before pivot_root. Runs in the container's new mount namespace. `source_fds`
+    maps the index of a bind mount in spec.mounts to an O_PATH fd of its source that the runtime
+    opened as host root (see bind_sources)."""
     rootfs = spec.root.path
     prop = mountopts.PROPAGATION.get(spec.linux.rootfs_propagation or "rslave")
     if prop is None:
@@ -48,38 +50,85 @@ def prepare(spec: Spec, cgroup_path: str, in_userns: bool) -> None:
         raise _fail("mount root.path", rootfs, e) from None
     root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for m in spec.mounts:
-            _mount_one(root_fd, m, spec.bundle, cgroup_path)
+        for i, m in enumerate(spec.mounts):
+            _mount_one(root_fd, m, spec.bundle, cgroup_path, rootfs, source_fds.get(i))
+            if os.path.normpath(m.destination) == "/":
+                # a mount onto / replaces the root: later mounts (and pivot_root) go onto it
+                os.close(root_fd)
+                root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         _create_devices(root_fd, spec.linux.devices, in_userns)
     finally:
         os.close(root_fd)
 
 
-def _mount_one(root_fd: int, m: Mount, bundle: str, cgroup_path: str) -> None:
+def bind_sources(spec: Spec) -> dict[int, int]:
+    """Detached bind mounts of the bind mounts' sources (open_tree), made by the caller (the
+    supervisor, host root) for an init in a user namespace: there the init is a mapped uid that
+    may not reach a source the host's root can (runc passes such mounts too). The init attaches
+    them with move_mount. Index in spec.mounts -> fd."""
+    fds: dict[int, int] = {}
+    try:
+        for i, m in enumerate(spec.mounts):
+            opts = mountopts.parse(m.options)
+            if m.type in ("cgroup", "cgroup2") or not (m.type == "bind" or opts.is_bind):
+                continue
+            source = _bind_source(m, spec.bundle)
+            try:
+                fds[i] = L.open_tree_clone(source, bool(opts.flags & L.MS_REC))
+            except OSError as e:
+                raise _fail("bind mount source", source, e) from None
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
+
+
+def _bind_source(m: Mount, bundle: str) -> str:
+    return m.source if os.path.isabs(m.source) else os.path.join(bundle, m.source)
+
+
+def _tmpfs_data(data: str, dest_fd: int) -> str:
+    """A tmpfs without mode= gets the mode of the directory it covers, as runc does (the kernel's
+    default is 1777, which would make e.g. a 0700 directory world-writable)."""
+    if any(o.startswith("mode=") for o in data.split(",")):
+        return data
+    mode = f"mode={stat.S_IMODE(os.stat(dest_fd).st_mode):o}"
+    return f"{data},{mode}" if data else mode
+
+
+def _mount_one(root_fd: int, m: Mount, bundle: str, cgroup_path: str, rootfs: str, source_fd: int | None) -> None:
     opts = mountopts.parse(m.options)
     if m.type == "bind" and not opts.is_bind:
         opts.flags |= L.MS_BIND   # type "bind" without a bind option is a bind mount, as in runc
     if m.type == "cgroup" or m.type == "cgroup2":
         return _mount_cgroup(root_fd, m, opts, cgroup_path)
     if opts.is_bind:
-        source = m.source if os.path.isabs(m.source) else os.path.join(bundle, m.source)
+        source = _bind_source(m, bundle)
         try:
-            is_dir = stat.S_ISDIR(os.stat(source).st_mode)
+            is_dir = stat.S_ISDIR(os.stat(source if source_fd is None else source_fd).st_mode)
         except OSError as e:
             raise _fail("bind mount source", source, e) from None
     else:
         source, is_dir = m.source or m.type, True
+    onto_root = os.path.normpath(m.destination) == "/"
     try:
-        fd = paths.ensure_in_root(root_fd, m.destination, is_dir)
+        # "/" is the rootfs itself (its bind onto itself, opened by path like pivot_root will)
+        fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if onto_root else \
+            paths.ensure_in_root(root_fd, m.destination, is_dir)
     except OSError as e:
         raise _fail("mount destination", m.destination, e) from None
     try:
-        if opts.is_bind:
+        if source_fd is not None:
+            L.move_mount_fd(source_fd, fd)
+        elif opts.is_bind:
             L.mount(source, paths.fd_path(fd), None, opts.flags & (L.MS_BIND | L.MS_REC))
         else:
-            L.mount(source, paths.fd_path(fd), m.type, opts.flags, opts.data or None)
+            data = _tmpfs_data(opts.data, fd) if m.type == "tmpfs" else opts.data
+            L.mount(source, paths.fd_path(fd), m.type, opts.flags, data or None)
         # the fd still names the directory under the new mount: reopen to reach the mount itself
-        new = _reopen_new_mount(root_fd, m.destination, fd)
+        new = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if onto_root else \
+            _reopen_new_mount(root_fd, m.destination, fd)
         os.close(fd)
         fd = new
         target = paths.fd_path(fd)
@@ -275,6 +324,20 @@ def pivot(rootfs: str) -> None:
         L.umount2(".", L.MNT_DETACH)
     except OSError as e:
         raise _fail("pivot_root", rootfs, e) from None
+    os.chdir("/")
+
+
+def chroot(root: str | int) -> None:
+    """Enter `root` (a path, or an fd of a directory) without pivot_root: for a container that
+    shares a mount namespace, where pivot_root would move every process of that namespace."""
+    try:
+        if isinstance(root, int):
+            os.fchdir(root)
+        else:
+            os.chdir(root)
+        os.chroot(".")
+    except OSError as e:
+        raise _fail("chroot", root if isinstance(root, str) else "the container's root", e) from None
     os.chdir("/")
 
 

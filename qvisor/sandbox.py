@@ -17,17 +17,15 @@ import signal
 import socket
 import termios
 import traceback
-from typing import Callable, NoReturn
+from typing import Callable, Iterable, NoReturn
 
 from qvisor import channel, hooks, process, rootfs
 from qvisor import linux as L
 from qvisor.errors import QuarkError, SetupError
-from qvisor.spec import Process, Spec
+from qvisor.spec import PROC_NS_NAMES, Process, Spec, sysctl_key
 
 NS_FLAGS = {"user": L.CLONE_NEWUSER, "mount": L.CLONE_NEWNS, "pid": L.CLONE_NEWPID, "network": L.CLONE_NEWNET,
             "ipc": L.CLONE_NEWIPC, "uts": L.CLONE_NEWUTS, "cgroup": L.CLONE_NEWCGROUP, "time": L.CLONE_NEWTIME}
-PROC_NS_NAMES = {"user": "user", "mount": "mnt", "pid": "pid", "network": "net", "ipc": "ipc", "uts": "uts",
-                 "cgroup": "cgroup", "time": "time"}
 
 
 def run_child(sock: socket.socket, body: Callable[[], None]) -> NoReturn:
@@ -37,11 +35,16 @@ def run_child(sock: socket.socket, body: Callable[[], None]) -> NoReturn:
         body()
     except BaseException as e:  # a forked child must never unwind into the parent's code
         code = 1
-        msg = str(e) if isinstance(e, QuarkError) else f"{type(e).__name__}: {e}"
-        if not isinstance(e, (QuarkError, OSError)):
-            msg += "\n" + traceback.format_exc()
+        if isinstance(e, QuarkError):
+            msg = str(e)
+        elif isinstance(e, OSError):   # a step that wraps no error of its own: the kernel's words
+            msg = f"container set-up: {e.strerror or 'failed'}" + (f": {e.filename}" if e.filename else "")
+        else:   # a bug: the user gets a sentence, the supervisor's log the traceback
+            logging.getLogger("quark").error("container set-up failed\n%s", traceback.format_exc())
+            msg = "container set-up failed with an internal error (the supervisor's log has the details)"
         try:
-            channel.send(sock, {"type": "error", "error": msg})
+            kind = e.kind if isinstance(e, QuarkError) else QuarkError.kind
+            channel.send(sock, {"type": "error", "error": msg, "kind": kind})
         except OSError:
             pass
     os._exit(code)
@@ -66,11 +69,12 @@ class _ChannelLog(logging.Handler):
 _inherited: list = []  # the supervisor's handlers, kept referenced so no finaliser ever runs in a child
 
 
-def drop_runtime_fds(sock: socket.socket) -> None:
-    """First thing in a child forked from the supervisor: close every fd it inherited but stdio and
-    its channel — the supervisor's log file, control and client sockets, the seccomp listeners of
-    other processes, its event loop, tsord's socket, the `quark create` pipe, whatever the caller
-    of `quark` leaked — before it joins any namespace of the container (CVE-2024-21626 class).
+def drop_runtime_fds(sock: socket.socket, keep: Iterable[int] = ()) -> None:
+    """First thing in a child forked from the supervisor: close every fd it inherited but stdio, its
+    channel and `keep` (the fds --preserve-fds passes to the container) — the supervisor's log
+    file, control and client sockets, the seccomp listeners of other processes, its event loop,
+    tsord's socket, the `quark create` pipe, whatever the caller of `quark` leaked — before it joins
+    any namespace of the container (CVE-2024-21626 class).
     The objects that own those fds are never finalised here: collection is off and the handlers
     stay referenced, so no finaliser can close an fd number the child reuses."""
     gc.disable()
@@ -78,15 +82,37 @@ def drop_runtime_fds(sock: socket.socket) -> None:
     root = logging.getLogger()
     _inherited.extend(root.handlers)
     root.handlers[:] = [_ChannelLog(sock)]
-    L.close_fds_except({sock.fileno()})
+    L.close_fds_except({sock.fileno(), *keep})
+
+
+def _place_preserved(fds: list[int]) -> None:
+    """Put the fds an exec's caller preserves (--preserve-fds) at 3, 4, ..., the numbers the caller
+    had them at, wherever they arrived. Nothing else is open in that range after drop_runtime_fds:
+    the supervisor puts the channel above it."""
+    top = 3 + len(fds)
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, top) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    for i, fd in enumerate(high):
+        os.dup2(fd, 3 + i)   # inheritable: they are meant to survive execve
+        os.close(fd)
+
+
+def _expect_with_fds(sock: socket.socket, kind: str) -> tuple[dict, list[int]]:
+    msg, fds = channel.recv_packet(sock)
+    if msg.get("type") not in (kind, "error"):
+        msg = {"type": "error", "error": f"protocol: expected {kind!r}, got {msg.get('type')!r}"}
+    if msg["type"] == "error":
+        for fd in fds:
+            os.close(fd)
+        raise SetupError(msg.get("error", "supervisor reported an error"))
+    return msg, fds
 
 
 def _expect(sock: socket.socket, kind: str) -> dict:
-    msg, _ = channel.recv_packet(sock)
-    if msg.get("type") == "error":
-        raise SetupError(msg.get("error", "supervisor reported an error"))
-    if msg.get("type") != kind:
-        raise SetupError(f"protocol: expected {kind!r}, got {msg.get('type')!r}")
+    msg, fds = _expect_with_fds(sock, kind)
+    for fd in fds:
+        os.close(fd)
     return msg
 
 
@@ -121,27 +147,12 @@ def _await_report(r: int) -> None:
         os._exit(1)   # stage 1 died before it could report us: nothing will ever answer
 
 
-def _reject_nul(value, field: str, origin: str = "config.json: ") -> None:
-    """No string handed to the kernel may hold a NUL: it would be cut short there (a path, a
-    hostname) or make Python refuse it half-way through set-up (args, env)."""
-    if isinstance(value, str):
-        if "\0" in value:
-            raise SetupError(f"{origin}{field}: must not contain a NUL character")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _reject_nul(k, field, origin)
-            _reject_nul(v, f"{field}.{k}" if field else str(k), origin)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _reject_nul(v, f"{field}[{i}]", origin)
-
-
-def stage1(sock: socket.socket, spec: Spec) -> None:
-    """Namespaces, then fork the init (pid 1 of a new pid namespace)."""
+def stage1(sock: socket.socket, spec: Spec, preserve_fds: int = 0) -> None:
+    """Namespaces, then fork the init (pid 1 of a new pid namespace). The caller's fds 3..2+preserve_fds
+    were inherited at their numbers (nothing of the runtime can sit there) and go on to the init."""
     L.prctl(L.PR_SET_DUMPABLE, 0)  # nothing in the container may open /proc/<us>/exe or /mem
-    drop_runtime_fds(sock)
+    drop_runtime_fds(sock, range(3, 3 + preserve_fds))
     _expect(sock, "go")  # the supervisor has put us in the cgroup
-    _reject_nul(spec.raw, "")
     joined = sorted((ns for ns in spec.linux.namespaces if ns.path), key=lambda ns: ns.type != "user")
     for ns in joined:
         try:
@@ -175,14 +186,17 @@ def stage1(sock: socket.socket, spec: Spec) -> None:
         raise SetupError(f"linux.namespaces: creating {sorted(new - {'user'})}: {e.strerror}") from None
     pid, reported = _fork_reported(sock)
     if pid == 0:
-        run_child(sock, lambda: init(sock, spec, "user" in new or any(ns.type == "user" for ns in joined), reported))
+        run_child(sock, lambda: init(sock, spec, "user" in new or any(ns.type == "user" for ns in joined), reported,
+                                     preserve_fds))
     _report_pid(sock, pid, reported)
 
 
 def _sysctls(spec: Spec) -> None:
     for key, value in spec.linux.sysctl.items():
+        # the dotted form swaps '.' and '/' against the path (eth0.100 -> net.ipv4.conf.eth0/100)
+        path = sysctl_key(key).translate(str.maketrans("./", "/."))
         try:
-            with open("/proc/sys/" + key.replace(".", "/"), "w") as f:
+            with open("/proc/sys/" + path, "w") as f:
                 f.write(value)
         except OSError as e:
             raise SetupError(f"linux.sysctl: {key}={value}: {e.strerror}") from None
@@ -205,15 +219,7 @@ def _terminal(sock: socket.socket, proc: Process) -> None:
         os.close(slave)
 
 
-def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int) -> None:
-    """The container's init, until it execs the user's process."""
-    L.prctl(L.PR_SET_DUMPABLE, 0)
-    _await_report(reported)
-    os.setsid()
-    msg = _expect(sock, "prepare")
-    rootfs.prepare(spec, msg["cgroup_path"], in_userns)
-    channel.send(sock, {"type": "create-runtime"})  # prestart and createRuntime hooks, in the runtime namespace
-    state = _expect(sock, "create-runtime-ok")["state"]
+def _set_names(spec: Spec) -> None:
     for field, value, set_name in (("hostname", spec.hostname, L.sethostname),
                                    ("domainname", spec.domainname, L.setdomainname)):
         if value:
@@ -222,10 +228,42 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int) -> Non
             except OSError as e:
                 hint = " (at most 64 bytes)" if e.errno == errno.EINVAL else ""
                 raise SetupError(f"{field}: {value!r}: {os.strerror(e.errno)}{hint}") from None
-    rootfs.pivot(spec.root.path)
+
+
+def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preserve_fds: int = 0) -> None:
+    """The container's init, until it execs the user's process."""
+    L.prctl(L.PR_SET_DUMPABLE, 0)
+    _await_report(reported)
+    os.setsid()
+    msg, fds = _expect_with_fds(sock, "prepare")
+    source_fds = dict(zip(msg.get("source_fds", []), fds))
+    L.last_cap()   # read now, while /proc is the runtime's: the container may mount none
+    new_mounts = spec.linux.new_namespace("mount")
+    if new_mounts:
+        rootfs.prepare(spec, msg["cgroup_path"], in_userns, source_fds)
+    for fd in fds:
+        os.close(fd)
+    if spec.linux.new_namespace("network"):
+        try:
+            L.set_link_up("lo")   # a new network namespace starts with lo down (runc brings it up)
+        except OSError as e:
+            raise SetupError(f"linux.namespaces: network: bringing up lo: {e.strerror}") from None
+    channel.send(sock, {"type": "create-runtime"})  # prestart and createRuntime hooks, in the runtime namespace
+    state = _expect(sock, "create-runtime-ok")["state"]
+    _set_names(spec)
+    # sysctls resolve against the writer's namespaces, so /proc here (the runtime's) is right, and
+    # it works for a container that mounts no /proc of its own
     _sysctls(spec)
+    # createContainer hooks run in the container's namespaces before pivot_root, from the
+    # rootfs, so host paths still resolve (OCI runtime spec, as runc)
+    os.chdir(spec.root.path)
     hooks.run_hooks("createContainer", spec.hooks.create_container, state)
-    rootfs.finalize(spec)
+    process.make_cwd(spec.root.path, spec.process.cwd)
+    if new_mounts:
+        rootfs.pivot(spec.root.path)
+        rootfs.finalize(spec)
+    else:
+        rootfs.chroot(spec.root.path)   # a shared mount table: only this process's view changes
     assert spec.process is not None
     process.set_rlimits(spec.process)
     if spec.process.terminal:
@@ -233,12 +271,13 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int) -> Non
     channel.send(sock, {"type": "created"})
     start = _expect(sock, "start")
     hooks.run_hooks("startContainer", spec.hooks.start_container, start["state"])
-    _exec(sock, spec, spec.process, start["platform"])
+    _exec(sock, spec, spec.process, start["platform"], preserve_fds)
 
 
-def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str) -> None:
+def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserve_fds: int) -> None:
     import qkernel
-    L.mark_fds_cloexec(3)  # no fd of the runtime survives into the container (CVE-2024-21626 class)
+    # no fd of the runtime survives into the container (CVE-2024-21626 class); the preserved ones do
+    L.mark_fds_cloexec(3 + preserve_fds)
 
     def install_filter(no_new_privs: bool) -> None:
         fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs)
@@ -246,16 +285,16 @@ def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str) -> None
             channel.send(sock, {"type": "listener"}, [fd])
             os.close(fd)
 
-    process.finish_and_exec(proc, install_filter=install_filter, keep_fds=(sock.fileno(),))
+    process.finish_and_exec(proc, install_filter=install_filter,
+                            keep_fds=(sock.fileno(), *range(3, 3 + preserve_fds)))
 
 
-def exec_stage1(sock: socket.socket, init_pid: int, spec: Spec, proc: Process) -> None:
+def exec_stage1(sock: socket.socket, init_pid: int, spec: Spec, proc: Process, preserved: list[int]) -> None:
     """Join the init's namespaces (all at once, through its pidfd), then fork the process."""
     L.prctl(L.PR_SET_DUMPABLE, 0)
-    drop_runtime_fds(sock)
+    drop_runtime_fds(sock, preserved)
+    _place_preserved(preserved)
     _expect(sock, "go")
-    for field in ("args", "env", "cwd"):
-        _reject_nul(getattr(proc, field), f"process.{field}", "exec: ")
     flags = 0
     for t, name in PROC_NS_NAMES.items():
         try:
@@ -263,6 +302,10 @@ def exec_stage1(sock: socket.socket, init_pid: int, spec: Spec, proc: Process) -
                 flags |= NS_FLAGS[t]
         except FileNotFoundError:
             continue
+    # a container without a new mount namespace lives in a chroot: enter the same one, through
+    # the init's root opened before setns (another mount namespace may show another /proc)
+    shared_mounts = not spec.linux.new_namespace("mount")
+    root = os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if shared_mounts else -1
     pidfd = L.pidfd_open(init_pid)
     try:
         L.setns(pidfd, flags)
@@ -270,13 +313,18 @@ def exec_stage1(sock: socket.socket, init_pid: int, spec: Spec, proc: Process) -
         raise SetupError(f"exec: joining the container's namespaces: {e.strerror}") from None
     finally:
         os.close(pidfd)
+    if shared_mounts:
+        try:
+            rootfs.chroot(root)
+        finally:
+            os.close(root)
     pid, reported = _fork_reported(sock)
     if pid == 0:
-        run_child(sock, lambda: exec_init(sock, spec, proc, reported))
+        run_child(sock, lambda: exec_init(sock, spec, proc, reported, len(preserved)))
     _report_pid(sock, pid, reported)
 
 
-def exec_init(sock: socket.socket, spec: Spec, proc: Process, reported: int) -> None:
+def exec_init(sock: socket.socket, spec: Spec, proc: Process, reported: int, preserve_fds: int) -> None:
     L.prctl(L.PR_SET_DUMPABLE, 0)
     _await_report(reported)
     os.setsid()
@@ -284,4 +332,4 @@ def exec_init(sock: socket.socket, spec: Spec, proc: Process, reported: int) -> 
     process.set_rlimits(proc)
     if proc.terminal:
         _terminal(sock, proc)
-    _exec(sock, spec, proc, start["platform"])
+    _exec(sock, spec, proc, start["platform"], preserve_fds)

@@ -12,14 +12,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--console-socket", default="", help="unix socket that receives the pty master")
     p.add_argument("--no-pivot", action="store_true", help="accepted for runc compatibility; quark always pivots")
     p.add_argument("--no-new-keyring", action="store_true", help="accepted for runc compatibility")
-    p.add_argument("--preserve-fds", type=int, default=0, help="not supported: must be 0")
+    p.add_argument("--preserve-fds", type=int, default=0, metavar="N",
+                   help="pass the caller's fds 3 .. 2+N on to the container's process")
     p.add_argument("id")
 
 
 def run(args: argparse.Namespace) -> int:
-    from qvisor.errors import Unsupported
-    if args.preserve_fds:
-        raise Unsupported("--preserve-fds is not supported")
-    container.create(args.root, args.id, args.bundle, pid_file=args.pid_file,
-                     console_socket=args.console_socket, platform=args.platform, log_file=args.log)
+    container.create(args.root, args.id, args.bundle, pid_file=args.pid_file, console_socket=args.console_socket,
+                     platform=args.platform, log_file=args.log, preserve_fds=args.preserve_fds)
     return 0

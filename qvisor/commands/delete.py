@@ -4,13 +4,19 @@ from __future__ import annotations
 import argparse
 
 from qvisor import container
+from qvisor.errors import ContainerNotFound
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-f", "--force", action="store_true", help="kill the container if it is still running")
+    p.add_argument("-f", "--force", action="store_true",
+                   help="kill the container if it is still running; a container that does not exist is no error")
     p.add_argument("id")
 
 
 def run(args: argparse.Namespace) -> int:
-    container.delete(args.root, args.id, args.force)
+    try:
+        container.delete(args.root, args.id, args.force)
+    except ContainerNotFound:
+        if not args.force:   # runc: with --force, deleting what is already gone succeeds
+            raise
     return 0

@@ -7,7 +7,7 @@ import os
 import signal
 
 from qvisor import container
-from qvisor.errors import QuarkError
+from qvisor.errors import InvalidArgument, QuarkError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-g", "--additional-gids", action="append", type=int, default=[])
     p.add_argument("-c", "--cap", action="append", default=[], help="add a capability")
     p.add_argument("--no-new-privs", action="store_true", help="set no_new_privs")
+    p.add_argument("--preserve-fds", type=int, default=0, metavar="N",
+                   help="pass the caller's fds 3 .. 2+N on to the process")
     p.add_argument("id")
     p.add_argument("command", nargs=argparse.REMAINDER)
 
@@ -45,6 +47,8 @@ def build_process(args: argparse.Namespace) -> dict:
         proc["cwd"] = args.cwd
     if args.user:
         uid, _, gid = args.user.partition(":")
+        if not uid.isdigit() or not (gid or "0").isdigit():
+            raise InvalidArgument(f"--user {args.user}: must be UID[:GID] in numbers, as runc takes it")
         proc["user"] = dict(proc.get("user") or {}, uid=int(uid), gid=int(gid or 0))
     if args.additional_gids:
         proc.setdefault("user", {})["additionalGids"] = args.additional_gids
@@ -59,13 +63,23 @@ def build_process(args: argparse.Namespace) -> dict:
     return proc
 
 
+def _forward(args: argparse.Namespace, pid: int, sig: int) -> None:
+    """A signal to `quark exec` goes on to the process it runs, through the supervisor (never by
+    bare pid, which may be another process's once this one is reaped); one that has exited is left."""
+    try:
+        container.kill_exec(args.root, args.id, pid, sig)
+    except QuarkError:
+        pass
+
+
 def run(args: argparse.Namespace) -> int:
     from qvisor import console
     proc = build_process(args)
     tty = bool(proc.get("terminal"))
     if tty and args.detach and not args.console_socket:
         raise QuarkError("exec -t -d needs --console-socket to hand the pty master to")
-    pid, fds = container.exec_process(args.root, args.id, proc, [] if tty else [0, 1, 2])
+    pid, fds = container.exec_process(args.root, args.id, proc, [] if tty else [0, 1, 2],
+                                      preserve_fds=args.preserve_fds)
     if args.pid_file:
         container.write_pid_file(args.pid_file, pid)
     master = fds[0] if fds else -1
@@ -79,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if args.detach:
         return 0
     for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, lambda s, _f: os.kill(pid, s))
+        signal.signal(sig, lambda s, _f: _forward(args, pid, s))
     if master >= 0:
         console.proxy(master)
         os.close(master)

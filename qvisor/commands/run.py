@@ -22,17 +22,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="do not delete the container after it exits")
     p.add_argument("--no-pivot", action="store_true", help="accepted for runc compatibility")
     p.add_argument("--no-new-keyring", action="store_true", help="accepted for runc compatibility")
+    p.add_argument("--preserve-fds", type=int, default=0, metavar="N",
+                   help="pass the caller's fds 3 .. 2+N on to the container's process")
     p.add_argument("id")
 
 
 def run(args: argparse.Namespace) -> int:
     from qvisor import console
+    container.preserved_fds(args.preserve_fds)   # checked before quark opens fds of its own
     terminal = bool(load_spec(os.path.abspath(args.bundle)).process and
                     load_spec(os.path.abspath(args.bundle)).process.terminal)
     own_console = terminal and not args.console_socket and not args.detach
     with (console.console_socket() if own_console else contextlib.nullcontext((args.console_socket, None))) as (path, listener):
         st = container.create(args.root, args.id, args.bundle, pid_file=args.pid_file, console_socket=path,
-                              platform=args.platform, log_file=args.log)
+                              platform=args.platform, log_file=args.log, preserve_fds=args.preserve_fds)
         master = console.receive_master(listener) if listener is not None else -1
     try:
         container.start(args.root, args.id)

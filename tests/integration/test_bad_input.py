@@ -87,10 +87,12 @@ def test_unsupported_options_are_refused_up_front(quark, bundle):
     b = bundle(["true"])
     edit_config(b, lambda s: s["linux"].__setitem__("sysctl", {"kernel.panic": "1"}))
     r = quark("create", "--bundle", b, "bad", check=False)
-    assert r.returncode == 1 and "linux.sysctl: kernel.panic" in r.stderr
+    assert r.returncode == 1 and "config.json: linux.sysctl.kernel.panic: is not in a namespace" in r.stderr
     assert_nothing_left(quark, "bad", b)
+    # the test's fds 3 and 4 are not open in the child: refused, naming the flag, before anything
     r = quark("create", "--preserve-fds", "2", "--bundle", b, "bad", check=False)
-    assert r.returncode == 1 and "--preserve-fds" in r.stderr
+    assert r.returncode == 1 and "--preserve-fds 2: fd" in r.stderr and "is not open" in r.stderr
+    assert_nothing_left(quark, "bad", b)
 
 
 @pytest.mark.parametrize("edit, message", [

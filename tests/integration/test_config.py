@@ -224,11 +224,15 @@ def test_hooks_get_state_and_run_in_order(quark, bundle, tmp_path):
     hook.write_text(f"#!/bin/sh\nstate=$(cat)\necho \"$1 $state\" >> {log}\n")
     hook.chmod(0o755)
     b = bundle(["true"])
-    # createContainer and startContainer run inside the container: their path is in its rootfs
+    # createContainer and startContainer run in the container; a startContainer hook's path is in its
+    # rootfs, a createContainer hook's in the runtime's (it runs before pivot_root, from the rootfs)
     inner = os.path.join(b, "rootfs/hook.sh")
     with open(inner, "w") as f:
         f.write("#!/bin/sh\ncat > /dev/null\necho $1 > /tmp/$1\n")
     os.chmod(inner, 0o755)
+    outer = tmp_path / "create-container.sh"
+    outer.write_text("#!/bin/sh\ncat > /dev/null\necho $1 > tmp/$1\n")
+    outer.chmod(0o755)
 
     def h(name):
         return [{"path": str(hook), "args": ["hook.sh", name]}]
@@ -236,7 +240,7 @@ def test_hooks_get_state_and_run_in_order(quark, bundle, tmp_path):
     def edit(s):
         s["root"]["readonly"] = False
         s["hooks"] = {"createRuntime": h("createRuntime"), "poststart": h("poststart"), "poststop": h("poststop"),
-                      "createContainer": [{"path": "/hook.sh", "args": ["hook.sh", "createContainer"]}],
+                      "createContainer": [{"path": str(outer), "args": ["hook.sh", "createContainer"]}],
                       "startContainer": [{"path": "/hook.sh", "args": ["hook.sh", "startContainer"]}]}
         s["annotations"] = {"org.example/k": "v"}
     edit_config(b, edit)

@@ -98,7 +98,7 @@ atexit.register(shutil.rmtree, BUNDLE, True)
 @settings(max_examples=PARSER_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(mutated())
 def test_parser_never_crashes_and_names_the_field(case):
-    from qvisor.container import check_supported
+    from qvisor.validate import check_supported
     spec, muts = case
     cfg = os.path.join(BUNDLE, "config.json")
     try:
@@ -112,9 +112,11 @@ def test_parser_never_crashes_and_names_the_field(case):
         if len(muts) == 1 and muts[0][0] in ("replace", "delete"):
             kind, path = muts[0]
             # a deleted required field is named; a replaced value is named, or an enclosing field
-            # that its change makes invalid (a duplicate, a missing partner: uidMappings/user)
+            # that its change makes invalid (a duplicate, a missing partner: uidMappings/user), or,
+            # once a namespace is gone, a setting that needed it (hostname, mounts, a sysctl)
             assert related(e.field, path) or e.field.startswith(("linux.namespaces", "linux.uidMappings",
-                                                                  "linux.gidMappings")), (str(e), muts)
+                                                                  "linux.gidMappings")) \
+                or related("linux.namespaces", path), (str(e), muts)
     except QuarkError as e:
         COUNTS["refused"] += 1
         assert str(e), muts
@@ -197,6 +199,22 @@ def setup_mutation(draw, bundle_dir: str):
                                                                                         "permitted", "ambient")})
 
 
+# What a config.json could change on the host if quark applied it outside the container's own
+# namespaces: the host's names and the namespaced sysctls the fuzzers write.
+HOST_FILES = ["/proc/sys/kernel/hostname", "/proc/sys/kernel/domainname", "/proc/sys/kernel/shmmax",
+              "/proc/sys/kernel/shmmni", "/proc/sys/kernel/msgmax", "/proc/sys/fs/mqueue/msg_max",
+              "/proc/sys/fs/mqueue/queues_max", "/proc/sys/net/ipv4/ip_forward", "/proc/sys/net/core/somaxconn",
+              "/proc/sys/net/ipv4/ip_default_ttl"]
+
+
+def host_values() -> dict[str, str]:
+    out = {}
+    for path in HOST_FILES:
+        with open(path) as f:
+            out[path] = f.read()
+    return out
+
+
 def assert_nothing_left(quark, cid: str, bundle_dir: str, cgroup_path: str) -> None:
     from tests.integration.conftest import cgroup_dirs
     assert cid not in quark.ids()
@@ -257,6 +275,7 @@ def test_create_with_fuzzed_specs_fails_cleanly(quark, bundle):
         if os.environ.get("QUARK_FUZZ_VERBOSE"):
             print(choice, open(os.path.join(b, "config.json")).read()[-600:], flush=True)
         t0 = time.monotonic()
+        host_before = host_values()
         try:
             r = quark("create", "--bundle", b, cid, check=False, timeout=30)
         except subprocess.TimeoutExpired:
@@ -274,6 +293,7 @@ def test_create_with_fuzzed_specs_fails_cleanly(quark, bundle):
             assert re.match(r"quark: \S", r.stderr), r.stderr
             seen.append(f"{choice}: {r.stderr.strip()[:160]}")
         assert_nothing_left(quark, cid, b, cgroup_path)
+        assert host_values() == host_before, choice
 
     try:
         one()
@@ -306,3 +326,72 @@ def test_create_under_a_tight_memory_limit_fails_cleanly(quark, bundle, limit):
         assert_nothing_left(quark, cid, b, cgroup_path)
     finally:
         remove_fuzz_cgroups([cgroup_path])
+
+
+# ---- host namespaces: nothing reaches the host ---------------------------------------------------
+
+HOST_NS_EXAMPLES = int(os.environ.get("QUARK_FUZZ_HOST_NS_EXAMPLES", 14))
+HOST_SETTINGS = ["kernel.shmmax", "kernel.shmmni", "kernel.msgmax", "fs.mqueue.msg_max", "fs.mqueue.queues_max",
+                 "net.ipv4.ip_forward", "net.core.somaxconn", "net/ipv4/ip_default_ttl", "kernel.hostname",
+                 "kernel.domainname"]
+
+
+@st.composite
+def host_namespace_spec(draw):
+    """Some of the uts, ipc, network and mount namespaces left out (inherited: the host's) or
+    joined by a path naming the runtime's own, with names and sysctls that would land there."""
+    kinds = draw(st.lists(st.sampled_from(["uts", "ipc", "network", "mount"]), min_size=1, unique=True))
+    joined = {k: draw(st.booleans()) for k in kinds}
+    proc = {"uts": "uts", "ipc": "ipc", "network": "net", "mount": "mnt"}
+    names = {k: draw(st.sampled_from(["", "fuzzhost"])) for k in ("hostname", "domainname")}
+    sysctl = {k: draw(st.sampled_from(["7", "1", "64"]))
+              for k in draw(st.lists(st.sampled_from(HOST_SETTINGS), max_size=3, unique=True))}
+    strip_mounts = draw(st.booleans())
+
+    def edit(s):
+        s["linux"]["namespaces"] = [ns for ns in s["linux"]["namespaces"] if ns["type"] not in kinds]
+        s["linux"]["namespaces"] += [{"type": k, "path": f"/proc/self/ns/{proc[k]}"} for k in kinds if joined[k]]
+        s.update(names)
+        s["linux"]["sysctl"] = sysctl
+        if strip_mounts:   # without them a container without its own mount namespace gets further
+            s["mounts"] = []
+            s["linux"].pop("maskedPaths", None)
+            s["linux"].pop("readonlyPaths", None)
+            s["root"]["readonly"] = False
+    return f"{sorted(kinds)} joined={joined} {names} {sysctl}", edit
+
+
+@pytest.mark.root
+def test_settings_for_host_namespaces_never_change_the_host(quark, bundle):
+    b = bundle(["true"])
+    with open(os.path.join(b, "config.json")) as f:
+        pristine = f.read()
+    made: list[str] = []
+    outcomes = {"created": 0, "refused": 0}
+
+    @settings(max_examples=HOST_NS_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(host_namespace_spec())
+    def one(case):
+        what, edit = case
+        with open(os.path.join(b, "config.json"), "w") as f:
+            f.write(pristine)
+        cid = uid("hostns")
+        cgroup_path = f"/quark-sec-fuzz/{cid}"
+        made.append(cgroup_path)
+        edit_config(b, lambda s: (edit(s), s["linux"].__setitem__("cgroupsPath", cgroup_path)))
+        before = host_values()
+        r = quark("run", "--bundle", b, cid, check=False, timeout=30)
+        assert "Traceback" not in r.stderr, (what, r.stderr)
+        outcomes["created" if r.returncode == 0 else "refused"] += 1
+        if r.returncode:
+            assert re.match(r"quark: .*config.json: \S", r.stderr), (what, r.stderr)
+        assert host_values() == before, what
+        assert_nothing_left(quark, cid, b, cgroup_path)
+
+    try:
+        one()
+    finally:
+        remove_fuzz_cgroups(made)
+    record("fuzz: settings for the host's namespaces", "quark",
+           f"{outcomes['created']} ran, {outcomes['refused']} refused naming the field; host names and "
+           "sysctls unchanged after every one")

@@ -1,0 +1,81 @@
+"""What quark refuses before it makes anything (runc's libcontainer/configs/validate): settings it
+cannot honour, and settings that would land in a namespace the container does not own — the host's.
+Every refusal is a ConfigError naming config.json and the field."""
+from __future__ import annotations
+
+import os
+from typing import Callable, NoReturn
+
+from qvisor.errors import ConfigError
+from qvisor.spec import PROC_NS_NAMES, Spec, sysctl_key
+
+# sysctls that belong to a namespace (runc's list): anything else would change the host
+_IPC_SYSCTLS = {"kernel.msgmax", "kernel.msgmnb", "kernel.msgmni", "kernel.sem", "kernel.shmall",
+                "kernel.shmmax", "kernel.shmmni", "kernel.shm_rmid_forced"}
+
+
+def owns_namespace(spec: Spec, kind: str) -> bool:
+    """Does the container get a namespace of `kind` that is not the runtime's own? A new one does;
+    one joined by path does unless the path names the namespace quark itself runs in (the host's,
+    for a runtime started on the host) — a setting applied there would change the host."""
+    ns = spec.linux.namespace(kind)
+    if ns is None:
+        return False
+    if not ns.path:
+        return True
+    try:
+        theirs, ours = os.stat(ns.path), os.stat(f"/proc/self/ns/{PROC_NS_NAMES[kind]}")
+    except OSError:
+        return True   # joining it fails later, with an error that names the path
+    return (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino)
+
+
+def _check_sysctl(spec: Spec, fail: Callable[[str, str], NoReturn]) -> None:
+    for key in spec.linux.sysctl:
+        k = sysctl_key(key)
+        where = f"linux.sysctl.{key}"
+        if k in ("kernel.hostname", "kernel.domainname"):
+            field = k.split(".")[1]
+            fail(where, f"conflicts with the OCI {field!r} field: set {field} instead")
+        if k in _IPC_SYSCTLS or k.startswith("fs.mqueue."):
+            if not owns_namespace(spec, "ipc"):
+                fail(where, "is not allowed in the host's IPC namespace (add an ipc namespace to linux.namespaces)")
+        elif k.startswith("net."):
+            if not owns_namespace(spec, "network"):
+                fail(where, "is not allowed in the host's network namespace "
+                            "(add a network namespace to linux.namespaces)")
+        else:
+            fail(where, "is not in a namespace the container has its own of: it would change the host")
+
+
+# What is built by mounting, in a new mount namespace only: in the runtime's own (or a joined) one
+# these would change the host's mount table or another container's.
+_MOUNT_FIELDS = (("mounts", lambda s: s.mounts), ("linux.maskedPaths", lambda s: s.linux.masked_paths),
+                 ("linux.readonlyPaths", lambda s: s.linux.readonly_paths),
+                 ("linux.devices", lambda s: s.linux.devices), ("root.readonly", lambda s: s.root.readonly),
+                 ("linux.rootfsPropagation", lambda s: s.linux.rootfs_propagation))
+
+
+def check_supported(spec: Spec) -> None:
+    """Refuse, before anything is made, what quark cannot honour and what would reach the host."""
+    cfg = os.path.join(spec.bundle, "config.json")
+
+    def fail(field: str, message: str) -> NoReturn:
+        raise ConfigError(cfg, field, message)
+
+    if spec.process is None:
+        fail("process", "is required to create a container")
+    if not os.path.isdir(spec.root.path):
+        fail("root.path", f"{spec.root.path} is not a directory")
+    for field in ("hostname", "domainname"):
+        if getattr(spec, field) and not owns_namespace(spec, "uts"):
+            fail(field, f"unable to set {field} without a private UTS namespace")
+    _check_sysctl(spec, fail)
+    if not spec.linux.new_namespace("mount"):
+        for field, value in _MOUNT_FIELDS:
+            if value(spec):
+                fail(field, "needs a new mount namespace (linux.namespaces without a mount entry, or with a "
+                            "path, shares a mount table that is not the container's own)")
+    if spec.linux.seccomp is not None and spec.linux.seccomp.listener_path:
+        fail("linux.seccomp.listenerPath", "seccomp agents are not supported "
+                                           "(quark's own kernel services the notifications)")
