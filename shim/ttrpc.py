@@ -25,8 +25,10 @@ log = logging.getLogger("quark.shim.ttrpc")
 
 HEADER = struct.Struct(">IIBB")
 MESSAGE_LENGTH_MAX = 4 << 20
-# containerd holds one connection to a shim (two across its restart): the bound only stops a flood
-MAX_CONNECTIONS = 32
+# containerd holds one connection to a shim (two across its restart): the bound only stops a flood.
+# Each connection costs one reader thread; 64 leaves room for a few dozen clients stuck half-way
+# through a frame (tests/security/test_fuzz_shim.py) while the real client is still served.
+MAX_CONNECTIONS = 64
 # threads answering requests at once, for all connections: containerd seldom has more than a few
 # calls in flight per container, and a call that takes long (create, exec) runs the quark CLI
 MAX_WORKERS = 32

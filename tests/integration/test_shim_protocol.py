@@ -453,8 +453,9 @@ def test_request_flood_is_answered_by_a_bounded_number_of_threads(shim):
         sampler.join()
     assert sorted(answers) == [2 * i + 1 for i in range(n)]
     assert all(r.status.code == Code.OK for r in answers.values())
-    # the workers, the connection's reader and the sampler
-    assert peak - base <= MAX_WORKERS + 2, f"{peak - base} threads for {n} requests"
+    # the workers, the connection's reader, the sampler, and a few short-lived threads of the test
+    # process the shim shares (the fake quark's pipes); unbounded, 500 requests made ~127
+    assert peak - base <= MAX_WORKERS + 8, f"{peak - base} threads for {n} requests"
     s.close()
     assert call(path, "Connect", pb.ConnectRequest(), pb.ConnectResponse).shim_pid == os.getpid()
 
