@@ -258,13 +258,13 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preser
     # rootfs, so host paths still resolve (OCI runtime spec, as runc)
     os.chdir(spec.root.path)
     hooks.run_hooks("createContainer", spec.hooks.create_container, state)
+    assert spec.process is not None
     process.make_cwd(spec.root.path, spec.process.cwd)
     if new_mounts:
         rootfs.pivot(spec.root.path)
         rootfs.finalize(spec)
     else:
         rootfs.chroot(spec.root.path)   # a shared mount table: only this process's view changes
-    assert spec.process is not None
     process.set_rlimits(spec.process)
     if spec.process.terminal:
         _terminal(sock, spec.process)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from qvisor.eventloop import Loop
+from tests.unit.loop_probe import watch_loop
 from tsor import protocol
 from tsor.config import Config, HostPort, load
 from tsor.errors import ConfigError
@@ -437,19 +438,11 @@ def test_a_wedged_tsord_never_holds_the_supervisors_loop(tmp_path):
     wedged.listen(64)   # the kernel completes connects to the backlog; nobody ever reads them
     loop = Loop()
     sb = Sandbox(loop, str(tmp_path / "wedged.sock"), "srv", ["10.0.0.1"])
-    gaps, last = [], [time.monotonic()]
-
-    def tick():
-        now = time.monotonic()
-        gaps.append(now - last[0])
-        last[0] = now
-        loop.call_later(0.01, tick)
-
     try:
         t0 = time.monotonic()
         sb.client.start()
         assert time.monotonic() - t0 < 0.1
-        loop.call_later(0.01, tick)
+        gaps = watch_loop(loop)
         end = time.monotonic() + 3.5    # three hello timeouts and retries
         while time.monotonic() < end:
             loop.run_once(0.05)

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from qvisor.eventloop import Loop
+from tests.unit.loop_probe import watch_loop
 from tsor import sandbox as sb
 
 FDS_PER_PROC, PROCS = 15000, 4   # 60,000 fds (the hard RLIMIT_NOFILE here is 20,000 a process)
@@ -49,16 +50,8 @@ def test_the_sweep_of_closed_sockets_never_holds_the_loop(holders, monkeypatch, 
     state = sb.Redirected(socket.AF_INET, ("10.0.0.1", 1), ("10.0.0.2", 2), "local", socket.AF_UNIX)
     net.sockets[gone] = state
     net.redirected(inodes[-1], state)   # held by the last process: its fds are read last
-    gaps, last = [], [time.monotonic()]
-
-    def tick():
-        now = time.monotonic()
-        gaps.append(now - last[0])
-        last[0] = now
-        loop.call_later(0.01, tick)
-
     try:
-        loop.call_later(0.01, tick)
+        gaps = watch_loop(loop)
         deadline = time.monotonic() + 30
         while gone in net.sockets and time.monotonic() < deadline:
             loop.run_once(0.05)
