@@ -5,6 +5,7 @@ way runc does, and raises a QuarkError subclass that says what is wrong.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from qvisor.state import (CREATED, CREATING, PAUSED, RUNNING, SOCK_NAME, STOPPED
 
 log = logging.getLogger("quark")
 CONFIG_COPY = "config.json"
+DEVICE_UPDATES = "device-updates.json"   # rules `quark update` added (cgroup v2 rebuilds its program)
 
 def preserved_fds(count: int) -> list[int]:
     """The caller's fds that --preserve-fds N passes to the container's process: 3 .. 2+N, which
@@ -300,11 +302,15 @@ def stats(root: str, container_id: str) -> dict:
     st = state(root, container_id)
     if st.status == STOPPED:
         raise InvalidState(f"container {container_id!r} is stopped")
-    s = cgroups.open_cgroup(st.cgroup_path).stats()
-    return {"cpu": {"usage": {"total": s.get("cpu_usage_ns") or 0}},
-            "memory": {"usage": {"usage": s.get("memory_usage") or 0, "limit": s.get("memory_limit") or 0,
-                                 "max": s.get("memory_max_usage") or 0}},
-            "pids": {"current": s.get("pids_current") or 0}}
+    return cgroups.open_cgroup(st.cgroup_path).stats()
+
+
+def oom_kills(root: str, container_id: str) -> int | None:
+    """How many OOM kills the container's cgroup has seen; None once the container is stopped."""
+    st = state(root, container_id)
+    if st.status == STOPPED:
+        return None
+    return cgroups.open_cgroup(st.cgroup_path).oom_kills()
 
 
 def update(root: str, container_id: str, resources: dict, source: str) -> None:
@@ -314,4 +320,34 @@ def update(root: str, container_id: str, resources: dict, source: str) -> None:
     st = state(root, container_id)
     if st.status not in (CREATED, RUNNING, PAUSED):
         raise InvalidState(f"container {container_id!r} is not running (status {st.status})")
-    cgroups.open_cgroup(st.cgroup_path).apply(parse_resources(resources, source))
+    res = parse_resources(resources, source)
+    cg = cgroups.open_cgroup(st.cgroup_path)
+    if not (res.devices and cg.version == "v2"):
+        cg.apply(res)
+        return
+    store = StateStore(root)
+    rules, updates = _devices_after_update(store, st, resources["devices"])
+    cg.apply(dataclasses.replace(res, devices=rules))
+    path = store.path(st.id, DEVICE_UPDATES)   # kept once applied, for the next update
+    with open(path + ".tmp", "w") as f:
+        json.dump(updates, f)
+    os.replace(path + ".tmp", path)
+
+
+def _devices_after_update(store: StateStore, st: ContainerState, new_rules: list) -> tuple[list, list]:
+    """Every device rule of a container after an update adds `new_rules`: on v2 they become one
+    eBPF program that replaces the last one, so it must hold the rules of the create (the spec's,
+    the defaults, the container's own devices) and of every update so far, in order, the last
+    match winning as on v1 (where an update only appends rules to the kernel's list)."""
+    from qvisor.devices import cgroup_resources
+    from qvisor.spec import parse_resources, parse_spec
+    path = store.path(st.id, DEVICE_UPDATES)
+    try:
+        with open(path) as f:
+            updates = json.load(f)
+    except FileNotFoundError:
+        updates = []
+    with open(store.path(st.id, CONFIG_COPY)) as f:
+        spec = parse_spec(json.load(f), store.path(st.id, CONFIG_COPY), st.bundle)
+    updates += new_rules
+    return cgroup_resources(spec).devices + parse_resources({"devices": updates}, path).devices, updates

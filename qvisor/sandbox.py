@@ -243,6 +243,8 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preser
         rootfs.prepare(spec, msg["cgroup_path"], in_userns, source_fds)
     for fd in fds:
         os.close(fd)
+    if new_mounts and rootfs.procview_wanted(spec):
+        _procview(sock, spec)
     if spec.linux.new_namespace("network"):
         try:
             L.set_link_up("lo")   # a new network namespace starts with lo down (runc brings it up)
@@ -272,6 +274,21 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preser
     start = _expect(sock, "start")
     hooks.run_hooks("startContainer", spec.hooks.start_container, start["state"])
     _exec(sock, spec, spec.process, start["platform"], preserve_fds)
+
+
+def _procview(sock: socket.socket, spec: Spec) -> None:
+    """The container's own /proc/meminfo, cpuinfo, ... (qvisor/procview.py): the supervisor makes
+    the FUSE filesystem and serves it (this process could not open /dev/fuse: the container's
+    device cgroup, which it is in already, does not allow it), and we bind its files in. Without
+    it (no FUSE here: the supervisor sends none) the container runs on with the host's files."""
+    channel.send(sock, {"type": "procview"})
+    _, fds = _expect_with_fds(sock, "procview-ok")
+    try:
+        if fds:
+            rootfs.attach_procview(spec, fds[0])
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserve_fds: int) -> None:

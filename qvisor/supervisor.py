@@ -33,6 +33,7 @@ _WALL = 0x40000000  # __WALL: also wait for tasks the ptrace platform traces
 # runc-compatible managers that reap the container's init themselves (see Supervisor._choose_reaper)
 RUNC_MANAGERS = ("containerd-shim-runc", "conmon")
 REAP_WAIT_S = 10
+UNKNOWN_EXIT = 255   # the exit status of a process reaped by the caller on a kernel without PIDFD_GET_INFO
 # exits of exec'd processes kept for a wait that has not come yet (`quark exec -d` whose caller
 # never waits): bounded, so such execs cannot grow the table for the container's whole life
 MAX_KEPT_EXITS = 1024
@@ -88,6 +89,7 @@ class Supervisor:
         self.clients: dict[int, tuple[socket.socket, channel.LineReader]] = {}
         self.launcher_pid = launcher_pid       # the process that forked us and exits at once
         self.caller_reaps = False              # see _choose_reaper
+        self.exit_statuses = True              # caller reaps: statuses come from pidfds (6.15+)
         self.killing = False                   # the cgroup's processes are being killed (_kill_rest)
 
     # ---- life cycle -------------------------------------------------------------------------
@@ -153,10 +155,12 @@ class Supervisor:
                 return False
             if not name.startswith(RUNC_MANAGERS):
                 return False
-        if not pidfs.supported():
-            log.warning("the caller reaps the container's processes, but this kernel cannot report "
-                        "their exit statuses through pidfds (Linux 6.15+): the supervisor reaps them")
-            return False
+        # Before Linux 6.15 (no PIDFD_GET_INFO) the caller still reaps, as it must to learn the exits
+        # it waits for, and the supervisor learns only that a process ended (its pidfd turns readable).
+        self.exit_statuses = pidfs.supported()
+        if not self.exit_statuses:
+            log.info("this kernel cannot report exit statuses through pidfds (Linux 6.15+): the caller "
+                     "has them; quark records %d for each", UNKNOWN_EXIT)
         log.info("the container's processes go to pid %d, which reaps them", adopter)
         return True
 
@@ -170,6 +174,12 @@ class Supervisor:
 
     def _pidfd_readable(self, pid: int, fd: int, since: float) -> None:
         from qvisor import pidfs
+        if not self.exit_statuses:   # an old kernel: the process ended, its status is the reaper's
+            self.loop.remove_reader(fd)
+            os.close(fd)
+            if self._running(pid):
+                self._exited(pid, UNKNOWN_EXIT)
+            return
         status = pidfs.exit_status(fd)
         if status is None:   # exited, not reaped yet: the pidfd stays readable, so look again later
             self.loop.remove_reader(fd)
@@ -268,6 +278,8 @@ class Supervisor:
             channel.send(child.sock, {"type": "create-runtime-ok", "state": st})
         elif kind == "console":
             self._forward_console(fds[0], msg.get("name", ""))
+        elif kind == "procview":
+            self._serve_procview(child)
         elif kind == "created":
             self.state.status = CREATED
             self.store.save(self.state)
@@ -301,6 +313,21 @@ class Supervisor:
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+    def _serve_procview(self, child: _Child) -> None:
+        """The init asks for the container's /proc view (qvisor/procview.py): serve it on our loop
+        and send the filesystem for the init to bind in, or nothing, and the container goes without."""
+        from qvisor import procview
+        try:
+            mnt = procview.serve(self.loop, self.cgroup, child.pid, self.state.pid_start_time)
+        except OSError as e:
+            log.warning("the container's /proc view is off: it sees the host's /proc/meminfo, cpuinfo, ... (%s; "
+                        "annotation %s=false skips the view)", e, procview.ANNOTATION)
+            return channel.send(child.sock, {"type": "procview-ok"})
+        try:
+            channel.send(child.sock, {"type": "procview-ok"}, [mnt])
+        finally:
+            os.close(mnt)
 
     def _write_id_maps(self, pid: int) -> None:
         for name, maps in (("uid_map", self.spec.linux.uid_mappings), ("gid_map", self.spec.linux.gid_mappings)):

@@ -76,6 +76,10 @@ def check_supported(spec: Spec) -> None:
             if value(spec):
                 fail(field, "needs a new mount namespace (linux.namespaces without a mount entry, or with a "
                             "path, shares a mount table that is not the container's own)")
+    for i, m in enumerate(spec.mounts):
+        for key, maps in (("uidMappings", m.uid_mappings), ("gidMappings", m.gid_mappings)):
+            if maps:  # `quark features` says mountExtensions.idmap is not enabled
+                fail(f"mounts[{i}].{key}", "idmapped mounts are not supported")
     if spec.linux.seccomp is not None and spec.linux.seccomp.listener_path:
         fail("linux.seccomp.listenerPath", "seccomp agents are not supported "
                                            "(quark's own kernel services the notifications)")

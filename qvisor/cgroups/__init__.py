@@ -181,7 +181,11 @@ class Cgroup(ABC):
     @abstractmethod
     def frozen(self) -> bool: ...
     @abstractmethod
-    def stats(self) -> dict[str, int | None]: ...
+    def stats(self) -> dict:
+        """Statistics in runc's `events --stats` layout (stats.py)."""
+    @abstractmethod
+    def oom_kills(self) -> int:
+        """How many processes the OOM killer has killed in this cgroup so far."""
     @abstractmethod
     def memory_limit(self) -> int | None: ...
     @abstractmethod
@@ -242,6 +246,48 @@ class Cgroup(ABC):
 
     def exists(self) -> bool:
         return any(os.path.isdir(d) for d in self.dirs())
+
+    # What the container sees of its resources (qvisor/procview.py, sysinfo(2)): reads only.
+    @abstractmethod
+    def swap_limit(self) -> int | None:
+        """Bytes of swap (swap alone, not memory+swap) the cgroup may use; None when unlimited
+        or when the host does not account swap."""
+    @abstractmethod
+    def swap_usage(self) -> int | None:
+        """Bytes of swap in use; None when the host does not account swap."""
+    @abstractmethod
+    def memory_stat(self) -> dict[str, int]:
+        """memory.stat ({} without a memory controller)."""
+    @abstractmethod
+    def cpuset_cpus(self) -> list[int] | None:
+        """The CPUs the cgroup may run on (the effective cpuset); None without a cpuset controller."""
+    @abstractmethod
+    def cpu_quota(self) -> tuple[int, int] | None:
+        """(quota, period) in microseconds when CPU bandwidth is limited, else None."""
+    @abstractmethod
+    def cpu_usage_ns(self) -> int | None: ...
+    @abstractmethod
+    def threads(self) -> list[int]:
+        """Every thread (host tid) in the cgroup and its descendants."""
+
+    def _threads_in(self, top: str, name: str) -> list[int]:
+        found: set[int] = set()
+        for d, _, _ in os.walk(top):
+            try:
+                found.update(int(t) for t in read(d, name).split())
+            except FileNotFoundError:
+                pass   # a child cgroup removed while we walked
+        return sorted(found)
+
+
+def cpu_list(text: str) -> list[int]:
+    """A kernel CPU list ("0-3,8,10-11") as numbers."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def _rmdir(d: str, timeout: float = 2.0) -> None:

@@ -11,8 +11,9 @@ import re
 
 from ..errors import SetupError, Unsupported
 from ..spec import THROTTLES, BlockIO, CpuResources, MemoryResources, NetworkResources, Resources
-from . import (KERNEL_MEMORY, RESOURCES, UNLIMITED, Cgroup, device_rule, hugetlb_writes, poll, rdma_line, read,
-               read_int, read_kv, warn_ignored, write)
+from . import stats
+from . import (KERNEL_MEMORY, RESOURCES, UNLIMITED, Cgroup, cpu_list, device_rule, hugetlb_writes, poll, rdma_line,
+               read, read_int, read_kv, warn_ignored, write)
 
 MEMSW = "memory.memsw.limit_in_bytes"
 KMEM_TCP = "memory.kmem.tcp.limit_in_bytes"
@@ -214,13 +215,46 @@ class V1Cgroup(Cgroup):
     def memory_usage(self) -> int:
         return self._int("memory", "memory.usage_in_bytes") or 0
 
-    def stats(self) -> dict[str, int | None]:
-        oom = read_kv(self._dir("memory"), "memory.oom_control") if "memory" in self.mounts else {}
-        return {
-            "memory_usage": self._int("memory", "memory.usage_in_bytes"),
-            "memory_limit": self.memory_limit(),
-            "memory_max_usage": self._int("memory", "memory.max_usage_in_bytes"),
-            "cpu_usage_ns": self._int("cpuacct", "cpuacct.usage"),
-            "pids_current": self._int("pids", "pids.current"),
-            "oom_events": oom.get("oom_kill"),  # kernel 4.13+
-        }
+    def stats(self) -> dict:
+        return stats.v1_stats({c: self._dir(c) for c in self.mounts})
+
+    def oom_kills(self) -> int:
+        return stats.v1_oom_kills(self._dir("memory")) if "memory" in self.mounts else 0
+
+    def swap_limit(self) -> int | None:
+        memsw = self._int("memory", MEMSW)   # memory+swap; absent without swap accounting
+        if memsw is None or memsw >= UNLIMITED:
+            return None
+        memory = self.memory_limit()
+        return memsw if memory is None else max(0, memsw - memory)
+
+    def swap_usage(self) -> int | None:
+        memsw = self._int("memory", "memory.memsw.usage_in_bytes")
+        return None if memsw is None else max(0, memsw - self.memory_usage())
+
+    def memory_stat(self) -> dict[str, int]:
+        return read_kv(self._dir("memory"), "memory.stat") if "memory" in self.mounts else {}
+
+    def cpuset_cpus(self) -> list[int] | None:
+        if "cpuset" not in self.mounts:
+            return None
+        d = self._dir("cpuset")
+        for name in ("cpuset.effective_cpus", "cpuset.cpus"):
+            try:
+                return cpu_list(read(d, name))
+            except FileNotFoundError:
+                continue
+        return None
+
+    def cpu_quota(self) -> tuple[int, int] | None:
+        quota, period = self._int("cpu", "cpu.cfs_quota_us"), self._int("cpu", "cpu.cfs_period_us")
+        return (quota, period) if quota is not None and quota > 0 and period else None
+
+    def cpu_usage_ns(self) -> int | None:
+        return self._int("cpuacct", "cpuacct.usage")
+
+    def threads(self) -> list[int]:
+        # every hierarchy holds the same tasks (add_pid writes them all): one is enough
+        top = next((self._dir(c) for c in ("pids", "cpu", "memory") if c in self.mounts), None) or \
+            next(iter(self.dirs()), None)
+        return self._threads_in(top, "tasks") if top else []

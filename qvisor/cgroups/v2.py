@@ -7,11 +7,14 @@ converts them (shares to weight, quota/period to cpu.max, memory+swap to swap al
 from __future__ import annotations
 
 import os
+import signal
+from typing import Iterator
 
 from ..errors import SetupError, Unsupported
 from ..spec import THROTTLES, BlockIO, CpuResources, MemoryResources, NetworkResources, Resources
-from . import (CGROUP_ROOT, KERNEL_MEMORY, RESOURCES, Cgroup, hugetlb_writes, rdma_line, read, read_int,
-               read_kv, warn_ignored, write)
+from . import (CGROUP_ROOT, KERNEL_MEMORY, RESOURCES, Cgroup, bpf, devicefilter, hugetlb_writes, stats, rdma_line, read,
+               read_int, read_kv, warn_ignored, write)
+from . import cpu_list
 
 # enabled in every ancestor, so that their files appear in the container's cgroup
 CONTROLLERS = ("cpu", "cpuset", "memory", "pids", "io", "hugetlb", "rdma", "misc")
@@ -72,8 +75,8 @@ def _plan_cpu(cpu: CpuResources) -> list[Write]:
 
 
 class V2Cgroup(Cgroup):
-    """A v2 cgroup. Device rules need a BPF_CGROUP_DEVICE program, which quark does not
-    load: apply() accepts only allow-all rules and raises Unsupported for any other. `root` is
+    """A v2 cgroup. Device rules become a BPF_CGROUP_DEVICE program (devicefilter.py) that
+    replaces the cgroup's earlier one; an empty rule list leaves it as it is. `root` is
     where the unified hierarchy is mounted."""
 
     version = "v2"
@@ -109,21 +112,23 @@ class V2Cgroup(Cgroup):
         """Write `r` into the cgroup. Every refusal (a v1-only field, a controller this cgroup
         lacks) comes before the first write, so it changes nothing."""
         writes = self._plan(r)
+        program = devicefilter.program(r.devices) if r.devices else None  # refuses what v1 would not honour
         available = set(read(self.dir, "cgroup.controllers").split()) if writes else set()
         for name, _, field in writes:
             controller = name.split(".")[0]
             if controller != "cgroup" and controller not in available:
                 raise Unsupported(f"{RESOURCES}.{field}: the {controller} cgroup controller is not "
                                   "available on this host")
+        if program is not None:  # first: loading it is the last refusal (the verifier, privilege)
+            try:
+                bpf.replace_device_program(self.dir, program)
+            except OSError as e:
+                raise SetupError(f"{RESOURCES}.devices: {e.strerror}") from e
         for name, value, field in writes:
             write(self.dir, name, value, field)
 
     def _plan(self, r: Resources) -> list[Write]:
         """(file, value, linux.resources field) for each write, in runc's order."""
-        for i, rule in enumerate(r.devices):
-            if not (rule.allow and (rule.type or "a") == "a" and rule.major is None and rule.minor is None):
-                raise Unsupported(f"{RESOURCES}.devices[{i}]: cgroup v2 device rules need an eBPF device "
-                                  "program, which quark does not support yet")
         if r.network is not None and r.network != NetworkResources():
             raise Unsupported(f"{RESOURCES}.network: cgroup v2 has no net_cls or net_prio controller "
                               "(match the cgroup path in eBPF or iptables instead)")
@@ -208,19 +213,52 @@ class V2Cgroup(Cgroup):
     def frozen(self) -> bool:
         return read_kv(self.dir, "cgroup.events").get("frozen") == 1
 
+    def kill_steps(self, sig: int = signal.SIGKILL) -> Iterator[float]:
+        """SIGKILL through cgroup.kill (Linux 5.14+): the kernel kills every process of the cgroup
+        and its children at once, with no freeze and no race with fork; other signals (and older
+        kernels) freeze, signal each process and thaw, as on v1."""
+        if sig == signal.SIGKILL and os.path.exists(os.path.join(self.dir, "cgroup.kill")):
+            write(self.dir, "cgroup.kill", 1)
+            return
+        yield from super().kill_steps(sig)
+
     def memory_limit(self) -> int | None:
         return read_int(self.dir, "memory.max")
 
     def memory_usage(self) -> int:
         return read_int(self.dir, "memory.current") or 0
 
-    def stats(self) -> dict[str, int | None]:
+    def stats(self) -> dict:
+        return stats.v2_stats(self.dir)
+
+    def oom_kills(self) -> int:
+        return stats.v2_oom_kills(self.dir)
+
+    def swap_limit(self) -> int | None:
+        return read_int(self.dir, "memory.swap.max")   # None: "max", or no swap accounting
+
+    def swap_usage(self) -> int | None:
+        return read_int(self.dir, "memory.swap.current")
+
+    def memory_stat(self) -> dict[str, int]:
+        return read_kv(self.dir, "memory.stat")
+
+    def cpuset_cpus(self) -> list[int] | None:
+        try:
+            return cpu_list(read(self.dir, "cpuset.cpus.effective"))
+        except FileNotFoundError:
+            return None
+
+    def cpu_quota(self) -> tuple[int, int] | None:
+        try:
+            quota, period = read(self.dir, "cpu.max").split()
+        except FileNotFoundError:
+            return None
+        return None if quota == "max" else (int(quota), int(period))
+
+    def cpu_usage_ns(self) -> int | None:
         usec = read_kv(self.dir, "cpu.stat").get("usage_usec")
-        return {
-            "memory_usage": read_int(self.dir, "memory.current"),
-            "memory_limit": self.memory_limit(),
-            "memory_max_usage": read_int(self.dir, "memory.peak"),  # kernel 5.19+
-            "cpu_usage_ns": None if usec is None else usec * 1000,
-            "pids_current": read_int(self.dir, "pids.current"),
-            "oom_events": read_kv(self.dir, "memory.events").get("oom_kill"),
-        }
+        return None if usec is None else usec * 1000
+
+    def threads(self) -> list[int]:
+        return self._threads_in(self.dir, "cgroup.threads")

@@ -1,4 +1,9 @@
-"""quark events: container statistics as runc prints them (once with --stats, else every --interval)."""
+"""quark events: container statistics and OOM events as runc prints them, one JSON object per line.
+
+With --stats the statistics are printed once. Otherwise they are printed every --interval, an
+{"type": "oom"} event as soon as the OOM killer strikes in the container's cgroup (memory.events'
+oom_kill on v2, memory.oom_control's on v1), and the command ends when the container stops.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +11,9 @@ import json
 import time
 
 from qvisor import container
+from qvisor.errors import InvalidState
+
+OOM_POLL_S = 0.1  # how soon an OOM kill is reported
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,9 +22,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("id")
 
 
+def _emit(kind: str, cid: str, data: dict | None = None) -> None:
+    event: dict = {"type": kind, "id": cid}
+    if data is not None:
+        event["data"] = data
+    print(json.dumps(event), flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
-    while True:
-        print(json.dumps({"type": "stats", "id": args.id, "data": container.stats(args.root, args.id)}), flush=True)
-        if args.stats:
-            return 0
-        time.sleep(args.interval)
+    if args.stats:
+        _emit("stats", args.id, container.stats(args.root, args.id))
+        return 0
+    seen = container.oom_kills(args.root, args.id)
+    next_stats = time.monotonic()
+    while seen is not None:
+        if time.monotonic() >= next_stats:
+            try:
+                _emit("stats", args.id, container.stats(args.root, args.id))
+            except InvalidState:
+                return 0  # it stopped meanwhile
+            next_stats += max(args.interval, OOM_POLL_S)
+        time.sleep(min(OOM_POLL_S, max(0.0, next_stats - time.monotonic())))
+        now = container.oom_kills(args.root, args.id)
+        if now is not None and now > seen:
+            _emit("oom", args.id)
+        seen = now
+    return 0

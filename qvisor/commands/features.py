@@ -26,11 +26,14 @@ def features() -> dict:
         "linux": {
             "namespaces": sorted(NS_FLAGS),
             "capabilities": sorted(CAPABILITIES, key=CAPABILITIES.get),
-            "cgroup": {"v1": True, "v2": True, "systemd": False, "systemdUser": False},
+            # v2 device rules are an eBPF program (qvisor/cgroups/devicefilter.py); rdma.max on both
+            "cgroup": {"v1": True, "v2": True, "systemd": False, "systemdUser": False, "rdma": True},
             "seccomp": {"enabled": True, "actions": [a for a in SECCOMP_ACTIONS if a != "SCMP_ACT_NOTIFY"],
                         "operators": list(SECCOMP_OPS), "archs": [_SCMP_ARCH.get(platform.machine(), platform.machine())]},
             "apparmor": {"enabled": False},
             "selinux": {"enabled": False},
+            "intelRdt": {"enabled": False},
+            "mountExtensions": {"idmap": {"enabled": False}},
         },
         "annotations": {"io.quark.platform": "seccomp,ptrace"},
     }

@@ -93,6 +93,13 @@ def test_unsupported_options_are_refused_up_front(quark, bundle):
     r = quark("create", "--preserve-fds", "2", "--bundle", b, "bad", check=False)
     assert r.returncode == 1 and "--preserve-fds 2: fd" in r.stderr and "is not open" in r.stderr
     assert_nothing_left(quark, "bad", b)
+    # an idmapped mount would be a plain bind mount without the mapping: refused, never dropped
+    edit_config(b, lambda s: (s["linux"].pop("sysctl"), s["mounts"].append(
+        {"destination": "/data", "type": "bind", "source": "/tmp", "options": ["rbind"],
+         "uidMappings": [{"containerID": 0, "hostID": 1000, "size": 1}]})))
+    r = quark("create", "--bundle", b, "bad", check=False)
+    assert r.returncode == 1 and "mounts[" in r.stderr and "].uidMappings: idmapped mounts are not supported" in r.stderr
+    assert_nothing_left(quark, "bad", b)
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -11,6 +11,8 @@ import uuid
 
 import pytest
 
+from qvisor import cgroups
+from qvisor.cgroups import v2
 from qvisor.spec import CAPABILITIES
 from tests.integration.conftest import cgroup_dirs, edit_config
 
@@ -153,16 +155,24 @@ def test_cgroup_resources_and_path(quark, bundle):
     quark("run", "-d", "--bundle", b, "res")
     pid = quark.state("res")["pid"]
     own = open(f"/proc/{pid}/cgroup").read()
-    assert f"memory:{path}" in own and f"pids:{path}" in own
-    assert open(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes").read().strip() == str(256 << 20)
-    assert open(f"/sys/fs/cgroup/pids{path}/pids.max").read().strip() == "32"
-    assert open(f"/sys/fs/cgroup/cpu{path}/cpu.shares").read().strip() == "512"
-    assert open(f"/sys/fs/cgroup/cpu{path}/cpu.cfs_quota_us").read().strip() == "50000"
-    r = quark("exec", "res", "cat", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+    if cgroups.detect() == "v2":
+        files = {"memory.max": str(256 << 20), "pids.max": "32", "cpu.weight": str(v2.shares_to_weight(512)),
+                 "cpu.max": "50000 100000"}
+        assert f"0::{path}\n" in own
+        assert {n: open(f"/sys/fs/cgroup{path}/{n}").read().strip() for n in files} == files
+        own_view = "/sys/fs/cgroup/memory.max"
+    else:
+        files = {"memory/memory.limit_in_bytes": str(256 << 20), "pids/pids.max": "32", "cpu/cpu.shares": "512",
+                 "cpu/cpu.cfs_quota_us": "50000"}
+        assert f"memory:{path}" in own and f"pids:{path}" in own
+        assert {n: open(f"/sys/fs/cgroup/{n.split('/')[0]}{path}/{n.split('/')[1]}").read().strip()
+                for n in files} == files
+        own_view = "/sys/fs/cgroup/memory/memory.limit_in_bytes"
+    r = quark("exec", "res", "cat", own_view)
     assert r.stdout.strip() == str(256 << 20), "the container sees its own cgroup, not the host's"
     quark("delete", "--force", "res")
     assert cgroup_dirs(path) == []
-    for d in ("memory", "pids", "cpu"):
+    for d in (["."] if cgroups.detect() == "v2" else ["memory", "pids", "cpu"]):
         os.rmdir(f"/sys/fs/cgroup/{d}/quark-test")
 
 
