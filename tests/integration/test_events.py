@@ -51,12 +51,15 @@ def test_oom_event_streamed_and_ends_with_the_container(quark, bundle) -> None:
         while events[-1]["type"] != "oom":
             events.append(json.loads(ev.stdout.readline()))
         quark("kill", cid, "KILL")
-        out, _ = ev.communicate(timeout=30)   # ends by itself once the container stops
+        # it ends by itself once the container stops (read through the same buffered reader:
+        # communicate() would skip what readline() already buffered)
+        events += [json.loads(line) for line in ev.stdout]
+        ev.wait(timeout=30)
     finally:
         if ev.poll() is None:
             ev.kill()
             ev.wait()
-    events += [json.loads(line) for line in out.splitlines()]
+        ev.stdout.close()
     kinds = [e["type"] for e in events]
     assert ev.returncode == 0
     assert kinds.count("oom") == 1, kinds
