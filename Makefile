@@ -38,8 +38,8 @@ bytecode: venv
 	@$(PY) -m compileall -q qvisor qkernel tsor shim cni >/dev/null
 
 demo: install
-	$(PY) -m qvisor.demo
-	$(PY) -m tsor.demo
+	$(PY) -m tests.demo.qvisor_demo
+	$(PY) -m tests.demo.tsor_demo
 
 # the host's suite, then the cgroup v2 lane (a qemu guest, about 4 minutes; see test-cgroup2)
 test: install vm-deps

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qvisor.busybox import make_bundle  # noqa: E402
 from qvisor.linux import parent_pid  # noqa: E402
 from tests.cleanup import quark_cgroup_dirs, remove_empty_since  # noqa: E402
+from tests.support.busybox import make_bundle  # noqa: E402
 
 QUARK = os.path.join(os.path.dirname(sys.executable), "quark")
 RESULTS = Path(__file__).resolve().parent / "results"

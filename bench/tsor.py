@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tests.cleanup import quark_cgroup_dirs, remove_empty_since  # noqa: E402
-from tsor.testbed import Testbed  # noqa: E402
+from tests.support.testbed import Testbed  # noqa: E402
 
 GOALS = {"iperf3_gbps": (">=", 2.0), "rtt_p50_us": ("<=", 0.75), "redis_c50_rps": (">=", 1.5),
          "redis_c1_rps": (">=", 1.05), "two_node_iperf3_gbps": (">=", 0.95)}

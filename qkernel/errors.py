@@ -1,7 +1,7 @@
-"""Errors inside QKernel: the ones users see derive from qvisor.errors.QuarkError."""
+"""Errors inside QKernel: the ones users see derive from qlib.errors.QuarkError."""
 from __future__ import annotations
 
-from qvisor.errors import QuarkError
+from qlib.errors import QuarkError
 
 
 class UnknownPlatform(QuarkError):

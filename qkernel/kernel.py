@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from qkernel import table
 from qkernel.errors import MemoryFault, TaskGone
@@ -20,16 +20,19 @@ log = logging.getLogger("quark.qkernel")
 DEFERRED_POLL_S = 0.01
 
 
-class Cgroup(Protocol):
-    def memory_limit(self) -> int | None: ...
-    def memory_usage(self) -> int: ...
+class SysinfoFigures(Protocol):
+    def __call__(self, host: dict[str, int]) -> dict[str, Any]:
+        """sysinfo(2)'s fields for the container (totalram, freeram, ..., uptime, procs, loads), given
+        the host's MemTotal, SwapTotal and SwapFree in kB; fields it leaves out stay the host's."""
 
 
 @dataclass
 class SandboxContext:
     container_id: str
-    cgroup: Cgroup | None
     init_pid: int
+    # What the container's resources look like (the runtime's /proc view supplies it: qvisor/procview.py);
+    # None: sysinfo(2) answers the host's figures.
+    sysinfo: SysinfoFigures | None = None
     # The sandbox's TSoR state and tsord connection (tsor/sandbox.py); None: every socket is native.
     tsor: "SandboxNet | None" = None
 

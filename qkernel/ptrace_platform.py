@@ -17,8 +17,9 @@ from ptrace.error import PtraceError
 
 from qkernel.errors import QuarkError
 from qkernel.kernel import Kernel
-from qkernel.request import Answer, Continue, Request, Return
 from qkernel.policy import TRACE_DATA
+from qkernel.request import Answer, Continue, Request, Return
+from qlib import procfs
 
 log = logging.getLogger("quark.qkernel")
 
@@ -88,15 +89,11 @@ def _listen(pid: int) -> None:
 
 def _signal_pending(pid: int) -> bool:
     """A signal that would be delivered now is pending for this thread or its process."""
-    masks: dict[str, int] = {}
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn"):
-                    masks[key] = int(value, 16)
+        status = procfs.status(pid)
     except FileNotFoundError:
         return True
+    masks = {key: int(status[key], 16) for key in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn")}
     return bool((masks["SigPnd"] | masks["ShdPnd"]) & ~masks["SigBlk"] & ~masks["SigIgn"])
 
 

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from qvisor.errors import QuarkError
+from qlib.errors import QuarkError
 
 # verb -> (module under qvisor.commands, one-line help). The table is the CLI.
 COMMANDS: dict[str, tuple[str, str]] = {

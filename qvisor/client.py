@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import socket
 
+from qlib.errors import SupervisorGone, from_kind
 from qvisor import channel
-from qvisor.errors import SupervisorGone, from_kind
 from qvisor.state import SOCK_NAME
 
 

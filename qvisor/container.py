@@ -13,12 +13,22 @@ import shutil
 import signal
 import time
 
+from qlib.errors import InvalidArgument, InvalidState, NotFound, QuarkError, SupervisorGone, from_kind
 from qvisor import cgroups, channel
 from qvisor import linux as L
 from qvisor.client import Connection
-from qvisor.errors import InvalidArgument, InvalidState, NotFound, QuarkError, SupervisorGone, from_kind
-from qvisor.state import (CREATED, CREATING, PAUSED, RUNNING, SOCK_NAME, STOPPED, ContainerState,
-                          StateStore, init_alive, now_rfc3339)
+from qvisor.state import (
+    CREATED,
+    CREATING,
+    PAUSED,
+    RUNNING,
+    SOCK_NAME,
+    STOPPED,
+    ContainerState,
+    StateStore,
+    init_alive,
+    now_rfc3339,
+)
 
 log = logging.getLogger("quark")
 CONFIG_COPY = "config.json"

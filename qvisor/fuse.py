@@ -27,6 +27,8 @@ import struct
 import time
 from collections.abc import Callable
 
+from qlib import syscalls
+
 # opcodes
 LOOKUP, FORGET, GETATTR, OPEN, READ, STATFS, RELEASE = 1, 2, 3, 14, 15, 17, 18
 GETXATTR, LISTXATTR, FLUSH, INIT, OPENDIR, READDIR, RELEASEDIR = 22, 23, 25, 26, 27, 28, 29
@@ -236,7 +238,7 @@ _HANDLERS = {
 
 # ---- making the filesystem (the new mount API: same numbers on every architecture) -------------
 
-_SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT = 430, 431, 432
+_SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT = (syscalls.number(n) for n in ("fsopen", "fsconfig", "fsmount"))
 _FSOPEN_CLOEXEC = _FSMOUNT_CLOEXEC = 1
 _FSCONFIG_SET_FLAG, _FSCONFIG_SET_STRING, _FSCONFIG_CMD_CREATE = 0, 1, 6
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC = 0x1, 0x2, 0x4, 0x8

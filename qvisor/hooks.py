@@ -5,7 +5,7 @@ import json
 import logging
 import subprocess
 
-from qvisor.errors import QuarkError
+from qlib.errors import QuarkError
 from qvisor.spec import Hook
 
 log = logging.getLogger("quark.hooks")

@@ -12,6 +12,8 @@ import os
 import socket
 import struct
 
+from qlib import procfs, syscalls
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
@@ -62,13 +64,14 @@ PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_RAISE = 2
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 
-_SYS_PIVOT_ROOT = 155
-_SYS_SETNS = 308
-_SYS_PIDFD_SEND_SIGNAL = 424
-_SYS_PIDFD_OPEN = 434
-_SYS_CLOSE_RANGE = 436
-_SYS_OPEN_TREE = 428    # the new mount API has the same numbers on every architecture
-_SYS_MOVE_MOUNT = 429
+# resolved once, at import: the calls that need them may run after a pivot into a container's root
+_SYS_PIVOT_ROOT = syscalls.number("pivot_root")
+_SYS_SETNS = syscalls.number("setns")
+_SYS_PIDFD_SEND_SIGNAL = syscalls.number("pidfd_send_signal")
+_SYS_PIDFD_OPEN = syscalls.number("pidfd_open")
+_SYS_CLOSE_RANGE = syscalls.number("close_range")
+_SYS_OPEN_TREE = syscalls.number("open_tree")
+_SYS_MOVE_MOUNT = syscalls.number("move_mount")
 CLOSE_RANGE_CLOEXEC = 4
 
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
@@ -231,23 +234,12 @@ def set_link_up(name: str) -> None:
 
 def parent_pid(pid: int) -> int | None:
     """The PPid of `pid` (from /proc/PID/status), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("PPid:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+    return procfs.parent_pid(pid)
 
 
 def permitted_caps() -> int:
     """This process's permitted capability set, as a mask (capset may not add to it)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("CapPrm:"):
-                return int(line.split()[1], 16)
-    return 0
+    return int(procfs.status().get("CapPrm", "0"), 16)
 
 
 def proc_start_time(pid: int) -> int | None:

@@ -12,9 +12,11 @@ import errno
 import os
 import stat
 
+from qlib import syscalls
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
-_SYS_OPENAT2 = 437
+_SYS_OPENAT2 = syscalls.number("openat2")
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_BENEATH = 0x08

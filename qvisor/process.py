@@ -16,10 +16,9 @@ import signal
 import stat
 from typing import Callable
 
+from qlib.errors import SetupError
 from qvisor import linux as L
-from qvisor import trampoline
-from qvisor import paths
-from qvisor.errors import SetupError
+from qvisor import paths, trampoline
 from qvisor.spec import CAPABILITIES, RLIMITS, Capabilities, Process
 
 log = logging.getLogger("quark.process")

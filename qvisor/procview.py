@@ -17,7 +17,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from qvisor.errors import QuarkError
+from qlib import procfs
+from qlib.errors import QuarkError
 
 # fuse file name -> the path in the container it is bound over
 TARGETS = {"meminfo": "/proc/meminfo", "cpuinfo": "/proc/cpuinfo", "stat": "/proc/stat", "uptime": "/proc/uptime",
@@ -353,12 +354,10 @@ class Source:
 
 def _inner_pid(tid: int) -> int:
     try:
-        for line in _read(f"/proc/{tid}/status").splitlines():
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
+        nspid = procfs.status(tid).get("NSpid", "")
     except OSError:
-        pass
-    return 0
+        return 0
+    return int(nspid.split()[-1]) if nspid else 0
 
 
 # ---- the served view -------------------------------------------------------------------------------

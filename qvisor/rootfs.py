@@ -9,13 +9,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import stat
 
+from qlib import procfs
+from qlib.errors import SetupError
 from qvisor import linux as L
 from qvisor import mountopts, paths
 from qvisor.devices import DEFAULT_DEVICES
-from qvisor.errors import SetupError
 from qvisor.spec import Device, Mount, Spec
 
 _DEV_SYMLINKS = [("/proc/self/fd", "/dev/fd"), ("/proc/self/fd/0", "/dev/stdin"),
@@ -212,15 +212,10 @@ def _mount_one(root_fd: int, m: Mount, bundle: str, cgroup_path: str, rootfs: st
 
 
 def _mnt_id(fd: int) -> int:
-    with open(f"/proc/self/fdinfo/{fd}") as f:
-        for line in f:
-            if line.startswith("mnt_id:"):
-                return int(line.split()[1])
-    raise SetupError(f"no mnt_id for fd {fd}")
-
-
-def _unescape(field: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+    mnt_id = procfs.fdinfo(fd).get("mnt_id")
+    if mnt_id is None:
+        raise SetupError(f"no mnt_id for fd {fd}")
+    return int(mnt_id)
 
 
 def _parent_mount_private(path: str) -> None:
@@ -232,13 +227,11 @@ def _parent_mount_private(path: str) -> None:
         mid = _mnt_id(fd)
     finally:
         os.close(fd)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            x = line.split()
-            if int(x[0]) == mid:
-                if any(o.startswith("shared:") for o in x[6:x.index("-")]):
-                    L.mount(None, _unescape(x[4]), None, L.MS_PRIVATE)
-                return
+    for mnt in procfs.mountinfo():
+        if mnt.mount_id == mid:
+            if mnt.shared:
+                L.mount(None, mnt.mount_point, None, L.MS_PRIVATE)
+            return
 
 
 def _reopen_new_mount(root_fd: int, dest: str, under_fd: int) -> int:
@@ -252,11 +245,7 @@ def _reopen_new_mount(root_fd: int, dest: str, under_fd: int) -> int:
     point = os.readlink(paths.fd_path(under_fd))
     fd = paths.open_in_root(root_fd, dest)
     try:
-        mounts = {}
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                x = line.split()
-                mounts[int(x[0])] = (int(x[1]), _unescape(x[4]))
+        mounts = {mnt.mount_id: (mnt.parent_id, mnt.mount_point) for mnt in procfs.mountinfo()}
         mid = _mnt_id(fd)
         for _ in range(len(mounts)):
             if mid not in mounts or mounts[mid][1] != point:
@@ -272,13 +261,7 @@ def _reopen_new_mount(root_fd: int, dest: str, under_fd: int) -> int:
 
 def _v1_hierarchies() -> list[tuple[str, str]]:
     """(mount point, options) of each cgroup v1 hierarchy visible to this process."""
-    out = []
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            _, mnt, fstype, options = line.split()[:4]
-            if fstype == "cgroup":
-                out.append((mnt, options))
-    return out
+    return [(mnt.mount_point, mnt.super_options) for mnt in procfs.mountinfo() if mnt.fstype == "cgroup"]
 
 
 def _mount_cgroup(root_fd: int, m: Mount, opts: mountopts.MountOptions, cgroup_path: str) -> None:

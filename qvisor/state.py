@@ -14,8 +14,8 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+from qlib.errors import ContainerExists, ContainerNotFound, QuarkError
 from qvisor import linux
-from qvisor.errors import ContainerExists, ContainerNotFound, QuarkError
 
 OCI_VERSION = "1.0.2"
 _VALID_ID = re.compile(r"^[\w+\-.]+$")

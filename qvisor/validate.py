@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Callable, NoReturn
 
-from qvisor.errors import ConfigError
+from qlib.errors import ConfigError
 from qvisor.spec import PROC_NS_NAMES, Spec, sysctl_key
 
 # sysctls that belong to a namespace (runc's list): anything else would change the host

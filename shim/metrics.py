@@ -5,10 +5,9 @@ and io.containerd.cgroups.v2.Metrics on a unified one.
 """
 from __future__ import annotations
 
-import os
-
 from google.protobuf import any_pb2
 
+from qlib import cgroupfs
 from shim.pb import cgroups_v1_pb2 as v1
 from shim.pb import cgroups_v2_pb2 as v2
 
@@ -20,7 +19,7 @@ _V1_RAW_RENAMES = {"pgpgin": "pg_pg_in", "pgpgout": "pg_pg_out", "pgfault": "pg_
 
 
 def unified_host() -> bool:
-    return os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+    return cgroupfs.unified()
 
 
 def to_any(data: dict, unified: bool | None = None) -> any_pb2.Any:

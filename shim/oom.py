@@ -12,9 +12,11 @@ import os
 import threading
 from collections.abc import Callable
 
+from qlib import cgroupfs
+
 log = logging.getLogger("quark.shim.oom")
 
-CGROUP_ROOT = "/sys/fs/cgroup"
+CGROUP_ROOT = cgroupfs.CGROUP_ROOT
 V2_POLL_S = 0.5
 
 
@@ -25,15 +27,15 @@ def memory_cgroup(pid: int) -> tuple[str, bool] | None:
             lines = f.read().splitlines()
     except OSError:
         return None
-    unified = None
+    v2 = cgroupfs.unified()
     for line in lines:
         _hid, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
+        if v2 and controllers == "":
+            # the v2 line; on a hybrid host it names the tree under unified/, which has no memory
+            d = os.path.join(CGROUP_ROOT, path.lstrip("/"))
+            return (d, True) if os.path.exists(os.path.join(d, "memory.events")) else None
+        if not v2 and "memory" in controllers.split(","):
             return os.path.join(CGROUP_ROOT, "memory", path.lstrip("/")), False
-        if controllers == "":
-            unified = path
-    if unified is not None and os.path.exists(os.path.join(CGROUP_ROOT, unified.lstrip("/"), "memory.events")):
-        return os.path.join(CGROUP_ROOT, unified.lstrip("/")), True
     return None
 
 

@@ -6,7 +6,7 @@ container's, so their errors are read from a JSON log file. Every other verb (st
 delete, pause, resume, ps, wait) only talks to the supervisor's control socket, the state file
 and the cgroup, so it is called in-process (`qvisor.container`): a CLI process costs ~40 ms of
 interpreter start-up per call. Failures become RpcErrors with the status code containerd expects
-(NotFound, AlreadyExists, FailedPrecondition, ...), chosen by the error's kind (qvisor/errors.py):
+(NotFound, AlreadyExists, FailedPrecondition, ...), chosen by the error's kind (qlib/errors.py):
 the exception's in-process, the "kind" of the CLI's JSON log entry otherwise. Never by its wording.
 """
 from __future__ import annotations
@@ -93,7 +93,7 @@ def code_of(kind: object) -> Code:
 @contextmanager
 def _quark_errors(verb: str) -> Iterator[None]:
     """quark's exceptions as the status codes containerd understands."""
-    from qvisor.errors import QuarkError
+    from qlib.errors import QuarkError
     try:
         yield
     except QuarkError as e:

@@ -9,11 +9,13 @@ import socket
 import struct
 from typing import Iterator
 
+from qlib import procfs, syscalls
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
-_SYS_SETNS = 308
-_SYS_PIDFD_OPEN = 434
-_SYS_PIDFD_GETFD = 438
+_SYS_SETNS = syscalls.number("setns")
+_SYS_PIDFD_OPEN = syscalls.number("pidfd_open")
+_SYS_PIDFD_GETFD = syscalls.number("pidfd_getfd")
 _PIDFD_THREAD = os.O_EXCL   # pidfd of a thread, not only of a thread-group leader (Linux 6.9)
 CLONE_NEWNET = 0x40000000
 
@@ -88,9 +90,8 @@ def held_elsewhere(pid: int, fd: int, ino: int) -> bool:
             return True
         if link == "anon_inode:[eventpoll]":
             try:
-                with open(f"/proc/{pid}/fdinfo/{name}") as f:
-                    if any(line.startswith("tfd:") and want in line.split() for line in f):
-                        return True
+                if any(line.startswith("tfd:") and want in line.split() for line in procfs.fdinfo_lines(name, pid)):
+                    return True
             except OSError:
                 continue
     return False

@@ -1,15 +1,11 @@
 """TSoR's errors: what a user must know to fix a config, or why a sandbox's request failed."""
 from __future__ import annotations
 
-from qvisor.errors import QuarkError
+# tsord's config and route files report through the one ConfigError (path, field, message) every
+# quark package uses; the messages are the same "path: field: problem" as before.
+from qlib.errors import ConfigError
 
-
-class ConfigError(QuarkError):
-    """A tsord config or route file is wrong: names the file and the field."""
-
-    def __init__(self, path: str, field: str, problem: str) -> None:
-        self.path, self.field = path, field
-        super().__init__(f"{path}: {field}: {problem}" if field else f"{path}: {problem}")
+__all__ = ["ConfigError", "NotAllowed", "ProtocolError"]
 
 
 class ProtocolError(Exception):

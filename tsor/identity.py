@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Protocol
 
-from qvisor.linux import parent_pid
+from qlib.procfs import parent_pid
 from tsor import _sys
 from tsor.addr import unmapped
 from tsor.errors import NotAllowed

@@ -1,5 +1,12 @@
 """tsord's counters, served in the Prometheus text format over HTTP on a TCP port or unix socket.
 
+prometheus_client does the exposition (its registry, text format and HTTP handler) and the parsing
+(`parse`, for `quark tsor status` and the tests). `Metrics` is a custom collector: the counts live
+here as plain numbers under one lock and become metric families only at scrape time, because two of
+them (gauges, bytes) are read from the daemon and the kernel on each scrape anyway. prometheus_client
+is imported only where it is used: importing it costs tsord ~45 ms (http.server, email, urllib),
+which a tsord without a metrics endpoint need not pay.
+
 Bytes: no process sits in either path's data path, so tsord cannot count them itself. For the tcp
 path the kernel does (tcpi_bytes_acked / tcpi_bytes_received of the sockets tsord handed out, read
 with sock_diag: tsor/bytecount.py), and `byte_counts` serves them as tsor_bytes_total{path="tcp"}.
@@ -7,16 +14,27 @@ Linux keeps no byte count for AF_UNIX sockets, so the local path has no tsor_byt
 """
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import socket
+import socketserver
+import sys
 import threading
-from typing import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from tsor.config import HostPort
 
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import CollectorRegistry
+
 log = logging.getLogger("tsor.metrics")
 PATHS = ("local", "tcp", "fallback")
+GAUGE_HELP = {"sandboxes": "Sandboxes registered with this node's tsord.",
+              "listeners": "Listening sockets sandboxes on this node have announced."}
+CLIENT_TIMEOUT = 2.0   # a scraper that connects and says nothing holds its thread this long
 
 
 class Metrics:
@@ -27,8 +45,9 @@ class Metrics:
         self.setup_seconds = dict.fromkeys(PATHS, 0.0)
         self.protocol_errors = 0
         self.refused_claims = 0
-        self.gauges: Callable[[], dict[str, int]] = lambda: {}
-        self.byte_counts: Callable[[], dict[str, int]] = lambda: {}
+        self.gauges: Callable[[], dict[str, int]] = dict
+        self.byte_counts: Callable[[], dict[tuple[str, str], int]] = dict
+        self._registry: CollectorRegistry | None = None
 
     def connected(self, path: str, seconds: float) -> None:
         with self._lock:
@@ -46,80 +65,95 @@ class Metrics:
             else:
                 self.refused_claims += 1
 
-    def render(self) -> str:
+    def collect(self) -> Iterator[Metric]:
+        """prometheus_client's collector protocol: the metric families, from the counts of now."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         with self._lock:
-            lines = ["# HELP tsor_connections_total Connections set up from sandboxes on this node, by path.",
-                     "# TYPE tsor_connections_total counter"]
-            lines += [f'tsor_connections_total{{path="{p}"}} {n}' for p, n in self.connections.items()]
-            lines += ["# HELP tsor_incoming_total Connections delivered to listeners on this node, by path.",
-                      "# TYPE tsor_incoming_total counter"]
-            lines += [f'tsor_incoming_total{{path="{p}"}} {n}' for p, n in self.incoming.items()]
-            lines += ["# HELP tsor_setup_seconds_total Time spent setting connections up, by path.",
-                      "# TYPE tsor_setup_seconds_total counter"]
-            lines += [f'tsor_setup_seconds_total{{path="{p}"}} {s:.6f}' for p, s in self.setup_seconds.items()]
-            lines += ["# HELP tsor_protocol_errors_total Malformed messages from sandboxes.",
-                      "# TYPE tsor_protocol_errors_total counter", f"tsor_protocol_errors_total {self.protocol_errors}",
-                      "# HELP tsor_refused_total Requests refused: claims of addresses a sandbox does not own.",
-                      "# TYPE tsor_refused_total counter", f"tsor_refused_total {self.refused_claims}"]
-        lines += ["# HELP tsor_bytes_total Bytes this node's pods sent/received, by path (tcp only: "
-                  "AF_UNIX keeps no counts; see tsor/bytecount.py).",
-                  "# TYPE tsor_bytes_total counter"]
-        lines += [f'tsor_bytes_total{{path="{p}",direction="{d}"}} {n}'
-                  for (p, d), n in sorted(self.byte_counts().items())]
+            per_path = [("tsor_connections_total", "Connections set up from sandboxes on this node, by path.",
+                         dict(self.connections)),
+                        ("tsor_incoming_total", "Connections delivered to listeners on this node, by path.",
+                         dict(self.incoming)),
+                        ("tsor_setup_seconds_total", "Time spent setting connections up, by path.",
+                         dict(self.setup_seconds))]
+            errors, refused = self.protocol_errors, self.refused_claims
+        for name, doc, values in per_path:
+            fam = CounterMetricFamily(name, doc, labels=["path"])
+            for p, n in values.items():
+                fam.add_metric([p], n)
+            yield fam
+        yield CounterMetricFamily("tsor_protocol_errors_total", "Malformed messages from sandboxes.", value=errors)
+        yield CounterMetricFamily("tsor_refused_total",
+                                  "Requests refused: claims of addresses a sandbox does not own.", value=refused)
+        fam = CounterMetricFamily("tsor_bytes_total", "Bytes this node's pods sent/received, by path (tcp only: "
+                                  "AF_UNIX keeps no counts; see tsor/bytecount.py).", labels=["path", "direction"])
+        for (p, d), n in sorted(self.byte_counts().items()):
+            fam.add_metric([p, d], n)
+        yield fam
         for name, value in self.gauges().items():
-            lines += [f"# TYPE tsor_{name} gauge", f"tsor_{name} {value}"]
-        return "\n".join(lines) + "\n"
+            yield GaugeMetricFamily(f"tsor_{name}", GAUGE_HELP.get(name, f"tsor {name}."), value=value)
+
+    def registry(self) -> CollectorRegistry:
+        """A registry of its own (not prometheus_client's global one, which also holds the Python
+        process collectors): several daemons can run in one process, as the tests do."""
+        if self._registry is None:
+            from prometheus_client.registry import CollectorRegistry
+            reg = CollectorRegistry()
+            reg.register(self)
+            self._registry = reg
+        return self._registry
+
+    def render(self) -> str:
+        """The Prometheus text format (0.0.4)."""
+        from prometheus_client.exposition import generate_latest
+        return generate_latest(self.registry()).decode()
+
+
+class _Quiet:
+    def handle_error(self, request: object, client_address: object) -> None:
+        # socketserver prints a traceback to stderr (it calls this inside its except clause); a
+        # scraper that hung up is not worth one
+        log.debug("metrics client %r: %r", client_address, sys.exc_info()[1])
+
+
+class _UnixServer(_Quiet, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+class _TcpServer(_Quiet, socketserver.ThreadingTCPServer):
+    # socketserver's, not http.server's HTTPServer: that one resolves its address's FQDN at bind
+    daemon_threads = True
+    allow_reuse_address = True
 
 
 class MetricsServer:
-    """A minimal HTTP/1.0 responder: every GET gets the metrics text."""
+    """prometheus_client's HTTP handler (content negotiation: text or OpenMetrics, gzip) on a TCP
+    port or a unix socket; its own start_http_server binds only TCP and sets no client timeout."""
 
     def __init__(self, metrics: Metrics, where: HostPort | str) -> None:
+        from prometheus_client.exposition import MetricsHandler
+        handler = type("TsorMetricsHandler", (MetricsHandler,),
+                       {"registry": metrics.registry(), "timeout": CLIENT_TIMEOUT})
         self.metrics = metrics
+        self.server: socketserver.BaseServer
         if isinstance(where, str):
             try:
                 os.unlink(where)
             except FileNotFoundError:
                 pass
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            self.sock.bind(where)
-            self.path = where
+            self.server = _UnixServer(where, handler)
+            self.path: str | None = where
         else:
-            fam = socket.AF_INET6 if ":" in where.host else socket.AF_INET
-            self.sock = socket.socket(fam, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.sock.bind((where.host, where.port))
+            server_class = type("TcpServer", (_TcpServer,),
+                                {"address_family": socket.AF_INET6 if ":" in where.host else socket.AF_INET})
+            self.server = server_class((where.host, where.port), handler)
             self.path = None
-        self.sock.listen(16)
-        threading.Thread(target=self._loop, name="metrics", daemon=True).start()
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                try:
-                    conn.settimeout(2)
-                    req = b""
-                    while b"\r\n\r\n" not in req and b"\n\n" not in req and len(req) < 8192:
-                        chunk = conn.recv(4096)
-                        if not chunk:
-                            break
-                        req += chunk
-                    body = self.metrics.render().encode()
-                    conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-                except OSError as e:
-                    log.debug("metrics client: %s", e)
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="metrics", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        self.server.shutdown()
+        self.server.server_close()
         if self.path:
             try:
                 os.unlink(self.path)
@@ -127,30 +161,50 @@ class MetricsServer:
                 pass
 
 
-def fetch(where: HostPort | str, timeout: float = 2.0) -> str:
-    """The metrics text from a running tsord (used by `quark tsor status`)."""
-    if isinstance(where, str):
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        addr: object = where
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self.unix_path)
+        except OSError:
+            s.close()
+            raise
+        self.sock = s
+
+
+def fetch(where: HostPort | str, timeout: float = 2.0) -> str:
+    """The metrics text from a running tsord (used by `quark tsor status`). OSError when it does not
+    answer with them."""
+    if isinstance(where, str):
+        conn: http.client.HTTPConnection = _UnixHTTPConnection(where, timeout)
     else:
-        s = socket.socket(socket.AF_INET6 if ":" in where.host else socket.AF_INET, socket.SOCK_STREAM)
-        addr = (where.host, where.port)
-    with s:
-        s.settimeout(timeout)
-        s.connect(addr)
-        s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    _, _, body = data.partition(b"\r\n\r\n")
+        conn = http.client.HTTPConnection(where.host, where.port, timeout=timeout)
+    try:
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        body = resp.read()
+    except http.client.HTTPException as e:
+        raise OSError(f"not an HTTP answer: {e!r}") from None
+    finally:
+        conn.close()
+    if resp.status != 200:
+        raise OSError(f"HTTP {resp.status} {resp.reason}")
     return body.decode()
 
 
 def parse(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}."""
+    """Prometheus text -> {'name{label="value",...}': value}, labels sorted by name (as
+    prometheus_client writes them), so a key does not depend on the writer. ValueError when the text
+    is not in the format."""
+    from prometheus_client.parser import text_string_to_metric_families
     out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out

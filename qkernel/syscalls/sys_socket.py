@@ -40,6 +40,7 @@ import weakref
 
 from qkernel.errors import MemoryFault, TaskGone
 from qkernel.request import Continue, Deferred, Errno, InstallFd, Request, Return
+from qlib import procfs
 
 log = logging.getLogger("quark.qkernel")
 
@@ -129,13 +130,10 @@ def _is_tcp(s: socket.socket) -> bool:
 
 def _cloexec(req: Request, fd: int) -> bool:
     try:
-        with open(f"/proc/{req.pid}/fdinfo/{fd}") as f:
-            for line in f:
-                if line.startswith("flags:"):
-                    return bool(int(line.split()[1], 8) & os.O_CLOEXEC)
+        flags = procfs.fdinfo(fd, req.pid).get("flags")
     except OSError:
-        pass
-    return False
+        return False
+    return flags is not None and bool(int(flags, 8) & os.O_CLOEXEC)
 
 
 def _set_nonblock(fd: int, on: bool) -> None:

@@ -1,14 +1,17 @@
 """sysinfo(2) from the container's cgroup: runtimes that size heaps from totalram see the
-container's memory limit, not the host's. The figures are those of the container's /proc view
-(qvisor/procview.py) — memory and swap as its /proc/meminfo, uptime as its /proc/uptime, procs its
-threads, loads its /proc/loadavg's while the view is served — so that free(1), which reads both,
-adds up. The rest (and loads without a view) comes from the real sysinfo."""
+container's memory limit, not the host's. The figures come from the sandbox context's `sysinfo`,
+which the runtime fills from the container's /proc view (qvisor/procview.py) — memory and swap as
+its /proc/meminfo, uptime as its /proc/uptime, procs its threads, loads its /proc/loadavg's while
+the view is served — so that free(1), which reads both, adds up. The rest comes from the real sysinfo."""
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 from qkernel.request import Request, Return
-from qvisor import procview
+
+if TYPE_CHECKING:   # kernel.py imports the handler table, which imports this module
+    from qkernel.kernel import SysinfoFigures
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -49,24 +52,15 @@ def _set(info: Sysinfo, figures: dict) -> Sysinfo:
     return info
 
 
-def container_sysinfo(limit: int | None, usage: int) -> Sysinfo:
-    """The host's sysinfo in bytes (mem_unit 1), with the memory of a cgroup known only by its
-    limit and usage, as its /proc/meminfo would show it."""
-    with open("/proc/meminfo") as f:
-        kb = procview.memory(procview.parse_meminfo(f.read()), limit, usage, {})
-    return _set(_in_bytes(host_sysinfo()), {"totalram": kb["MemTotal"] * 1024, "freeram": kb["MemFree"] * 1024,
-                                            "sharedram": kb["Shmem"] * 1024, "bufferram": kb["Buffers"] * 1024})
-
-
-def sandbox_sysinfo(cgroup: object, init_pid: int) -> Sysinfo:
-    """The host's sysinfo in bytes (mem_unit 1) with the container's figures (procview.sysinfo)."""
+def sandbox_sysinfo(figures: SysinfoFigures | None) -> Sysinfo:
+    """The host's sysinfo in bytes (mem_unit 1) with the container's `figures` over it."""
     info = _in_bytes(host_sysinfo())
-    if cgroup is None:
+    if figures is None:
         return info
     host = {"MemTotal": info.totalram // 1024, "SwapTotal": info.totalswap // 1024, "SwapFree": info.freeswap // 1024}
-    return _set(info, procview.sysinfo(cgroup, init_pid, host))
+    return _set(info, figures(host))
 
 
 def handle(req: Request) -> Return:
-    req.write(req.args[0], bytes(sandbox_sysinfo(req.context.cgroup, req.context.init_pid)))
+    req.write(req.args[0], bytes(sandbox_sysinfo(req.context.sysinfo)))
     return Return(0)

@@ -8,7 +8,6 @@ their file names.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -18,12 +17,13 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterator
 
-from ..errors import SetupError, Unsupported
+from qlib import cgroupfs
+from qlib.errors import SetupError, Unsupported
+
 from ..spec import HugepageLimit, RdmaLimit
 
-CGROUP_ROOT = "/sys/fs/cgroup"
+CGROUP_ROOT = cgroupfs.CGROUP_ROOT
 RESOURCES = "linux.resources"  # errors name the config.json field they concern under this
-CGROUP2_SUPER_MAGIC = 0x63677270
 # v1 reports "no limit" as LONG_MAX rounded down to a page; anything this large is no limit.
 UNLIMITED = 1 << 62
 KERNEL_MEMORY = "kernel memory limits are deprecated and no longer enforced by Linux"
@@ -33,12 +33,10 @@ log = logging.getLogger("quark")
 
 def detect() -> str:
     """Return "v2" when /sys/fs/cgroup is a cgroup2 mount (unified), else "v1" (legacy/hybrid)."""
-    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes; f_type comes first
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.statfs(CGROUP_ROOT.encode(), buf) != 0:
-        err = ctypes.get_errno()
-        raise SetupError(f"cgroup: statfs {CGROUP_ROOT}: {os.strerror(err)}")
-    return "v2" if ctypes.c_long.from_buffer(buf).value == CGROUP2_SUPER_MAGIC else "v1"
+    try:
+        return cgroupfs.version()
+    except OSError as e:
+        raise SetupError(f"cgroup: statfs {CGROUP_ROOT}: {e.strerror}") from None
 
 
 def default_path(container_id: str) -> str:

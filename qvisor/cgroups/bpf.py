@@ -12,7 +12,8 @@ import os
 import platform
 import struct
 
-SYS_BPF = {"x86_64": 321, "aarch64": 280}
+from qlib import syscalls
+
 PROG_LOAD, PROG_ATTACH, PROG_DETACH, PROG_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD, PROG_QUERY = 5, 8, 9, 13, 15, 16
 PROG_TYPE_CGROUP_DEVICE = 15
 CGROUP_DEVICE = 6  # enum bpf_attach_type
@@ -27,9 +28,10 @@ _libc.syscall.restype = ctypes.c_long
 
 
 def _bpf(cmd: int, attr: ctypes.Array, what: str) -> int:
-    nr = SYS_BPF.get(platform.machine())
-    if nr is None:
-        raise OSError(errno.ENOSYS, f"{what}: bpf(2) is not known on {platform.machine()}")
+    try:
+        nr = syscalls.number("bpf")
+    except LookupError:
+        raise OSError(errno.ENOSYS, f"{what}: bpf(2) is not known on {platform.machine()}") from None
     r = _libc.syscall(ctypes.c_long(nr), ctypes.c_int(cmd), attr, ctypes.c_uint(len(attr)))
     if r < 0:
         e = ctypes.get_errno()

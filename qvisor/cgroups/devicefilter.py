@@ -17,7 +17,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..errors import SetupError
+from qlib.errors import SetupError
+
 from ..spec import DeviceRule
 from . import RESOURCES
 

@@ -7,13 +7,28 @@ plus named hierarchies such as name=systemd, which only track processes.
 from __future__ import annotations
 
 import os
-import re
 
-from ..errors import SetupError, Unsupported
+from qlib import procfs
+from qlib.errors import SetupError, Unsupported
+
 from ..spec import THROTTLES, BlockIO, CpuResources, MemoryResources, NetworkResources, Resources
-from . import stats
-from . import (KERNEL_MEMORY, RESOURCES, UNLIMITED, Cgroup, cpu_list, device_rule, hugetlb_writes, poll, rdma_line,
-               read, read_int, read_kv, warn_ignored, write)
+from . import (
+    KERNEL_MEMORY,
+    RESOURCES,
+    UNLIMITED,
+    Cgroup,
+    cpu_list,
+    device_rule,
+    hugetlb_writes,
+    poll,
+    rdma_line,
+    read,
+    read_int,
+    read_kv,
+    stats,
+    warn_ignored,
+    write,
+)
 
 MEMSW = "memory.memsw.limit_in_bytes"
 KMEM_TCP = "memory.kmem.tcp.limit_in_bytes"
@@ -25,17 +40,12 @@ def hierarchies() -> dict[str, str]:
     with open("/proc/cgroups") as f:
         known = {line.split()[0] for line in f if not line.startswith("#")}
     found: dict[str, str] = {}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fstype, _source, options = right.split()[:3]
-            if fstype != "cgroup":
-                continue
-            # Mount points escape space, tab, newline and backslash as \ooo.
-            mountpoint = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), left.split()[4])
-            for opt in options.split(","):
-                if opt in known or opt.startswith("name="):
-                    found.setdefault(opt, mountpoint)  # first mount wins over bind mounts
+    for mnt in procfs.mountinfo():
+        if mnt.fstype != "cgroup":
+            continue
+        for opt in mnt.super_options.split(","):
+            if opt in known or opt.startswith("name="):
+                found.setdefault(opt, mnt.mount_point)  # first mount wins over bind mounts
     return found
 
 

@@ -10,11 +10,26 @@ import os
 import signal
 from typing import Iterator
 
-from ..errors import SetupError, Unsupported
+from qlib.errors import SetupError, Unsupported
+
 from ..spec import THROTTLES, BlockIO, CpuResources, MemoryResources, NetworkResources, Resources
-from . import (CGROUP_ROOT, KERNEL_MEMORY, RESOURCES, Cgroup, bpf, devicefilter, hugetlb_writes, stats, rdma_line, read,
-               read_int, read_kv, warn_ignored, write)
-from . import cpu_list
+from . import (
+    CGROUP_ROOT,
+    KERNEL_MEMORY,
+    RESOURCES,
+    Cgroup,
+    bpf,
+    cpu_list,
+    devicefilter,
+    hugetlb_writes,
+    rdma_line,
+    read,
+    read_int,
+    read_kv,
+    stats,
+    warn_ignored,
+    write,
+)
 
 # enabled in every ancestor, so that their files appear in the container's cgroup
 CONTROLLERS = ("cpu", "cpuset", "memory", "pids", "io", "hugetlb", "rdma", "misc")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from qlib.errors import ContainerNotFound
 from qvisor import container
-from qvisor.errors import ContainerNotFound
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

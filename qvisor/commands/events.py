@@ -10,8 +10,8 @@ import argparse
 import json
 import time
 
+from qlib.errors import InvalidState
 from qvisor import container
-from qvisor.errors import InvalidState
 
 OOM_POLL_S = 0.1  # how soon an OOM kill is reported
 

@@ -6,8 +6,8 @@ import json
 import os
 import signal
 
+from qlib.errors import InvalidArgument, QuarkError
 from qvisor import container
-from qvisor.errors import InvalidArgument, QuarkError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,6 @@ import json
 
 from qvisor import mountopts
 
-
 _SCMP_ARCH = {"x86_64": "SCMP_ARCH_X86_64", "aarch64": "SCMP_ARCH_AARCH64"}
 
 
@@ -15,9 +14,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def features() -> dict:
+    import platform
+
     from qvisor.sandbox import NS_FLAGS
     from qvisor.spec import CAPABILITIES, SECCOMP_ACTIONS, SECCOMP_OPS
-    import platform
     return {
         "ociVersionMin": "1.0.0",
         "ociVersionMax": "1.0.2",

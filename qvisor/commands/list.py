@@ -6,7 +6,7 @@ import json
 import os
 import pwd
 
-from qvisor.errors import QuarkError
+from qlib.errors import QuarkError
 from qvisor.state import StateStore
 
 

@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 
-from qvisor.errors import QuarkError
+from qlib.errors import QuarkError
 from qvisor.spec import default_spec, make_rootless
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from qvisor.errors import QuarkError
+from qlib.errors import QuarkError
 from tsor import DEFAULT_CONFIG
 from tsor import config as tsor_config
 from tsor.metrics import fetch, parse
@@ -37,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
         values = parse(fetch(where))
     except OSError as e:
         raise QuarkError(f"tsord is not answering on {where}: {e}") from None
+    except ValueError as e:
+        raise QuarkError(f"{where} did not answer with Prometheus text: {e}") from None
     paths = ("local", "tcp", "fallback")
     rows = []
     for p in paths:
@@ -62,5 +64,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bytes(values: dict, path: str, direction: str) -> int | None:
-    v = values.get(f'tsor_bytes_total{{path="{path}",direction="{direction}"}}')
+    v = values.get(f'tsor_bytes_total{{direction="{direction}",path="{path}"}}')   # parse() sorts labels
     return None if v is None else int(v)

@@ -8,8 +8,8 @@ import re
 import sys
 from typing import Any, Callable
 
+from qlib.errors import QuarkError
 from qvisor import container
-from qvisor.errors import QuarkError
 from qvisor.spec import parse_resources
 
 # docker/go-units' RAMInBytes, which runc uses: binary multiples, "100M" = "100m" = "100MiB"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from qlib.errors import QuarkError
 from qvisor import cgroups
-from qvisor.errors import QuarkError
 from tests.integration.conftest import bundle, quark  # noqa: F401  (fixtures for this directory)
 
 V2_REASON = "needs a cgroup v2 host: run `make test-cgroup2` (qemu guest)"

@@ -92,7 +92,7 @@ def _processes_mentioning(text: str) -> list[int]:
 @pytest.fixture
 def bundle(tmp_path):
     """make(args, **overrides) -> bundle dir with a busybox rootfs and runc's default spec."""
-    from qvisor.busybox import make_bundle
+    from tests.support.busybox import make_bundle
     n = [0]
 
     def make(args: list[str], **kw) -> str:

@@ -22,11 +22,11 @@ import uuid
 
 import pytest
 
+from qlib.errors import SetupError
 from qvisor.cgroups import bpf
 from qvisor.cgroups.v1 import V1Cgroup, hierarchies
 from qvisor.cgroups.v2 import V2Cgroup
 from qvisor.devices import cgroup_resources
-from qvisor.errors import SetupError
 from qvisor.spec import Resources, default_spec, parse_resources, parse_spec
 
 # a hybrid host's cgroup2 mount (this machine), or the whole hierarchy on a v2 host (the qemu lane)

@@ -14,11 +14,11 @@ import uuid
 
 import pytest
 
+from qlib.errors import SetupError, Unsupported
 from qvisor import cgroups
 from qvisor.cgroups import v2
 from qvisor.cgroups.v1 import V1Cgroup
 from qvisor.cgroups.v2 import V2Cgroup
-from qvisor.errors import SetupError, Unsupported
 from qvisor.spec import THROTTLES, Resources, parse_resources
 from tests.integration.conftest import cgroup_dirs, edit_config
 

@@ -122,7 +122,7 @@ def test_join_existing_network_namespace_by_path(quark, bundle):
 
 
 def test_user_namespace_with_mappings(quark, tmp_path):
-    from qvisor.busybox import make_bundle
+    from tests.support.busybox import make_bundle
     # the mapped root (host uid 100000) must be able to reach the rootfs, as with runc
     top = tempfile.mkdtemp(prefix="quark-userns-")
     os.chmod(top, 0o755)

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from qlib.errors import NotFound
 from qvisor import container
 from qvisor.client import Connection
-from qvisor.errors import NotFound
 from qvisor.state import SOCK_NAME, StateStore
 
 pytestmark = pytest.mark.root

@@ -242,7 +242,7 @@ def test_create_container_hooks_run_in_the_container_before_pivot_root(quark, bu
 # ---- mounts and devices as runc takes them -----------------------------------------------------
 
 def test_bind_mount_onto_the_root(quark, bundle, tmp_path):
-    from qvisor.busybox import make_rootfs
+    from tests.support.busybox import make_rootfs
     other = tmp_path / "other-root"
     make_rootfs(str(other))
     (other / "marker-of-the-other-root").write_text("")
@@ -256,7 +256,7 @@ def test_bind_mount_onto_the_root(quark, bundle, tmp_path):
 def test_bind_source_in_a_user_namespace_is_opened_as_host_root(quark, tmp_path):
     """The source sits under a directory only the host's root may enter: the mapped root of the
     container could not reach it, the runtime does, as with runc."""
-    from qvisor.busybox import make_bundle
+    from tests.support.busybox import make_bundle
     top = tempfile.mkdtemp(prefix="quark-userns-bind-")
     try:
         os.chmod(top, 0o755)

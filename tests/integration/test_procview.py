@@ -183,7 +183,7 @@ def test_the_annotation_turns_the_view_off_and_the_container_still_runs(quark, p
 
 
 def test_in_a_user_namespace_as_an_unprivileged_user(quark):
-    from qvisor.busybox import make_bundle
+    from tests.support.busybox import make_bundle
     # the mapped root (host uid 100000) must be able to reach the rootfs
     top = tempfile.mkdtemp(prefix="quark-procview-")
     os.chmod(top, 0o755)

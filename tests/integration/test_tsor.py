@@ -48,7 +48,7 @@ def local_count(node) -> float:
 def bed():
     needs_root()
     needs_tsor_in_qkernel()
-    from tsor.testbed import Testbed
+    from tests.support.testbed import Testbed
     b = Testbed(prefix="qt1", octet=213)
     try:
         node = b.node("a")

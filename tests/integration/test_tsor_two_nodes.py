@@ -4,8 +4,6 @@ pods); runc pods on either side still talk to quark pods over plain TCP."""
 from __future__ import annotations
 
 import json
-import os
-import time
 
 import pytest
 
@@ -22,7 +20,7 @@ def counters(node) -> dict[str, float]:
 def two():
     needs_root()
     needs_tsor_in_qkernel()
-    from tsor.testbed import Testbed
+    from tests.support.testbed import Testbed
     b = Testbed(prefix="qt2", octet=214)
     try:
         a, bn = b.node("a"), b.node("b")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -26,7 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import qkernel  # noqa: E402
 from qkernel.request import Continue  # noqa: E402
-from qvisor.eventloop import Loop  # noqa: E402
+from qlib.eventloop import Loop  # noqa: E402
+from qvisor import procview  # noqa: E402
 
 WALL = 0x40000000
 PR_SET_CHILD_SUBREAPER = 36
@@ -120,7 +122,8 @@ class Run:
         child_sock.close()
         os.close(go_r)
         self.loop = Loop()
-        self.kernel = qkernel.Kernel(self.loop, platform, qkernel.SandboxContext(name, cgroup, self.pid))
+        figures = functools.partial(procview.sysinfo, cgroup, self.pid) if cgroup is not None else None
+        self.kernel = qkernel.Kernel(self.loop, platform, qkernel.SandboxContext(name, self.pid, sysinfo=figures))
         self.status: int | None = None
 
     def serve(self, timeout: float | None = None) -> int | None:

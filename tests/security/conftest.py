@@ -87,8 +87,8 @@ def host_bundle(tmp_path):
     """make(args, mounts=(), **overrides) -> (bundle dir, out dir): a read-only rootfs whose /usr is
     the host's (read-only bind), /progs this directory's programs, /bin-tools compiled probes
     (when given), /out a writable directory the test reads."""
-    from qvisor.busybox import make_bundle
     from qvisor.spec import default_spec
+    from tests.support.busybox import make_bundle
     n = itertools.count(1)
 
     def make(args: list[str], *, extra_mounts: list[dict] = (), tools: str | None = None, **overrides) -> tuple[str, str]:

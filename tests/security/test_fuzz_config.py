@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qvisor.errors import ConfigError, QuarkError
+from qlib.errors import ConfigError, QuarkError
 from qvisor.spec import CAPABILITIES, PROPAGATIONS, RLIMITS, default_spec, parse_spec
 from tests.security.conftest import edit_config, record, uid
 
@@ -234,6 +234,7 @@ CREATES: dict[str, int] = {"created": 0, "refused": 0}
 def remove_fuzz_cgroups(paths: list[str]) -> None:
     """After a failure mid-create: kill what is left in our own cgroups, remove them and their parent."""
     import signal
+
     from qvisor import cgroups
     for path in paths:
         cg = cgroups.open_cgroup(path)

@@ -193,7 +193,7 @@ def test_shared_rootfs_propagation_does_not_leak_mounts_to_the_host(cli, tmp_pat
     """On hosts whose / is shared (systemd), a container's mount namespace starts in the host's peer
     groups. With rootfsPropagation=rshared the runtime's own mounts (the rootfs bind, /proc, /dev ...)
     must still not appear on the host. Simulated with a shared tmpfs holding the bundle."""
-    from qvisor.busybox import make_bundle
+    from tests.support.busybox import make_bundle
     rt = runtime_name(cli)
     shared = tmp_path / "shared"
     shared.mkdir()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from qvisor.eventloop import Loop
+from qlib.eventloop import Loop
 
 
 def watch_loop(loop: Loop, every: float = 0.01) -> list[float]:

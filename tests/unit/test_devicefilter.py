@@ -10,10 +10,10 @@ import struct
 
 import pytest
 
+from qlib.errors import SetupError
 from qvisor.cgroups import bpf
 from qvisor.cgroups import devicefilter as df
 from qvisor.devices import cgroup_resources
-from qvisor.errors import SetupError
 from qvisor.spec import DeviceRule, default_spec, parse_resources, parse_spec
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import functools
 
 from qkernel import seccomp_notify as sn
 from qkernel import table
@@ -11,7 +12,8 @@ from qkernel.errors import TaskGone
 from qkernel.kernel import Kernel, SandboxContext
 from qkernel.request import Continue, Errno, Request, Return
 from qkernel.syscalls import sys_personality, sys_sysinfo
-from qvisor.eventloop import Loop
+from qlib.eventloop import Loop
+from qvisor import procview
 
 MiB = 1024 * 1024
 
@@ -53,7 +55,8 @@ class Cgroup:
 
 
 def kernel(cgroup=None):
-    return Kernel(Loop(), "seccomp", SandboxContext("c1", cgroup, 1))
+    figures = functools.partial(procview.sysinfo, cgroup, 1) if cgroup is not None else None
+    return Kernel(Loop(), "seccomp", SandboxContext("c1", 1, sysinfo=figures))
 
 
 def swap_handler(k, name, handler):
@@ -80,9 +83,9 @@ def test_sysinfo_answers_from_the_cgroup():
     assert info.procs > 0 and info.uptime > 0
 
 
-def test_sysinfo_without_a_limit_is_the_hosts_in_bytes():
+def test_sysinfo_without_a_view_is_the_hosts_in_bytes():
     host = sys_sysinfo.host_sysinfo()
-    info = sys_sysinfo.container_sysinfo(None, 0)
+    info = sys_sysinfo.sandbox_sysinfo(None)
     assert info.totalram == host.totalram * host.mem_unit and info.mem_unit == 1
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from qkernel import config, policy, table
 from qkernel.errors import FilterError, UnknownPlatform
+from qlib.errors import QuarkError
 from qvisor.commands import syscalls as syscalls_cmd
-from qvisor.errors import QuarkError
 
 ISSUE_DENIED = ["init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "bpf",
                 "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",

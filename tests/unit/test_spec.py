@@ -9,12 +9,29 @@ import resource
 
 import pytest
 
+from qlib.errors import ConfigError, QuarkError
 from qvisor import cli
-from qvisor.errors import ConfigError, QuarkError
-from qvisor.spec import (CAPABILITIES, RLIMITS, BlockIO, CpuResources, DeviceRule, HugepageLimit,
-                         InterfacePriority, Linux, MemoryResources, Namespace, NetworkResources, RdmaLimit,
-                         ThrottleDevice, WeightDevice, default_spec, load_spec, make_rootless, parse_resources,
-                         parse_spec)
+from qvisor.spec import (
+    CAPABILITIES,
+    RLIMITS,
+    BlockIO,
+    CpuResources,
+    DeviceRule,
+    HugepageLimit,
+    InterfacePriority,
+    Linux,
+    MemoryResources,
+    Namespace,
+    NetworkResources,
+    RdmaLimit,
+    ThrottleDevice,
+    WeightDevice,
+    default_spec,
+    load_spec,
+    make_rootless,
+    parse_resources,
+    parse_spec,
+)
 
 CFG = "/b/config.json"
 

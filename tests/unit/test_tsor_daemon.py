@@ -2,6 +2,7 @@
 address claims, the local and tcp paths, fallback, malformed messages and tsord restarts."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
@@ -10,19 +11,17 @@ import time
 
 import pytest
 
-from qvisor.eventloop import Loop
+from qlib.eventloop import Loop
 from tests.unit.loop_probe import watch_loop
 from tsor import protocol
 from tsor.config import Config, HostPort, load
-from tsor.errors import ConfigError
-from tsor.transport import tcp
 from tsor.daemon import Daemon
-from tsor.errors import NotAllowed
+from tsor.errors import ConfigError, NotAllowed
 from tsor.identity import Identity, ProcVerifier
 from tsor.metrics import fetch, parse
 from tsor.routes import Node, RouteTable
 from tsor.sandbox import TsordClient
-import ipaddress
+from tsor.transport import tcp
 
 
 class FakeVerifier:
@@ -361,6 +360,7 @@ def test_proc_verifier_refuses_foreign_pids_and_the_host_netns():
 
 def test_quark_tsor_status_prints_the_counters(node, tmp_path, capsys):
     import argparse
+
     from qvisor.commands import tsor as cmd
     m = str(tmp_path / "m.sock")
     d = node(owned={"srv": {"10.0.0.1"}, "cli": {"10.0.0.2"}}, metrics=m)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from qvisor.eventloop import Loop
+from qlib.eventloop import Loop
 from tests.unit.loop_probe import watch_loop
 from tsor import sandbox as sb
 

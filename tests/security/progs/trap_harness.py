@@ -26,7 +26,7 @@ sys.path.insert(0, REPO)
 import qkernel  # noqa: E402
 from qkernel.errors import MemoryFault, TaskGone  # noqa: E402
 from qkernel.request import Errno  # noqa: E402
-from qvisor.eventloop import Loop  # noqa: E402
+from qlib.eventloop import Loop  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("qkernel_harness", os.path.join(REPO, "tests", "progs", "qkernel_harness.py"))
 H = importlib.util.module_from_spec(_spec)

@@ -20,13 +20,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from qvisor.busybox import make_bundle
 from qvisor.spec import default_spec
+from tests.support.busybox import make_bundle
 from tsor import SOCKET_ANNOTATION
 
 CNI_BIN = "/usr/lib/cni"
 TSORD_PORT = 7470
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def sh(*args: str, check: bool = True, netns: str | None = None, **kw) -> subprocess.CompletedProcess:
@@ -40,7 +40,7 @@ class Pod:
     netns: str
     ip: str
     ip6: str | None
-    node: "Node"
+    node: Node
 
     @property
     def netns_path(self) -> str:
@@ -52,7 +52,7 @@ class Node:
     name: str
     netns: str
     index: int
-    bed: "Testbed"
+    bed: Testbed
     pods: list[Pod] = field(default_factory=list)
     tsord: subprocess.Popen | None = None
     address: str = ""            # on the node-to-node link

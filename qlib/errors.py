@@ -6,6 +6,9 @@ as the containerd shim acts on the kind and never on the wording of a message.
 """
 from __future__ import annotations
 
+__all__ = ["AlreadyExists", "ConfigError", "ContainerExists", "ContainerNotFound", "InvalidArgument", "InvalidState",
+           "NotFound", "QuarkError", "SetupError", "SupervisorGone", "Unsupported", "from_kind"]
+
 
 class QuarkError(Exception):
     """Base of every error quark reports; the CLI prints it and exits 1."""
@@ -37,7 +40,8 @@ class Unsupported(QuarkError):
 
 
 class ConfigError(InvalidArgument):
-    """config.json is malformed or invalid; names the file and the field."""
+    """A config file is malformed or invalid (a bundle's config.json, tsord's config or route file):
+    names the file and the field."""
 
     def __init__(self, path: str, field: str, message: str) -> None:
         self.path = path

@@ -1,4 +1,4 @@
-"""The supervisor's single-threaded event loop.
+"""The single-threaded event loop of the supervisor (and of tests and tools that drive its parts).
 
 The supervisor forks container processes at any time, so it stays single-threaded (a fork from a
 threaded Python can inherit a held lock). Everything it waits on — the control socket, child exits,
@@ -10,7 +10,7 @@ import heapq
 import itertools
 import selectors
 import time
-from typing import Callable
+from collections.abc import Callable
 
 Callback = Callable[[], None]
 

@@ -1,5 +1,5 @@
-"""`python -m tsor.demo` (`make demo` runs it after qvisor's demo): a server and a client container
-on one node with tsord running; prints which path each connection took.
+"""`python -m tests.demo.tsor_demo` (`make demo` runs it after qvisor's demo): a server and a client
+container on one node with tsord running; prints which path each connection took.
 
 The client container connects three times: to the server pod (TSoR's local path: one AF_UNIX
 socketpair, no process in between), to its own loopback (stays in the pod), and to a port nobody
@@ -11,8 +11,8 @@ import os
 import sys
 import time
 
+from tests.support.testbed import Testbed
 from tsor.metrics import fetch, parse
-from tsor.testbed import Testbed
 
 CLIENT = r"""
 import socket, struct, os

@@ -1,4 +1,5 @@
-"""`make demo`: build a busybox bundle, run it under quark, and show what the sandbox enforces."""
+"""`make demo` (`python -m tests.demo.qvisor_demo`): build a busybox bundle, run it under quark, and show
+what the sandbox enforces."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 
-from qvisor.busybox import make_bundle
+from tests.support.busybox import make_bundle
 
 # each probe: (what a user is shown, shell snippet run inside the container)
 PROBES = [

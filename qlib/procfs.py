@@ -1,0 +1,103 @@
+"""Parsers for the /proc files quark reads: /proc/PID/mountinfo, /proc/PID/status and
+/proc/PID/fdinfo/FD. One parser each, so every reader unescapes and splits them the same way.
+
+Each reader raises OSError (FileNotFoundError, ProcessLookupError, ...) when the file cannot be
+read, e.g. because the process is gone; callers decide what a vanished process means to them.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+Pid = int | str   # a pid, or "self" / "thread-self"
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One line of /proc/PID/mountinfo (proc(5)), its path fields unescaped."""
+    mount_id: int
+    parent_id: int
+    dev: str                 # "major:minor"
+    root: str                # the directory of the filesystem mounted here
+    mount_point: str         # relative to the reader's root
+    options: str             # per-mount options (ro, nosuid, ...)
+    optional: tuple[str, ...]  # shared:N, master:N, propagate_from:N, unbindable
+    fstype: str
+    source: str
+    super_options: str       # per-superblock options (for cgroup v1: its controllers)
+
+    @property
+    def shared(self) -> bool:
+        return any(f.startswith("shared:") for f in self.optional)
+
+
+_ESCAPE = re.compile(rb"\\([0-7]{3})")
+
+
+def unescape(field: bytes | str) -> str:
+    """Undo the kernel's \\ooo octal escapes (of space, tab, newline, backslash and '#') in a
+    mountinfo field. Works on the bytes, then decodes as the filesystem encoding (surrogateescape)
+    so a path that is not UTF-8 survives and os functions get the same bytes back."""
+    raw = os.fsencode(field) if isinstance(field, str) else field
+    return os.fsdecode(_ESCAPE.sub(lambda m: bytes([int(m[1], 8) & 0xFF]), raw))
+
+
+def parse_mountinfo(data: bytes | str) -> list[Mount]:
+    """Every mount in the text of a mountinfo file, in the file's order (parents before children)."""
+    raw = os.fsencode(data) if isinstance(data, str) else data
+    mounts = []
+    for line in raw.splitlines():
+        fields = line.split(b" ")
+        if len(fields) < 10:
+            continue
+        # a variable number of optional fields ends with a lone "-"
+        sep = fields.index(b"-", 6)
+        fstype, source, super_options = fields[sep + 1:sep + 4]
+        mounts.append(Mount(int(fields[0]), int(fields[1]), fields[2].decode(), unescape(fields[3]),
+                            unescape(fields[4]), fields[5].decode(), tuple(f.decode() for f in fields[6:sep]),
+                            unescape(fstype), unescape(source), unescape(super_options)))
+    return mounts
+
+
+def mountinfo(pid: Pid = "self") -> list[Mount]:
+    """The mounts /proc/PID/mountinfo lists."""
+    with open(f"/proc/{pid}/mountinfo", "rb") as f:
+        return parse_mountinfo(f.read())
+
+
+def parse_keyed(data: str) -> dict[str, str]:
+    """The "Key:<tab>value" lines of /proc/PID/status or /proc/PID/fdinfo/FD (values stripped)."""
+    out = {}
+    for line in data.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out[key] = value.strip()
+    return out
+
+
+def status(pid: Pid = "self") -> dict[str, str]:
+    """/proc/PID/status as {key: value}, e.g. status(pid)["PPid"] == "1"."""
+    with open(f"/proc/{pid}/status", "rb") as f:
+        # Name: is the task's comm, which the task chooses: never let its bytes fail the decode
+        return parse_keyed(f.read().decode(errors="surrogateescape"))
+
+
+def fdinfo(fd: int | str, pid: Pid = "self") -> dict[str, str]:
+    """/proc/PID/fdinfo/FD as {key: value}; keys that repeat (an epoll set's tfd: lines) keep
+    their last value: use fdinfo_lines() for those."""
+    return parse_keyed("\n".join(fdinfo_lines(fd, pid)))
+
+
+def fdinfo_lines(fd: int | str, pid: Pid = "self") -> list[str]:
+    """The lines of /proc/PID/fdinfo/FD."""
+    with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+        return f.read().decode(errors="surrogateescape").splitlines()
+
+
+def parent_pid(pid: Pid) -> int | None:
+    """The PPid of `pid`, or None if it is gone."""
+    try:
+        return int(status(pid)["PPid"])
+    except (OSError, KeyError, ValueError):
+        return None

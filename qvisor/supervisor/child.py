@@ -1,0 +1,67 @@
+"""The processes the supervisor forks (the container's init, exec'd processes) while they are
+being created: each is a _Child, first stage 1 (namespaces) then the process itself, with the
+channel the supervisor reads its set-up messages on; the part's mixin dispatches those messages.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import socket
+from typing import Any
+
+from qvisor import channel
+
+
+@dataclasses.dataclass
+class _Child:
+    """A process being created: stage 1 (namespaces) then the process itself."""
+    sock: socket.socket
+    on_msg: Any
+    stage1_pid: int = 0
+    pid: int = 0
+    client: socket.socket | None = None        # exec: the CLI connection waiting for the pid
+    console: list[int] = dataclasses.field(default_factory=list)  # exec: pty master for the client
+    pidfd: int = -1  # exec: the process, held until it is reaped; signals go through it, never the pid
+
+
+def _numbered_from(sock: socket.socket, lowest: int) -> socket.socket:
+    """`sock`, moved to an fd number >= lowest if it has a lower one."""
+    if sock.fileno() >= lowest:
+        return sock
+    moved = socket.socket(fileno=fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD_CLOEXEC, lowest))
+    sock.close()
+    return moved
+
+
+def _child_log(msg: dict) -> None:
+    """A forked child's log record (it has no fd of our log file): into our log."""
+    level = msg.get("level")
+    logging.getLogger(str(msg.get("logger", "quark"))).log(
+        level if isinstance(level, int) else logging.WARNING, "%s", msg.get("message"))
+
+
+class ChildMixin:
+    """Reading a child's channel (part of Supervisor, core.py)."""
+
+    def _on_child_readable(self, child: _Child) -> bool:
+        """Dispatch one message; False if there was none (an exit's _drain_child read it first)."""
+        try:
+            msg, fds = channel.recv_packet(child.sock)
+        except BlockingIOError:
+            return False
+        except (channel.ChannelClosed, ConnectionResetError):
+            self.loop.remove_reader(child.sock.fileno())
+            child.on_msg(child, {"type": "eof"}, [])
+            return True
+        child.on_msg(child, msg, fds)
+        return True
+
+    def _drain_child(self, child: _Child) -> None:
+        """Dispatch what a child has left in its channel (a dead one's, up to its EOF)."""
+        if child.sock.fileno() < 0:
+            return
+        child.sock.setblocking(False)
+        while child.sock.fileno() >= 0 and self.loop.has_reader(child.sock.fileno()):
+            if not self._on_child_readable(child):
+                return

@@ -1,0 +1,186 @@
+"""Creating the container (part of Supervisor, core.py): fork the init's stage 1, put it in its
+cgroup, answer its set-up messages (id maps, the prepare message with bind sources, hooks,
+console, the /proc view, QKernel and its listener), report to the waiting `quark create`, and
+leave nothing behind if any of it fails.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+
+from qlib.errors import QuarkError, SetupError, from_kind
+from qvisor import channel, confine, hooks, rootfs, sandbox
+from qvisor import linux as L
+from qvisor.devices import cgroup_resources
+from qvisor.state import CREATED
+from qvisor.supervisor.child import _Child, _child_log
+from qvisor.supervisor.reaper import _WALL
+
+log = logging.getLogger("quark.supervisor")
+
+
+class CreateMixin:
+    """Creating the container: the init and its set-up (part of Supervisor, core.py)."""
+
+    def _create(self) -> None:
+        self.cgroup.create()
+        self.cgroup.apply(cgroup_resources(self.spec))
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            parent.close()
+            sandbox.run_child(child, lambda: sandbox.stage1(child, self.spec, self.preserve_fds))
+        child.close()
+        os.closerange(3, 3 + self.preserve_fds)   # stage 1 has them for the init: none are ours to keep
+        self.init = _Child(parent, self._on_init_msg, stage1_pid=pid)
+        # the container's stdio now live in stage 1 and the init; ours go to /dev/null so that
+        # a caller reading them sees EOF when the container, not the runtime, closes them
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+        self.cgroup.add_pid(pid)
+        channel.send(parent, {"type": "go"})
+        self.loop.add_reader(parent.fileno(), lambda: self._on_child_readable(self.init))
+
+    def _hook_state(self) -> dict:
+        return self.state.oci() | {"status": self.state.status, "pid": self.state.pid}
+
+    def _on_init_msg(self, child: _Child, msg: dict, fds: list[int]) -> None:
+        kind = msg.get("type")
+        if kind == "log":
+            return _child_log(msg)
+        if kind == "userns":
+            self._write_id_maps(child.stage1_pid)
+            channel.send(child.sock, {"type": "userns-ok"})
+        elif kind == "pid":
+            child.pid = msg["pid"]
+            self.state.pid = child.pid
+            self.state.pid_start_time = L.proc_start_time(child.pid) or 0
+            if self.caller_reaps:
+                self._watch_exit(child.pid)
+            self._start_kernel(child.pid)
+            self._send_prepare(child)
+        elif kind == "create-runtime":
+            st = self._hook_state()
+            hooks.run_hooks("prestart", self.spec.hooks.prestart, st)
+            hooks.run_hooks("createRuntime", self.spec.hooks.create_runtime, st)
+            channel.send(child.sock, {"type": "create-runtime-ok", "state": st})
+        elif kind == "console":
+            self._forward_console(fds[0], msg.get("name", ""))
+        elif kind == "procview":
+            self._serve_procview(child)
+        elif kind == "created":
+            self.state.status = CREATED
+            self.store.save(self.state)
+            self._open_control()
+            # from here on the supervisor serves the container: hold only what that needs (before
+            # the report: if this fails, create fails and leaves nothing; it costs ~1.3 ms)
+            confine.confine_supervisor(self.platform, self.spec.process.capabilities,
+                                       allow_chroot=not self.spec.linux.new_namespace("mount"))
+            self._report({"ok": True, "pid": child.pid})
+        elif kind == "listener":
+            self.kernel.serve_listener(fds[0])
+        elif kind == "error":
+            if self.ready_fd >= 0:
+                raise from_kind(msg.get("kind"), msg["error"])
+            self._start_done(from_kind(msg.get("kind"), msg["error"]))
+        elif kind == "eof":
+            if self.ready_fd >= 0:
+                raise RuntimeError("container init exited during set-up")
+            if self.pending_start is not None:
+                self._start_done(None)
+
+    def _send_prepare(self, child: _Child) -> None:
+        # in a user namespace the init is a mapped uid: bind sources are opened here, as host root
+        fds = rootfs.bind_sources(self.spec) if self.spec.linux.namespace("user") else {}
+        try:
+            if len(fds) > channel.MAX_FDS:
+                raise SetupError(f"mounts: at most {channel.MAX_FDS} bind mounts in a container with a user "
+                                 "namespace")
+            channel.send(child.sock, {"type": "prepare", "cgroup_path": self.state.cgroup_path,
+                                      "source_fds": list(fds)}, list(fds.values()))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _serve_procview(self, child: _Child) -> None:
+        """The init asks for the container's /proc view (qvisor/procview.py): serve it on our loop
+        and send the filesystem for the init to bind in, or nothing, and the container goes without."""
+        from qvisor import procview
+        try:
+            mnt = procview.serve(self.loop, self.cgroup, child.pid, self.state.pid_start_time)
+        except OSError as e:
+            log.warning("the container's /proc view is off: it sees the host's /proc/meminfo, cpuinfo, ... (%s; "
+                        "annotation %s=false skips the view)", e, procview.ANNOTATION)
+            return channel.send(child.sock, {"type": "procview-ok"})
+        try:
+            channel.send(child.sock, {"type": "procview-ok"}, [mnt])
+        finally:
+            os.close(mnt)
+
+    def _write_id_maps(self, pid: int) -> None:
+        for name, maps in (("uid_map", self.spec.linux.uid_mappings), ("gid_map", self.spec.linux.gid_mappings)):
+            text = "".join(f"{m.container_id} {m.host_id} {m.size}\n" for m in maps)
+            with open(f"/proc/{pid}/{name}", "w") as f:
+                f.write(text)
+
+    def _start_kernel(self, init_pid: int) -> None:
+        import qkernel
+        from qvisor import procview
+        ctx = qkernel.SandboxContext(container_id=self.state.id, init_pid=init_pid,
+                                     sysinfo=functools.partial(procview.sysinfo, self.cgroup, init_pid))
+        self.kernel = qkernel.Kernel(self.loop, self.platform, ctx)
+        if self.platform == "ptrace":
+            self.kernel.attach(init_pid)   # no fd installation there, so no TSoR: sockets stay native
+        elif self.kernel.can_install_fds:
+            # TSoR: register with the node's tsord (None: no tsord socket, or the host's network)
+            from tsor.sandbox import SandboxNet
+            ctx.tsor = SandboxNet.attach(self.loop, self.state.id, init_pid, self.cgroup.pids,
+                                         self.spec.annotations)
+
+    def _forward_console(self, master: int, name: str) -> None:
+        """Send the pty master to --console-socket (runc's protocol: one fd with the pty name)."""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(self.console_socket)
+                socket.send_fds(s, [name.encode() or b"/dev/ptmx"], [master])
+        finally:
+            os.close(master)
+
+    def _report(self, msg: dict) -> None:
+        """Tell the waiting `quark create` how it went; it exits on this line."""
+        try:
+            os.write(self.ready_fd, json.dumps(msg).encode() + b"\n")
+        except OSError:
+            pass
+        os.close(self.ready_fd)
+        self.ready_fd = -1
+
+    def _abort(self, error: Exception) -> None:
+        """A failed create leaves nothing: no process, no cgroup, no state directory."""
+        for pid in (self.init.pid, self.init.stage1_pid) if self.init else ():
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        try:
+            self.cgroup.kill_all(signal.SIGKILL)
+        except OSError:
+            pass
+        while True:
+            try:
+                os.waitpid(-1, _WALL)
+            except ChildProcessError:
+                break
+        try:
+            self.cgroup.destroy()
+        except Exception:
+            log.exception("destroying cgroup after failed create")
+        self.store.remove(self.state.id)
+        self._report({"error": str(error), "kind": getattr(error, "kind", QuarkError.kind)})

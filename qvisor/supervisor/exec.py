@@ -1,0 +1,102 @@
+"""Exec'd processes (part of Supervisor, core.py): fork an exec's stage 1 into the running
+container, answer its set-up messages, hand the caller its pid (and pty master), and signal it
+through the pidfd held from its start until it is reaped (its exit is reaper.py's).
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+from qlib.errors import InvalidArgument, InvalidState, NotFound, QuarkError
+from qvisor import channel, sandbox
+from qvisor import linux as L
+from qvisor.spec import parse_process
+from qvisor.state import RUNNING
+from qvisor.supervisor.child import _Child, _child_log, _numbered_from
+
+
+class ExecMixin:
+    """Exec'd processes (part of Supervisor, core.py)."""
+
+    def _exec(self, conn: socket.socket, msg: dict, fds: list[int]) -> None:
+        """Start an exec'd process; `fds` are its stdio (none with a terminal) then the caller's
+        preserved fds (msg["preserve_fds"] of them)."""
+        if self.state.status != RUNNING:
+            return self._fail(conn, InvalidState(f"cannot exec in a container in state {self.state.status}"))
+        try:
+            proc = parse_process(msg.get("process"), "process.json")
+        except Exception as e:  # noqa: BLE001 - any malformed process.json is the caller's error
+            return self._fail(conn, e if isinstance(e, QuarkError) else InvalidArgument(f"process.json: {e}"))
+        n = msg.get("preserve_fds", 0)
+        if type(n) is not int or not 0 <= n <= len(fds):
+            return self._fail(conn, InvalidArgument(f"exec: preserve_fds: {n!r} does not fit the {len(fds)} fds sent"))
+        stdio, preserved = fds[:len(fds) - n], fds[len(fds) - n:]
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        child = _numbered_from(child, 3 + n)   # the preserved fds take 3.. in the child
+        pid = os.fork()
+        if pid == 0:
+            parent.close()
+            for i, fd in enumerate(stdio):
+                os.dup2(fd, i, inheritable=True)
+            sandbox.run_child(child, lambda: sandbox.exec_stage1(child, self.state.pid, self.spec, proc, preserved))
+        child.close()
+        ex = _Child(parent, self._on_exec_msg, stage1_pid=pid, client=conn)
+        self.execs[pid] = ex
+        self.cgroup.add_pid(pid)
+        channel.send(parent, {"type": "go"})
+        self.loop.add_reader(parent.fileno(), lambda: self._on_child_readable(ex))
+
+    def _on_exec_msg(self, ex: _Child, msg: dict, fds: list[int]) -> None:
+        kind = msg.get("type")
+        if kind == "log":
+            return _child_log(msg)
+        if kind == "pid":
+            ex.pid = msg["pid"]
+            self.execs[ex.pid] = self.execs.pop(ex.stage1_pid)
+            self.exits.pop(ex.pid, None)   # kept for an earlier process with this pid: stale now
+            try:
+                ex.pidfd = L.pidfd_open(ex.pid)   # it waits for "start", so this is still our process
+            except ProcessLookupError:
+                # killed before it was told to start, and already reaped: by us (then we are in
+                # _exited for it, which finishes it) or by the manager that reaps for us
+                if self.caller_reaps:
+                    self._exited(ex.pid, 255)
+                return
+            if self.caller_reaps:
+                self._watch_exit(ex.pid)
+            if self.platform == "ptrace":
+                self.kernel.attach(ex.pid)
+            channel.send(ex.sock, {"type": "start", "platform": self.platform})
+        elif kind == "console":
+            ex.console.extend(fds)
+        elif kind == "listener":
+            self.kernel.serve_listener(fds[0])
+        elif kind in ("error", "eof"):
+            if ex.client is None:
+                return
+            if kind == "error":
+                reply = {"error": msg["error"], "kind": msg.get("kind", QuarkError.kind)}
+            elif ex.pid == 0:
+                reply = {"error": "exec: process setup failed", "kind": QuarkError.kind}
+            else:
+                reply = {"ok": True, "pid": ex.pid}
+            self._reply(ex.client, reply, ex.console)
+            for fd in ex.console:
+                os.close(fd)
+            ex.client, ex.console = None, []
+
+    def _signal(self, conn: socket.socket, pid: object, sig: object) -> None:
+        """Signal an exec'd process through the pidfd held since its start: once it is reaped its
+        pid may name another process, which the caller (the shim) cannot tell from here."""
+        if type(sig) is not int or type(pid) is not int:
+            return self._fail(conn, InvalidArgument(f"signal: pid {pid!r} and signal {sig!r} must be numbers"))
+        ex = self.execs.get(pid)
+        if ex is None or ex.pid != pid or ex.pidfd < 0:
+            return self._fail(conn, NotFound(f"process {pid} is not a running process of this container"))
+        try:
+            L.pidfd_send_signal(ex.pidfd, sig)
+        except ProcessLookupError:   # reaped by the manager that reaps for us: its exit is on the way
+            return self._fail(conn, NotFound(f"process {pid} has exited"))
+        except OSError as e:
+            return self._fail(conn, InvalidArgument(f"signal {sig}: {e.strerror}"))
+        self._reply(conn, {"ok": True})

@@ -1,0 +1,234 @@
+"""Reaping and exits (part of Supervisor, core.py): who reaps the container's processes (the
+supervisor as a child subreaper on SIGCHLD, or a runc-driving manager, then statuses come from
+pidfds), what an exit does (the init's stops the container and kills what is left in its cgroup,
+an exec's finishes it), and the bookkeeping of exits for the waits to come.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+
+from qlib.errors import NotFound, QuarkError
+from qvisor import linux as L
+from qvisor.state import STOPPED, now_rfc3339
+
+log = logging.getLogger("quark.supervisor")
+_WALL = 0x40000000  # __WALL: also wait for tasks the ptrace platform traces
+# runc-compatible managers that reap the container's init themselves (see Supervisor._choose_reaper)
+RUNC_MANAGERS = ("containerd-shim-runc", "conmon")
+REAP_WAIT_S = 10
+UNKNOWN_EXIT = 255   # the exit status of a process reaped by the caller on a kernel without PIDFD_GET_INFO
+# exits of exec'd processes kept for a wait that has not come yet (`quark exec -d` whose caller
+# never waits): bounded, so such execs cannot grow the table for the container's whole life
+MAX_KEPT_EXITS = 1024
+
+
+def exit_code(status: int) -> int:
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+class ReaperMixin:
+    """Reaping, exits and their bookkeeping (part of Supervisor, core.py)."""
+
+    def _setup_process(self) -> None:
+        self.caller_reaps = self._choose_reaper()
+        if not self.caller_reaps:
+            L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_IGN)
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.loop.add_reader(r, lambda: (self._drain(r), self._reap()))
+
+    def _choose_reaper(self) -> bool:
+        """Who becomes the parent of the container's processes.
+
+        By default the supervisor (a child subreaper) does, and reaps them. A manager that drives
+        quark as a runc-compatible binary (containerd's runc shim with BinaryName, conmon) is a
+        child subreaper itself and waits for the init it was told about in --pid-file, as it does
+        with runc: then the container's processes go to it (the supervisor is no subreaper, so
+        they are re-parented past it when their first stage exits), and the supervisor learns
+        their exit statuses from their pidfds once the manager has reaped them (qvisor/pidfs.py).
+        QUARK_INIT_REAPER=caller|supervisor overrides the choice."""
+        from qvisor import pidfs
+        deadline = time.monotonic() + 1.0
+        while self.launcher_pid and os.getppid() == self.launcher_pid and time.monotonic() < deadline:
+            time.sleep(0.0002)   # the launcher exits right after forking us
+        choice = os.environ.get("QUARK_INIT_REAPER", "")
+        if choice == "supervisor":
+            return False
+        adopter = os.getppid()
+        if choice != "caller":
+            if adopter in (0, 1):
+                return False   # nobody adopts orphans above us
+            try:
+                name = os.path.basename(os.readlink(f"/proc/{adopter}/exe"))
+            except OSError:
+                return False
+            if not name.startswith(RUNC_MANAGERS):
+                return False
+        # Before Linux 6.15 (no PIDFD_GET_INFO) the caller still reaps, as it must to learn the exits
+        # it waits for, and the supervisor learns only that a process ended (its pidfd turns readable).
+        self.exit_statuses = pidfs.supported()
+        if not self.exit_statuses:
+            log.info("this kernel cannot report exit statuses through pidfds (Linux 6.15+): the caller "
+                     "has them; quark records %d for each", UNKNOWN_EXIT)
+        log.info("the container's processes go to pid %d, which reaps them", adopter)
+        return True
+
+    def _watch_exit(self, pid: int) -> None:
+        """(caller reaps) Learn when `pid` exits and, once reaped by its parent, its status."""
+        try:
+            fd = L.pidfd_open(pid)
+        except OSError:
+            return self._exited(pid, 255)   # already gone and reaped: the status is lost
+        self.loop.add_reader(fd, lambda: self._pidfd_readable(pid, fd, time.monotonic()))
+
+    def _pidfd_readable(self, pid: int, fd: int, since: float) -> None:
+        from qvisor import pidfs
+        if not self.exit_statuses:   # an old kernel: the process ended, its status is the reaper's
+            self.loop.remove_reader(fd)
+            os.close(fd)
+            if self._running(pid):
+                self._exited(pid, UNKNOWN_EXIT)
+            return
+        status = pidfs.exit_status(fd)
+        if status is None:   # exited, not reaped yet: the pidfd stays readable, so look again later
+            self.loop.remove_reader(fd)
+            if time.monotonic() - since > REAP_WAIT_S:
+                log.warning("process %d exited but its parent did not reap it in %ds", pid, REAP_WAIT_S)
+                os.close(fd)
+                if self._running(pid):
+                    self._exited(pid, 255)
+                return
+            self.loop.call_later(0.002, lambda: self._pidfd_readable(pid, fd, since))
+            return
+        if self.loop.has_reader(fd):
+            self.loop.remove_reader(fd)
+        os.close(fd)
+        if self._running(pid):   # the ptrace platform may have seen the exit first
+            self._exited(pid, exit_code(status))
+
+    @staticmethod
+    def _drain(fd: int) -> None:
+        try:
+            while os.read(fd, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    # ---- exits -------------------------------------------------------------------------------
+
+    def _wait(self, conn: socket.socket, pid: int) -> None:
+        """Answer with `pid`'s exit once it has one. The init's stays in the state for every wait;
+        an exec'd process's goes to the waits that are there when it exits, else to the first
+        one that comes (the shim's, right after `quark exec -d`), and is then forgotten."""
+        if pid == self.state.pid and self.state.status == STOPPED:
+            return self._reply(conn, _exit_reply(pid, self.state.exit_status, self.state.exited_at))
+        if pid in self.exits:
+            return self._reply(conn, _exit_reply(pid, *self.exits.pop(pid)))
+        if not self._running(pid):
+            return self._fail(conn, NotFound(f"process {pid} is not a running process of this container "
+                                             "(or its exit status was collected already)"))
+        self.waiters.setdefault(pid, []).append(conn)
+
+    def _running(self, pid: int) -> bool:
+        """Whether `pid` is the container's init or an exec'd process, not yet reaped."""
+        if pid == self.state.pid:
+            return self.state.status != STOPPED
+        ex = self.execs.get(pid)
+        return ex is not None and ex.pid == pid
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG | _WALL)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if self.kernel is not None and self.kernel.on_child_status(pid, status):
+                continue
+            if os.WIFSTOPPED(status):
+                continue
+            self._exited(pid, exit_code(status))
+
+    def _kill_rest(self) -> None:
+        """Kill what is left in the cgroup without holding the loop: freezing can take seconds to
+        settle, so each step of the kill runs on a timer (trapped syscalls and requests of the
+        remaining processes are served meanwhile)."""
+        steps = self.cgroup.kill_steps(signal.SIGKILL)
+        self.killing = True
+
+        def step() -> None:
+            try:
+                pause = next(steps)
+            except StopIteration:
+                self.killing = False
+                return
+            except (OSError, QuarkError) as e:
+                log.warning("killing the container's remaining processes: %s", e)
+                self.killing = False
+                return
+            self.loop.call_later(pause, step)
+        step()
+
+    def _exited(self, pid: int, code: int) -> None:
+        at = now_rfc3339()
+        if self.init is not None and pid == self.init.pid:
+            log.info("init %d exited with %d", pid, code)
+            self._drain_child(self.init)  # its last words (an error) come before the exit
+            if self.ready_fd >= 0:
+                raise RuntimeError(f"container init exited with status {code} during set-up")
+            self.state.status = STOPPED
+            self.state.exit_status, self.state.exited_at = code, at
+            self.store.save(self.state)
+            if self.pending_start is not None:
+                self._start_done(QuarkError(f"container process exited with status {code} before it started"))
+            # processes left in a container that shares the host pid namespace die with its init
+            self._kill_rest()
+        elif pid in self.execs and self.execs[pid].pid == pid:
+            ex = self.execs.pop(pid)
+            self._drain_child(ex)
+            ex.sock.close()
+            if ex.pidfd >= 0:
+                os.close(ex.pidfd)
+            if not self.waiters.get(pid):
+                self._keep_exit(pid, code, at)
+        elif pid in self.execs and self.execs[pid].pid == 0:
+            # an exec's stage 1: its "pid" message may still be queued; if it never forked the
+            # process (setns or fork failed), the exec is over and must not keep us alive
+            ex = self.execs[pid]
+            self._drain_child(ex)
+            if ex.pid == 0:
+                del self.execs[pid]
+                if ex.client is not None:
+                    self._on_exec_msg(ex, {"type": "eof"}, [])
+                ex.sock.close()
+        else:
+            # not a process we know: a stage 1 whose process was reported, an orphan the container
+            # left us. Or an exec'd process whose "pid" message is still queued (stage 1 sends it
+            # before it exits, and only then does its process become our child): read those first.
+            pending = [ex for ex in self.execs.values() if ex.pid == 0]
+            for ex in pending:
+                self._drain_child(ex)
+            if any(ex.pid == pid for ex in pending):
+                return self._exited(pid, code)
+        for conn in self.waiters.pop(pid, []):
+            self._reply(conn, _exit_reply(pid, code, at))
+
+    def _keep_exit(self, pid: int, code: int, at: str) -> None:
+        """Keep an exec'd process's exit for the wait still to come, at most MAX_KEPT_EXITS."""
+        if len(self.exits) >= MAX_KEPT_EXITS:
+            oldest = next(iter(self.exits))
+            del self.exits[oldest]
+            log.warning("forgetting the exit status of process %d: no one waited for it", oldest)
+        self.exits[pid] = (code, at)
+
+
+def _exit_reply(pid: int, code: int | None, at: str | None) -> dict:
+    return {"pid": pid, "exit_status": code, "exited_at": at}

@@ -1,0 +1,90 @@
+"""The packages' import graph: qlib is the base every package may import and which imports none of
+them; qvisor (the runtime) sits on top of qkernel and tsor, which never reach back into it; tsor
+runs without qkernel; and no two packages import each other, however indirectly.
+
+Every import counts, at module level or inside a function (a lazy import is still a dependency)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("qlib", "qvisor", "qkernel", "tsor", "shim", "cni")
+
+
+def _module_of(path: Path) -> list[str]:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def _imported(path: Path) -> set[str]:
+    """The absolute names of every module `path` imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module = _module_of(path)
+    package = module if path.name == "__init__.py" else module[:-1]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.add(name)
+    return out
+
+
+def edges() -> dict[tuple[str, str], list[str]]:
+    """(importer package, imported package) -> the files that make the edge."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for name in _imported(path):
+                target = name.split(".")[0]
+                where = str(path.relative_to(ROOT))
+                if target in PACKAGES and target != pkg and where not in found.get((pkg, target), []):
+                    found.setdefault((pkg, target), []).append(where)
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}   # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:   # back to a package on the current path: a cycle
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
+def test_every_package_is_seen() -> None:
+    # guards the walk itself: these edges exist by design, so a parser that saw nothing would fail here
+    found = edges()
+    assert ("qvisor", "qlib") in found and ("qvisor", "qkernel") in found and ("shim", "qvisor") in found
+
+
+def test_no_cycle_between_packages() -> None:
+    graph: dict[str, set[str]] = {}
+    for src, dst in edges():
+        graph.setdefault(src, set()).add(dst)
+    cycle = _cycle(graph)
+    assert cycle is None, f"packages import each other: {' -> '.join(cycle or [])} ({edges()})"
+
+
+def test_layering() -> None:
+    forbidden = [("qlib", other) for other in PACKAGES if other != "qlib"]
+    forbidden += [(pkg, "qvisor") for pkg in ("qkernel", "tsor", "qlib")] + [("tsor", "qkernel")]
+    found = edges()
+    broken = {edge: found[edge] for edge in forbidden if edge in found}
+    assert not broken, f"imports against the layering (importer, imported): files: {broken}"
