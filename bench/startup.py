@@ -9,7 +9,6 @@ Usage: python bench/startup.py [--runs 50] [--ctr-runs 20] [--sandboxes 10] [--n
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import select
@@ -22,7 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qvisor.linux import parent_pid  # noqa: E402
+from qlib import linux as L
+from qlib.procfs import parent_pid  # noqa: E402
 from tests.cleanup import quark_cgroup_dirs, remove_empty_since  # noqa: E402
 from tests.support.busybox import make_bundle  # noqa: E402
 
@@ -136,8 +136,7 @@ def main() -> int:
     ap.add_argument("--sandboxes", type=int, default=10, help="for the supervisor memory figure")
     ap.add_argument("--no-containerd", action="store_true")
     a = ap.parse_args()
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER: runc's orphaned inits come to us
+    L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)   # runc's orphaned inits come to us
     work = tempfile.mkdtemp(prefix="quark-bench-")
     result: dict = {"command": "python bench/startup.py " + " ".join(sys.argv[1:])}
     cgroups_before = quark_cgroup_dirs()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 from qkernel.errors import UnknownPlatform
+from qlib.errors import ConfigError
 
 PLATFORMS = ("seccomp", "ptrace")
 DEFAULT_PLATFORM = "seccomp"
@@ -26,16 +27,22 @@ def load_platform(cli_value: str | None, config_path: str = CONFIG_PATH) -> str:
 
 
 def _config_value(path: str, key: str) -> str | None:
-    """A top-level `key: value` from the config file. Only that subset of YAML is read, so the
-    runtime does not depend on a YAML library for one scalar."""
+    """A top-level `key: value` from the config file (YAML; an absent file or key is None)."""
     if not os.path.exists(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.split("#", 1)[0].rstrip()
-            if not line or line[0].isspace() or ":" not in line:
-                continue
-            k, v = (part.strip() for part in line.split(":", 1))
-            if k == key:
-                return v.strip("'\"")
-    return None
+    # imported here, not at the top: the CLI's create path imports this module and reads the file
+    # only when --platform is not given, and yaml costs ~25 ms of start-up that nothing else there pays
+    import yaml
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(path, "", e.strerror or str(e)) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(path, "", f"not valid YAML: {e}") from None
+    if raw is None:
+        return None   # an empty file (or only comments)
+    if not isinstance(raw, dict):
+        raise ConfigError(path, "", "expected a mapping at the top level")
+    value = raw.get(key)
+    return None if value is None else str(value)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import errno
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from qkernel import table
+from qkernel.config import check_platform
 from qkernel.errors import MemoryFault, TaskGone
 from qkernel.request import Answer, Continue, Deferred, Errno, Request
-
-if TYPE_CHECKING:
-    from tsor.sandbox import SandboxNet
+from qkernel.seccomp_platform import SeccompPlatform
+from qkernel.sockets import SocketHooks
 
 log = logging.getLogger("quark.qkernel")
 
@@ -33,13 +33,13 @@ class SandboxContext:
     # What the container's resources look like (the runtime's /proc view supplies it: qvisor/procview.py);
     # None: sysinfo(2) answers the host's figures.
     sysinfo: SysinfoFigures | None = None
-    # The sandbox's TSoR state and tsord connection (tsor/sandbox.py); None: every socket is native.
-    tsor: "SandboxNet | None" = None
+    # What the socket handlers ask (qkernel/sockets.py): TSoR's interception for a sandbox registered
+    # with tsord (tsor/intercept.py); None: every socket is native.
+    tsor: SocketHooks | None = None
 
 
 class Kernel:
     def __init__(self, loop, platform: str, context: SandboxContext) -> None:
-        from qkernel.config import check_platform
         check_platform(platform)
         self.loop = loop
         self.context = context
@@ -49,9 +49,9 @@ class Kernel:
         self._pending: list[Request] = []
         self._polling = False
         if platform == "seccomp":
-            from qkernel.seccomp_platform import SeccompPlatform
             self._platform = SeccompPlatform(self)
         else:
+            # imported only when chosen: python-ptrace costs start-up time every sandbox would pay
             from qkernel.ptrace_platform import PtracePlatform
             self._platform = PtracePlatform(self)
 
@@ -97,7 +97,7 @@ class Kernel:
                 self._pending.append(req)
                 self._schedule_poll()
             return
-        self._finish(req, answer)
+        self.finish(req, answer)
 
     @staticmethod
     def _failed(req: Request) -> Answer:
@@ -111,7 +111,8 @@ class Kernel:
         log.exception("handler for %s from pid %d failed; the call fails with ENOSYS", req.name, req.pid)
         return Errno(errno.ENOSYS)
 
-    def _finish(self, req: Request, answer: Answer) -> None:
+    def finish(self, req: Request, answer: Answer) -> None:
+        """Answer `req` (now, or when a deferred answer completes) and forget it."""
         if req in self._pending:
             self._pending.remove(req)
         req.release()

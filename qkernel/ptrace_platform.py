@@ -11,15 +11,18 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ptrace.binding import func as pt
 from ptrace.error import PtraceError
 
 from qkernel.errors import QuarkError
-from qkernel.kernel import Kernel
 from qkernel.policy import TRACE_DATA
 from qkernel.request import Answer, Continue, Request, Return
 from qlib import procfs
+
+if TYPE_CHECKING:   # the kernel creates its platform; a platform only talks back to it
+    from qkernel.kernel import Kernel
 
 log = logging.getLogger("quark.qkernel")
 

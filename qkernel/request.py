@@ -136,7 +136,7 @@ class Deferred:
                 answer.discard()   # never install an fd for an abandoned request
             return
         self.done = True
-        self.request.kernel._finish(self.request, answer)
+        self.request.kernel.finish(self.request, answer)
 
     def on_cancel(self, callback: Callable[[], None]) -> None:
         self._on_cancel.append(callback)

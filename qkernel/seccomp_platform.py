@@ -6,11 +6,14 @@ import errno
 import logging
 import os
 import select
+from typing import TYPE_CHECKING
 
 from qkernel import seccomp_notify as sn
 from qkernel.errors import QuarkError
-from qkernel.kernel import Kernel
 from qkernel.request import Answer, Continue, Errno, InstallFd, Request, Return
+
+if TYPE_CHECKING:   # the kernel creates its platform; a platform only talks back to it
+    from qkernel.kernel import Kernel
 
 log = logging.getLogger("quark.qkernel")
 

@@ -101,3 +101,22 @@ def parent_pid(pid: Pid) -> int | None:
         return int(status(pid)["PPid"])
     except (OSError, KeyError, ValueError):
         return None
+
+
+def start_time(pid: Pid) -> int | None:
+    """Field 22 of /proc/PID/stat: tells a live pid from a reused one. None if the pid is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # comm may contain spaces and parentheses: split after the last ')'
+    fields = data[data.rindex(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def permitted_caps(pid: Pid = "self") -> int:
+    """The permitted capability set of `pid`, as a mask (capset may not add to it)."""
+    return int(status(pid).get("CapPrm", "0"), 16)

@@ -33,7 +33,8 @@ import errno
 import logging
 import os
 
-from qvisor import linux as L
+from qlib import linux as L
+from qlib import procfs
 from qvisor.spec import CAPABILITIES, Capabilities
 
 log = logging.getLogger("quark.confine")
@@ -78,7 +79,7 @@ def drop_capabilities(keep: set[str]) -> int:
         bit = CAPABILITIES.get(name)
         if bit is not None and bit <= last:
             mask |= 1 << bit
-    mask &= L.permitted_caps()   # a capability the host already withheld cannot be kept
+    mask &= procfs.permitted_caps()   # a capability the host already withheld cannot be kept
     for bit in range(last + 1):
         if not mask & (1 << bit):
             L.prctl(L.PR_CAPBSET_DROP, bit)

@@ -13,9 +13,10 @@ import shutil
 import signal
 import time
 
+from qlib import linux as L
+from qlib import procfs
 from qlib.errors import InvalidArgument, InvalidState, NotFound, QuarkError, SupervisorGone, from_kind
 from qvisor import cgroups, channel
-from qvisor import linux as L
 from qvisor.client import Connection
 from qvisor.state import (
     CREATED,
@@ -207,7 +208,7 @@ def kill_exec(root: str, container_id: str, pid: int, sig: int) -> None:
 def _wait_stopped(store: StateStore, st: ContainerState, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        sup_alive = st.supervisor_pid and L.proc_start_time(st.supervisor_pid) is not None \
+        sup_alive = st.supervisor_pid and procfs.start_time(st.supervisor_pid) is not None \
             and os.path.exists(store.path(st.id, SOCK_NAME))
         if not init_alive(st) and not sup_alive:
             return

@@ -7,47 +7,26 @@ symlink swapped after the check cannot redirect the mount (the CVE-2021-30465 cl
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import stat
 
-from qlib import syscalls
+from qlib import linux as L
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-_SYS_OPENAT2 = syscalls.number("openat2")
-RESOLVE_NO_MAGICLINKS = 0x02
-RESOLVE_NO_SYMLINKS = 0x04
-RESOLVE_BENEATH = 0x08
-RESOLVE_IN_ROOT = 0x10
 _MAX_RETRIES = 40   # symlinks followed plus entries that changed under us, as the kernel's MAXSYMLINKS
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
 def open_in_root(root_fd: int, path: str, flags: int = os.O_PATH, mode: int = 0) -> int:
     """openat2 of `path` with `root_fd` as the root for symlinks and '..'."""
-    how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
-    rel = os.fsencode(path.lstrip("/") or ".")
-    fd = _libc.syscall(_SYS_OPENAT2, ctypes.c_int(root_fd), rel, ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return fd
+    try:
+        return L.openat2(root_fd, path.lstrip("/") or ".", flags, mode, L.RESOLVE_IN_ROOT | L.RESOLVE_NO_MAGICLINKS)
+    except OSError as e:   # name the path as the caller gave it
+        raise OSError(e.errno, os.strerror(e.errno), path) from None
 
 
 def _open_child(dir_fd: int, name: str) -> int:
     """O_PATH fd of the entry `name` of `dir_fd`, following nothing: ELOOP if it is a symlink."""
-    how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(_SYS_OPENAT2, ctypes.c_int(dir_fd), os.fsencode(name), ctypes.byref(how),
-                       ctypes.c_size_t(ctypes.sizeof(how)))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), name)
-    return fd
+    return L.openat2(dir_fd, name, os.O_PATH, 0, L.RESOLVE_BENEATH | L.RESOLVE_NO_SYMLINKS | L.RESOLVE_NO_MAGICLINKS)
 
 
 def ensure_in_root(root_fd: int, path: str, is_dir: bool, mode: int = 0o755) -> int:

@@ -16,8 +16,9 @@ import signal
 import stat
 from typing import Callable
 
+from qlib import linux as L
+from qlib import procfs
 from qlib.errors import SetupError
-from qvisor import linux as L
 from qvisor import paths, trampoline
 from qvisor.spec import CAPABILITIES, RLIMITS, Capabilities, Process
 
@@ -76,7 +77,7 @@ def _switch_user(proc: Process) -> None:
 def _not_held(names: list[str], last: int) -> list[str]:
     """Those of `names` outside this process's permitted set (capset may not add them)."""
     try:
-        held = L.permitted_caps()
+        held = procfs.permitted_caps()
     except (OSError, ValueError):
         return []
     return sorted({n for n in names if n in CAPABILITIES and CAPABILITIES[n] <= last

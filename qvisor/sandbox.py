@@ -19,9 +19,9 @@ import termios
 import traceback
 from typing import Callable, Iterable, NoReturn
 
+from qlib import linux as L
 from qlib.errors import QuarkError, SetupError
 from qvisor import channel, hooks, process, rootfs
-from qvisor import linux as L
 from qvisor.spec import PROC_NS_NAMES, Process, Spec, sysctl_key
 
 NS_FLAGS = {"user": L.CLONE_NEWUSER, "mount": L.CLONE_NEWNS, "pid": L.CLONE_NEWPID, "network": L.CLONE_NEWNET,

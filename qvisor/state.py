@@ -14,8 +14,8 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+from qlib import procfs
 from qlib.errors import ContainerExists, ContainerNotFound, QuarkError
-from qvisor import linux
 
 OCI_VERSION = "1.0.2"
 _VALID_ID = re.compile(r"^[\w+\-.]+$")
@@ -115,7 +115,7 @@ class StateStore:
 
 
 def init_alive(st: ContainerState) -> bool:
-    return st.pid > 0 and linux.proc_start_time(st.pid) == st.pid_start_time
+    return st.pid > 0 and procfs.start_time(st.pid) == st.pid_start_time
 
 
 def derive_status(st: ContainerState) -> str:

@@ -5,6 +5,9 @@ are children of quark's supervisor, not of the shim, so exits come from one wait
 supervisor per process, watched from a thread; a Wait call holds no thread (see wait), and a
 Kill for an exec'd process goes through the supervisor (see kill). Events keep containerd's
 order: an exit that races a start is held back until TaskStart is queued.
+
+The process records, their lookups and the exit bookkeeping are in shim/processes.py
+(ProcessTable, which TaskService extends); this module holds the RPC handlers.
 """
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 from google.protobuf import empty_pb2
 from google.protobuf.message import Message
@@ -23,6 +25,7 @@ from shim import metrics, mount, oom, paths
 from shim.pb import events_task_pb2 as ev
 from shim.pb import shim_pb2 as pb
 from shim.pb import types_task_pb2 as types
+from shim.processes import Container, Process, ProcessTable, remove_file, wait_response
 from shim.runtime import Exit, Quark, now, read_pid
 from shim.stdio import ProcessIO
 from shim.ttrpc import Code, Method, RpcError, Server
@@ -30,45 +33,10 @@ from shim.ttrpc import Code, Method, RpcError, Server
 log = logging.getLogger("quark.shim.service")
 
 SERVICE = "containerd.task.v2.Task"
-OUTPUT_DRAIN_S = 2.0
 FORCED_DELETE_EXIT_WAIT_S = 10.0
 
 
-@dataclass
-class Process:
-    container_id: str
-    exec_id: str  # "" for the container's init
-    stdin: str
-    stdout: str
-    stderr: str
-    terminal: bool
-    spec: bytes = b""  # an exec'd process's OCI process JSON
-    pid: int = 0
-    status: int = types.CREATED
-    exit: Exit | None = None
-    io: ProcessIO | None = None
-    starting: bool = False
-    pending_exit: Exit | None = None
-    exited: threading.Event = field(default_factory=threading.Event)
-    waiters: set[Future] = field(default_factory=set)  # Wait calls answered when it exits
-
-    @property
-    def name(self) -> str:
-        """The process id containerd uses in events: the container id for the init."""
-        return self.exec_id or self.container_id
-
-
-@dataclass
-class Container:
-    id: str
-    bundle: str
-    init: Process
-    rootfs_mounted: bool = False
-    execs: dict[str, Process] = field(default_factory=dict)
-    oom_stop: threading.Event = field(default_factory=threading.Event)
-
-
-class TaskService:
+class TaskService(ProcessTable):
     def __init__(self, quark: Quark, publish: Callable[[Message], None], namespace: str,
                  on_shutdown: Callable[[], None]) -> None:
         self.quark = quark
@@ -93,25 +61,6 @@ class TaskService:
         }.items():
             server.register(SERVICE, name, Method(req_type, lambda req, _md, h=handler: h(req),
                                                   deferred=handler == self.wait))
-
-    # lookups
-
-    def _container(self, cid: str) -> Container:
-        with self.lock:
-            c = self.containers.get(cid)
-        if c is None:
-            raise RpcError(Code.NOT_FOUND, f"container {cid!r} not found")
-        return c
-
-    def _process(self, cid: str, exec_id: str) -> tuple[Container, Process]:
-        c = self._container(cid)
-        if not exec_id:
-            return c, c.init
-        with self.lock:
-            p = c.execs.get(exec_id)
-        if p is None:
-            raise RpcError(Code.NOT_FOUND, f"process {exec_id!r} of container {cid!r} not found")
-        return c, p
 
     # lifecycle
 
@@ -211,53 +160,13 @@ class TaskService:
             raise
         finally:
             for path in (spec_path, pid_file, log_path):
-                _remove(path)
+                remove_file(path)
         with self.lock:
             p.io, p.pid, p.status = io, pid, types.RUNNING
             self.publish(ev.TaskExecStarted(container_id=c.id, exec_id=p.exec_id, pid=pid))
             p.starting = False
         self._watch(c, p)
         return pb.StartResponse(pid=pid)
-
-    def _watch(self, c: Container, p: Process) -> None:
-        threading.Thread(target=self._wait_exit, args=(c, p), daemon=True, name=f"wait-{p.name}").start()
-
-    def _wait_exit(self, c: Container, p: Process) -> None:
-        try:
-            exit_ = self.quark.wait(c.id, p.pid if p.exec_id else None)
-        except RpcError as e:
-            # quark can no longer tell how it ended (its state is gone): report it as killed
-            log.error("quark wait for %s/%s failed: %s", c.id, p.name, e)
-            exit_ = Exit(p.pid, 128 + 9, now())
-        if p.io is not None:
-            p.io.wait_output(OUTPUT_DRAIN_S)
-        with self.lock:
-            if p.starting:
-                p.pending_exit = exit_
-                return
-        self._record_exit(c, p, exit_)
-
-    def _flush_pending_exit(self, c: Container, p: Process) -> None:
-        with self.lock:
-            exit_, p.pending_exit = p.pending_exit, None
-        if exit_ is not None:
-            self._record_exit(c, p, exit_)
-
-    def _record_exit(self, c: Container, p: Process, exit_: Exit) -> None:
-        with self.lock:
-            if p.exit is not None:
-                return
-            p.exit = exit_
-            p.status = types.STOPPED
-            if p.io is not None:
-                p.io.close_stdin()
-            self.publish(ev.TaskExit(container_id=c.id, id=p.name, pid=exit_.pid or p.pid,
-                                     exit_status=exit_.status, exited_at=exit_.exited_at))
-            p.exited.set()
-            waiters, p.waiters = p.waiters, set()
-        for answer in waiters:   # outside the lock: answering writes to containerd's connection
-            if answer.set_running_or_notify_cancel():
-                answer.set_result(_wait_response(exit_))
 
     def delete(self, req: pb.DeleteRequest) -> pb.DeleteResponse:
         c, p = self._process(req.id, req.exec_id)
@@ -276,7 +185,7 @@ class TaskService:
         except RpcError as e:
             if e.code != Code.NOT_FOUND:
                 raise
-        _remove(os.path.join(c.bundle, paths.INIT_PID))  # tells `shim delete` quark has nothing left
+        remove_file(os.path.join(c.bundle, paths.INIT_PID))  # tells `shim delete` quark has nothing left
         if never_started and not p.exited.wait(FORCED_DELETE_EXIT_WAIT_S):
             self._record_exit(c, p, Exit(p.pid, 128 + 9, now()))
         c.oom_stop.set()
@@ -313,7 +222,7 @@ class TaskService:
                 answer.add_done_callback(lambda f: self._forget_waiter(p, f))
                 return answer
             exit_ = p.exit
-        answer.set_result(_wait_response(exit_))
+        answer.set_result(wait_response(exit_))
         return answer
 
     def _forget_waiter(self, p: Process, answer: Future) -> None:
@@ -425,15 +334,4 @@ class TaskService:
                 return empty_pb2.Empty()
         self.on_shutdown()
         return empty_pb2.Empty()
-
-
-def _wait_response(exit_: Exit) -> pb.WaitResponse:
-    return pb.WaitResponse(exit_status=exit_.status, exited_at=exit_.exited_at)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 

@@ -1,48 +1,16 @@
-"""The few kernel calls TSoR needs that Python's os and socket modules lack, and the /proc readers
-that tell which addresses a network namespace holds. Everything else in tsor/ is plain Python."""
+"""TSoR's own kernel-facing helpers: a socket made in another network namespace, and the /proc
+readers that tell which sockets a task holds and which addresses a network namespace has. The
+Linux calls themselves (setns, pidfds) are qlib.linux's. Everything else in tsor/ is plain Python."""
 from __future__ import annotations
 
-import ctypes
 import ipaddress
 import os
 import socket
 import struct
 from typing import Iterator
 
-from qlib import procfs, syscalls
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-_SYS_SETNS = syscalls.number("setns")
-_SYS_PIDFD_OPEN = syscalls.number("pidfd_open")
-_SYS_PIDFD_GETFD = syscalls.number("pidfd_getfd")
-_PIDFD_THREAD = os.O_EXCL   # pidfd of a thread, not only of a thread-group leader (Linux 6.9)
-CLONE_NEWNET = 0x40000000
-
-
-def _check(ret: int, what: str) -> int:
-    if ret < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"{what}: {os.strerror(e)}")
-    return ret
-
-
-def pidfd_open(tid: int) -> int:
-    """A pidfd for `tid`, which may be any thread of a process (the trapped task is a thread)."""
-    ret = _libc.syscall(_SYS_PIDFD_OPEN, ctypes.c_int(tid), ctypes.c_uint(_PIDFD_THREAD))
-    if ret < 0 and ctypes.get_errno() == 22:    # EINVAL: older kernel, leaders only
-        ret = _libc.syscall(_SYS_PIDFD_OPEN, ctypes.c_int(tid), ctypes.c_uint(0))
-    return _check(ret, "pidfd_open")
-
-
-def pidfd_getfd(pidfd: int, fd: int) -> int:
-    """Our own duplicate of the task's `fd` (same open file description), close-on-exec."""
-    return _check(_libc.syscall(_SYS_PIDFD_GETFD, ctypes.c_int(pidfd), ctypes.c_int(fd),
-                                ctypes.c_uint(0)), "pidfd_getfd")
-
-
-def setns(fd: int, nstype: int) -> None:
-    _check(_libc.syscall(_SYS_SETNS, ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
+from qlib import procfs
+from qlib.linux import CLONE_NEWNET, setns
 
 
 def socket_in_netns(netns_fd: int, family: int) -> socket.socket:

@@ -5,32 +5,14 @@ its /proc/meminfo, uptime as its /proc/uptime, procs its threads, loads its /pro
 the view is served — so that free(1), which reads both, adds up. The rest comes from the real sysinfo."""
 from __future__ import annotations
 
-import ctypes
 from typing import TYPE_CHECKING
 
 from qkernel.request import Request, Return
+from qlib import linux as L
+from qlib.linux import Sysinfo
 
 if TYPE_CHECKING:   # kernel.py imports the handler table, which imports this module
     from qkernel.kernel import SysinfoFigures
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-class Sysinfo(ctypes.Structure):
-    _fields_ = [("uptime", ctypes.c_long), ("loads", ctypes.c_ulong * 3),
-                ("totalram", ctypes.c_ulong), ("freeram", ctypes.c_ulong),
-                ("sharedram", ctypes.c_ulong), ("bufferram", ctypes.c_ulong),
-                ("totalswap", ctypes.c_ulong), ("freeswap", ctypes.c_ulong),
-                ("procs", ctypes.c_ushort), ("pad", ctypes.c_ushort),
-                ("totalhigh", ctypes.c_ulong), ("freehigh", ctypes.c_ulong),
-                ("mem_unit", ctypes.c_uint)]
-
-
-def host_sysinfo() -> Sysinfo:
-    info = Sysinfo()
-    if _libc.sysinfo(ctypes.byref(info)) != 0:
-        raise OSError(ctypes.get_errno(), "sysinfo")
-    return info
 
 
 def _in_bytes(info: Sysinfo) -> Sysinfo:
@@ -54,7 +36,7 @@ def _set(info: Sysinfo, figures: dict) -> Sysinfo:
 
 def sandbox_sysinfo(figures: SysinfoFigures | None) -> Sysinfo:
     """The host's sysinfo in bytes (mem_unit 1) with the container's `figures` over it."""
-    info = _in_bytes(host_sysinfo())
+    info = _in_bytes(L.sysinfo())
     if figures is None:
         return info
     host = {"MemTotal": info.totalram // 1024, "SwapTotal": info.totalswap // 1024, "SwapFree": info.freeswap // 1024}

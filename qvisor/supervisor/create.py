@@ -14,7 +14,7 @@ import socket
 
 from qlib.errors import QuarkError, SetupError, from_kind
 from qvisor import channel, confine, hooks, rootfs, sandbox
-from qvisor import linux as L
+from qlib import procfs
 from qvisor.devices import cgroup_resources
 from qvisor.state import CREATED
 from qvisor.supervisor.child import _Child, _child_log
@@ -60,7 +60,7 @@ class CreateMixin:
         elif kind == "pid":
             child.pid = msg["pid"]
             self.state.pid = child.pid
-            self.state.pid_start_time = L.proc_start_time(child.pid) or 0
+            self.state.pid_start_time = procfs.start_time(child.pid) or 0
             if self.caller_reaps:
                 self._watch_exit(child.pid)
             self._start_kernel(child.pid)
@@ -139,9 +139,9 @@ class CreateMixin:
             self.kernel.attach(init_pid)   # no fd installation there, so no TSoR: sockets stay native
         elif self.kernel.can_install_fds:
             # TSoR: register with the node's tsord (None: no tsord socket, or the host's network)
-            from tsor.sandbox import SandboxNet
-            ctx.tsor = SandboxNet.attach(self.loop, self.state.id, init_pid, self.cgroup.pids,
-                                         self.spec.annotations)
+            from tsor.intercept import SocketIntercept
+            ctx.tsor = SocketIntercept.attach(self.loop, self.state.id, init_pid, self.cgroup.pids,
+                                              self.spec.annotations)
 
     def _forward_console(self, master: int, name: str) -> None:
         """Send the pty master to --console-socket (runc's protocol: one fd with the pty name)."""

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import socket
 
+from qlib import linux as L
 from qlib.errors import InvalidArgument, InvalidState, NotFound, QuarkError
 from qvisor import channel, sandbox
-from qvisor import linux as L
 from qvisor.spec import parse_process
 from qvisor.state import RUNNING
 from qvisor.supervisor.child import _Child, _child_log, _numbered_from

@@ -11,8 +11,8 @@ import signal
 import socket
 import time
 
+from qlib import linux as L
 from qlib.errors import NotFound, QuarkError
-from qvisor import linux as L
 from qvisor.state import STOPPED, now_rfc3339
 
 log = logging.getLogger("quark.supervisor")
@@ -52,9 +52,8 @@ class ReaperMixin:
         child subreaper itself and waits for the init it was told about in --pid-file, as it does
         with runc: then the container's processes go to it (the supervisor is no subreaper, so
         they are re-parented past it when their first stage exits), and the supervisor learns
-        their exit statuses from their pidfds once the manager has reaped them (qvisor/pidfs.py).
+        their exit statuses from their pidfds once the manager has reaped them (PIDFD_GET_INFO, qlib/linux.py).
         QUARK_INIT_REAPER=caller|supervisor overrides the choice."""
-        from qvisor import pidfs
         deadline = time.monotonic() + 1.0
         while self.launcher_pid and os.getppid() == self.launcher_pid and time.monotonic() < deadline:
             time.sleep(0.0002)   # the launcher exits right after forking us
@@ -73,7 +72,7 @@ class ReaperMixin:
                 return False
         # Before Linux 6.15 (no PIDFD_GET_INFO) the caller still reaps, as it must to learn the exits
         # it waits for, and the supervisor learns only that a process ended (its pidfd turns readable).
-        self.exit_statuses = pidfs.supported()
+        self.exit_statuses = L.pidfd_exit_status_supported()
         if not self.exit_statuses:
             log.info("this kernel cannot report exit statuses through pidfds (Linux 6.15+): the caller "
                      "has them; quark records %d for each", UNKNOWN_EXIT)
@@ -89,14 +88,13 @@ class ReaperMixin:
         self.loop.add_reader(fd, lambda: self._pidfd_readable(pid, fd, time.monotonic()))
 
     def _pidfd_readable(self, pid: int, fd: int, since: float) -> None:
-        from qvisor import pidfs
         if not self.exit_statuses:   # an old kernel: the process ended, its status is the reaper's
             self.loop.remove_reader(fd)
             os.close(fd)
             if self._running(pid):
                 self._exited(pid, UNKNOWN_EXIT)
             return
-        status = pidfs.exit_status(fd)
+        status = L.pidfd_exit_status(fd)
         if status is None:   # exited, not reaped yet: the pidfd stays readable, so look again later
             self.loop.remove_reader(fd)
             if time.monotonic() - since > REAP_WAIT_S:

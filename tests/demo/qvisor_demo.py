@@ -79,7 +79,7 @@ def _show_supervisor(quark: str, root: str, bundle: str) -> None:
     try:
         init = json.loads(subprocess.run([quark, "--root", root, "state", "sup"], capture_output=True,
                                          text=True, check=True).stdout)["pid"]
-        from qvisor.linux import parent_pid
+        from qlib.procfs import parent_pid
         sup = parent_pid(init)
         with open(f"/proc/{sup}/status") as f:
             st = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
+from qlib.procfs import parent_pid
 from qvisor import confine
-from qvisor.linux import parent_pid
 from qvisor.spec import CAPABILITIES
 from tests.integration.conftest import needs_root
 from tests.integration.test_lifecycle import wait_status

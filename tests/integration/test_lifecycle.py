@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from qvisor import linux
 
+from qlib import procfs
 from tests.integration.conftest import QUARK, cgroup_dirs, edit_config
 
 pytestmark = pytest.mark.root
@@ -125,7 +125,7 @@ def test_delete_force_running_and_after_supervisor_killed(quark, bundle):
     assert quark.state("f2")["status"] == "running"  # the container outlives its supervisor
     quark("delete", "--force", "f2")
     assert quark.ids() == []
-    assert linux.proc_start_time(st2["pid"]) is None  # gone, or a zombie of whoever adopted it
+    assert procfs.start_time(st2["pid"]) is None  # gone, or a zombie of whoever adopted it
     assert cgroup_dirs(st2["cgroup_path"]) == []
 
 

@@ -2,8 +2,8 @@
 (`BinaryName`, here `ctr --runc-binary`), as a person who replaces runc would run it.
 
 The runc shim is a child subreaper that waits for the init named in --pid-file; quark hands it the
-container's processes and its supervisor learns their exit statuses from pidfds (qvisor/pidfs.py;
-before Linux 6.15 it learns only that they ended: tests/integration/test_caller_reaps.py).
+container's processes and its supervisor learns their exit statuses from pidfds (PIDFD_GET_INFO,
+qlib/linux.py; before Linux 6.15 it learns only that they ended: tests/integration/test_caller_reaps.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ except ImportError:  # pytest put tests/integration itself on sys.path
     import containerd_env as ce
     from test_shim_containerd import exercise_a_running_task, remove, tasks, wait_status
 
-from qvisor.linux import parent_pid
+from qlib.procfs import parent_pid
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(ce.skip_reason() is not None, reason=ce.skip_reason() or "")]

@@ -66,7 +66,7 @@ def ns_pid(host_pid: int) -> int:
 
 
 def all_caps() -> list[str]:
-    from qvisor.linux import last_cap
+    from qlib.linux import last_cap
     from qvisor.spec import CAPABILITIES
     return [n for n, bit in CAPABILITIES.items() if bit <= last_cap()]
 

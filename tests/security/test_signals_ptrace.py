@@ -35,7 +35,7 @@ def daemon():
 
 
 def supervisor_of(c, cid: str) -> int:
-    from qvisor.linux import parent_pid
+    from qlib.procfs import parent_pid
     return parent_pid(init_pid(c, cid))
 
 

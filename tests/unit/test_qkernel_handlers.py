@@ -12,6 +12,7 @@ from qkernel.errors import TaskGone
 from qkernel.kernel import Kernel, SandboxContext
 from qkernel.request import Continue, Errno, Request, Return
 from qkernel.syscalls import sys_personality, sys_sysinfo
+from qlib import linux as L
 from qlib.eventloop import Loop
 from qvisor import procview
 
@@ -68,7 +69,7 @@ def test_abi_struct_sizes():
     assert ctypes.sizeof(sn.SeccompNotif) == 80
     assert ctypes.sizeof(sn.SeccompNotifResp) == 24
     assert ctypes.sizeof(sn.SeccompNotifAddfd) == 24
-    assert ctypes.sizeof(sys_sysinfo.Sysinfo) == 112
+    assert ctypes.sizeof(L.Sysinfo) == 112
     assert (sn.NOTIF_RECV, sn.NOTIF_SEND, sn.NOTIF_ID_VALID, sn.NOTIF_ADDFD) == \
         (0xC0502100, 0xC0182101, 0x40082102, 0x40182103)
 
@@ -78,13 +79,13 @@ def test_sysinfo_answers_from_the_cgroup():
     req = FakeRequest(k, "sysinfo", (0x1000, 0, 0, 0, 0, 0))
     k.dispatch(req)
     assert req.sent == [Return(0)]
-    info = sys_sysinfo.Sysinfo.from_buffer_copy(req.memory[0x1000])
+    info = L.Sysinfo.from_buffer_copy(req.memory[0x1000])
     assert (info.totalram, info.freeram, info.mem_unit) == (256 * MiB, 200 * MiB, 1)
     assert info.procs > 0 and info.uptime > 0
 
 
 def test_sysinfo_without_a_view_is_the_hosts_in_bytes():
-    host = sys_sysinfo.host_sysinfo()
+    host = L.sysinfo()
     info = sys_sysinfo.sandbox_sysinfo(None)
     assert info.totalram == host.totalram * host.mem_unit and info.mem_unit == 1
 

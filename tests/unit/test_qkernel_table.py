@@ -110,6 +110,12 @@ def test_load_platform(tmp_path):
     cfg.write_text("platform: gvisor\n")
     with pytest.raises(QuarkError, match=f"{cfg}: platform: unknown platform 'gvisor'"):
         config.load_platform(None, str(cfg))
+    # real YAML: a block scalar is read, a broken file is an error naming it (never the default)
+    cfg.write_text("platform: >-\n  ptrace\n")
+    assert config.load_platform(None, str(cfg)) == "ptrace"
+    cfg.write_text("platform: [seccomp\n")
+    with pytest.raises(QuarkError, match=str(cfg)):
+        config.load_platform(None, str(cfg))
 
 
 def run_cmd(capsys, *argv):

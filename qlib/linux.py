@@ -1,18 +1,23 @@
-"""Thin ctypes layer over the Linux calls Python's os module lacks (namespaces, mounts, prctl, caps).
+"""The one thin ctypes layer over the Linux calls Python's os module lacks: namespaces, mounts (and
+the one MS_* table), the new mount API, openat2, pidfds (and PIDFD_GET_INFO), close_range, prctl,
+capabilities, sysinfo.
 
-Everything privileged and kernel-facing that qvisor needs goes through here, so the rest of the
-package is plain Python. Each function raises OSError with errno on failure.
+Every package (qvisor, qkernel, tsor, shim) makes these calls through here, with one libc handle
+and syscall numbers from qlib.syscalls (resolved at import: some calls run after a pivot into a
+container's root, where libseccomp's module could no longer be loaded). Each function raises
+OSError with errno on failure.
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import functools
 import os
 import socket
 import struct
 
-from qlib import procfs, syscalls
+from qlib import syscalls
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -52,6 +57,32 @@ MS_STRICTATIME = 1 << 24
 MS_LAZYTIME = 1 << 25
 MNT_DETACH = 2
 
+# fstab/OCI mount option -> (clear, flag): "ro" sets MS_RDONLY, "rw" clears it, and so on. The one
+# table both the runtime (qvisor/mountopts.py) and the shim (the snapshotter's rootfs) parse with.
+MOUNT_FLAGS: dict[str, tuple[bool, int]] = {
+    "ro": (False, MS_RDONLY), "rw": (True, MS_RDONLY),
+    "nosuid": (False, MS_NOSUID), "suid": (True, MS_NOSUID),
+    "nodev": (False, MS_NODEV), "dev": (True, MS_NODEV),
+    "noexec": (False, MS_NOEXEC), "exec": (True, MS_NOEXEC),
+    "sync": (False, MS_SYNCHRONOUS), "async": (True, MS_SYNCHRONOUS),
+    "dirsync": (False, MS_DIRSYNC),
+    "remount": (False, MS_REMOUNT),
+    "mand": (False, MS_MANDLOCK), "nomand": (True, MS_MANDLOCK),
+    "noatime": (False, MS_NOATIME), "atime": (True, MS_NOATIME),
+    "nodiratime": (False, MS_NODIRATIME), "diratime": (True, MS_NODIRATIME),
+    "relatime": (False, MS_RELATIME), "norelatime": (True, MS_RELATIME),
+    "strictatime": (False, MS_STRICTATIME), "nostrictatime": (True, MS_STRICTATIME),
+    "lazytime": (False, MS_LAZYTIME), "nolazytime": (True, MS_LAZYTIME),
+    "nosymfollow": (False, MS_NOSYMFOLLOW), "symfollow": (True, MS_NOSYMFOLLOW),
+    "bind": (False, MS_BIND), "rbind": (False, MS_BIND | MS_REC),
+}
+MOUNT_PROPAGATION: dict[str, int] = {
+    "private": MS_PRIVATE, "rprivate": MS_PRIVATE | MS_REC,
+    "shared": MS_SHARED, "rshared": MS_SHARED | MS_REC,
+    "slave": MS_SLAVE, "rslave": MS_SLAVE | MS_REC,
+    "unbindable": MS_UNBINDABLE, "runbindable": MS_UNBINDABLE | MS_REC,
+}
+
 # prctl
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
@@ -69,10 +100,13 @@ _SYS_PIVOT_ROOT = syscalls.number("pivot_root")
 _SYS_SETNS = syscalls.number("setns")
 _SYS_PIDFD_SEND_SIGNAL = syscalls.number("pidfd_send_signal")
 _SYS_PIDFD_OPEN = syscalls.number("pidfd_open")
+_SYS_PIDFD_GETFD = syscalls.number("pidfd_getfd")
 _SYS_CLOSE_RANGE = syscalls.number("close_range")
 _SYS_OPEN_TREE = syscalls.number("open_tree")
 _SYS_MOVE_MOUNT = syscalls.number("move_mount")
+_SYS_OPENAT2 = syscalls.number("openat2")
 CLOSE_RANGE_CLOEXEC = 4
+PIDFD_THREAD = os.O_EXCL   # pidfd of a thread, not only of a thread-group leader (Linux 6.9)
 
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
@@ -87,6 +121,8 @@ def _check(ret: int, what: str, *paths: str) -> int:
 def _b(s: str | None) -> bytes | None:
     return None if s is None else os.fsencode(s)
 
+
+# --- namespaces, mounts ---
 
 def unshare(flags: int) -> None:
     _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
@@ -118,15 +154,9 @@ def setdomainname(name: str) -> None:
     _check(_libc.setdomainname(b, ctypes.c_size_t(len(b))), "setdomainname")
 
 
-def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
-    return _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg2), ctypes.c_ulong(arg3),
-                              ctypes.c_ulong(arg4), ctypes.c_ulong(arg5)), "prctl")
-
-
 OPEN_TREE_CLONE = 1
 AT_RECURSIVE = 0x8000
 _AT_FDCWD = -100
-_AT_EMPTY_PATH = 0x1000
 _MOVE_MOUNT_F_EMPTY_PATH = 0x4
 _MOVE_MOUNT_T_EMPTY_PATH = 0x40
 
@@ -145,14 +175,97 @@ def move_mount_fd(tree_fd: int, target_fd: int) -> None:
                          ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH | _MOVE_MOUNT_T_EMPTY_PATH)), "move_mount")
 
 
-def pidfd_open(pid: int) -> int:
-    return _check(_libc.syscall(_SYS_PIDFD_OPEN, ctypes.c_int(pid), ctypes.c_uint(0)), "pidfd_open")
+# --- openat2 (linux/openat2.h) ---
+
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def openat2(dir_fd: int, path: str, flags: int, mode: int, resolve: int) -> int:
+    """openat2(2) of `path` relative to `dir_fd`, close-on-exec; the OSError names `path`."""
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
+    fd = _libc.syscall(_SYS_OPENAT2, ctypes.c_int(dir_fd), os.fsencode(path), ctypes.byref(how),
+                       ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return fd
+
+
+# --- pidfds ---
+
+def pidfd_open(pid: int, flags: int = 0) -> int:
+    return _check(_libc.syscall(_SYS_PIDFD_OPEN, ctypes.c_int(pid), ctypes.c_uint(flags)), "pidfd_open")
+
+
+def pidfd_open_thread(tid: int) -> int:
+    """A pidfd for `tid`, which may be any thread of a process (PIDFD_THREAD); on kernels before
+    6.9, which refuse the flag, one for a thread-group leader only."""
+    try:
+        return pidfd_open(tid, PIDFD_THREAD)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    return pidfd_open(tid)
 
 
 def pidfd_send_signal(pidfd: int, sig: int) -> None:
     _check(_libc.syscall(_SYS_PIDFD_SEND_SIGNAL, ctypes.c_int(pidfd), ctypes.c_int(sig), None,
                          ctypes.c_uint(0)), "pidfd_send_signal")
 
+
+def pidfd_getfd(pidfd: int, fd: int) -> int:
+    """Our own duplicate of the task's `fd` (same open file description), close-on-exec."""
+    return _check(_libc.syscall(_SYS_PIDFD_GETFD, ctypes.c_int(pidfd), ctypes.c_int(fd),
+                                ctypes.c_uint(0)), "pidfd_getfd")
+
+
+# PIDFD_GET_INFO (Linux 6.15+): the exit status of a process that is not our child. When the caller
+# of `quark create` adopts orphans (containerd's runc shim and conmon are child subreapers and reap
+# the container's init themselves), the supervisor cannot waitpid() the init; the kernel keeps the
+# wait status in pidfs once the process has been reaped and hands it to anyone holding a pidfd.
+_PIDFD_INFO_SIZE = 64               # struct pidfd_info, PIDFD_INFO_SIZE_VER0
+_PIDFS_IOCTL_MAGIC = 0xFF
+PIDFD_GET_INFO = (3 << 30) | (_PIDFD_INFO_SIZE << 16) | (_PIDFS_IOCTL_MAGIC << 8) | 11   # _IOWR(0xFF, 11, ...)
+PIDFD_INFO_EXIT = 1 << 3
+_EXIT_CODE_OFFSET = 60              # mask, cgroupid (u64 each), then 11 u32 ids, then exit_code
+
+
+def pidfd_exit_status(pidfd: int) -> int | None:
+    """The wait status (as os.waitpid gives it) of the process, or None while it is not yet
+    reaped. Raises OSError(ENOTTY/EINVAL) on kernels without PIDFD_GET_INFO."""
+    buf = bytearray(_PIDFD_INFO_SIZE)
+    struct.pack_into("Q", buf, 0, PIDFD_INFO_EXIT)
+    try:
+        fcntl.ioctl(pidfd, PIDFD_GET_INFO, buf)
+    except OSError as e:
+        if e.errno == errno.ESRCH:   # exited, not reaped yet by its parent
+            return None
+        raise
+    if not struct.unpack_from("Q", buf, 0)[0] & PIDFD_INFO_EXIT:
+        return None
+    return struct.unpack_from("i", buf, _EXIT_CODE_OFFSET)[0]
+
+
+def pidfd_exit_status_supported() -> bool:
+    """Whether this kernel reports exit statuses through pidfds (PIDFD_GET_INFO)."""
+    fd = pidfd_open(os.getpid())
+    try:
+        pidfd_exit_status(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+# --- fds ---
 
 def mark_fds_cloexec(first: int) -> None:
     """Set FD_CLOEXEC on every fd >= first, so nothing of the runtime leaks through execve."""
@@ -180,6 +293,13 @@ def close_fds_except(keep: set[int] | frozenset[int], first: int = 3) -> None:
                     os.close(fd)
                 except OSError:
                     pass   # the directory's own fd, already gone
+
+
+# --- prctl, capabilities ---
+
+def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
+    return _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg2), ctypes.c_ulong(arg3),
+                              ctypes.c_ulong(arg4), ctypes.c_ulong(arg5)), "prctl")
 
 
 class _CapHeader(ctypes.Structure):
@@ -221,6 +341,27 @@ def last_cap() -> int:
         return lo
 
 
+# --- sysinfo ---
+
+class Sysinfo(ctypes.Structure):
+    """struct sysinfo (linux/sysinfo.h), as sysinfo(2) fills it."""
+    _fields_ = [("uptime", ctypes.c_long), ("loads", ctypes.c_ulong * 3),
+                ("totalram", ctypes.c_ulong), ("freeram", ctypes.c_ulong),
+                ("sharedram", ctypes.c_ulong), ("bufferram", ctypes.c_ulong),
+                ("totalswap", ctypes.c_ulong), ("freeswap", ctypes.c_ulong),
+                ("procs", ctypes.c_ushort), ("pad", ctypes.c_ushort),
+                ("totalhigh", ctypes.c_ulong), ("freehigh", ctypes.c_ulong),
+                ("mem_unit", ctypes.c_uint)]
+
+
+def sysinfo() -> Sysinfo:
+    info = Sysinfo()
+    _check(_libc.sysinfo(ctypes.byref(info)), "sysinfo")
+    return info
+
+
+# --- network interfaces, terminals ---
+
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 
 
@@ -232,29 +373,20 @@ def set_link_up(name: str) -> None:
         fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, struct.pack("16sH22x", name.encode(), flags | _IFF_UP))
 
 
-def parent_pid(pid: int) -> int | None:
-    """The PPid of `pid` (from /proc/PID/status), or None if it is gone."""
-    return procfs.parent_pid(pid)
-
-
-def permitted_caps() -> int:
-    """This process's permitted capability set, as a mask (capset may not add to it)."""
-    return int(procfs.status().get("CapPrm", "0"), 16)
-
-
-def proc_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat: tells a live pid from a reused one. None if the pid is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # comm may contain spaces and parentheses: split after the last ')'
-    fields = data[data.rindex(b")") + 2:].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
-
-
 def winsize(rows: int, cols: int) -> bytes:
+    """struct winsize, for the TIOCSWINSZ ioctl."""
     return struct.pack("HHHH", rows, cols, 0, 0)
+
+
+def accept4(fd: int) -> tuple[int, bytes]:
+    """accept4(fd, SOCK_CLOEXEC) with the peer's raw sockaddr (socket.accept() decodes it and wraps
+    the fd; the accepted fd here is handed on as it is). BlockingIOError when none is queued."""
+    buf = ctypes.create_string_buffer(128)
+    size = ctypes.c_uint32(128)
+    res = _libc.accept4(fd, buf, ctypes.byref(size), socket.SOCK_CLOEXEC)
+    if res < 0:
+        err = ctypes.get_errno()
+        if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+            raise BlockingIOError(err, os.strerror(err))
+        raise OSError(err, os.strerror(err))
+    return res, buf.raw[:min(size.value, 128)]

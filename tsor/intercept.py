@@ -1,0 +1,383 @@
+"""TSoR's interception policy: what QKernel's trapped socket calls do for a sandbox registered with
+tsord. `SocketIntercept` implements qkernel/sockets.py's `SocketHooks` (by shape: tsor imports
+nothing of qkernel); the handlers (qkernel/syscalls/sys_socket.py) decode the ABI and answer.
+
+Only TCP (AF_INET/AF_INET6 SOCK_STREAM) sockets of a sandbox registered with tsord are touched, on a
+platform that can install fds (seccomp: SECCOMP_IOCTL_NOTIF_ADDFD); everything else runs natively.
+
+connect      asks tsord (SandboxNet.connect). When it answers with a path (local: an AF_UNIX
+             socketpair end; tcp: a kernel TCP socket the two tsords set up) and an fd, that fd is
+             installed over the application's fd number (ADDFD + SETFD: dup2 semantics, the unused
+             TCP socket goes away) and the call returns 0, or EINPROGRESS on a non-blocking socket
+             (the socket is then writable at once and SO_ERROR is 0). The socket's TCP addresses and
+             options are recorded by socket inode (`Redirected`), which every dup, fork and
+             SCM_RIGHTS copy shares. No tsord, no route, no TSoR listener there, any error: the
+             connect continues natively (the fallback path).
+getsockname  on a redirected socket: the recorded TCP addresses (the socket underneath may be
+getpeername  AF_UNIX, or TCP between the nodes' addresses).
+getsockopt   on a redirected socket: SO_DOMAIN/SO_TYPE/SO_PROTOCOL answer AF_INET(6)/SOCK_STREAM/
+setsockopt   IPPROTO_TCP; TCP/IP options the socket underneath cannot hold (all of them on AF_UNIX:
+             TCP_NODELAY, TCP_KEEP*, TCP_INFO, IP_TOS, ...; IPV6 ones on an AF_INET tcp-path socket;
+             SO_REUSEPORT and the like on AF_UNIX) are checked against a real TCP socket, recorded
+             and answered; everything else goes to the real socket.
+listen       runs on the supervisor's duplicate of the socket, then announces a `Listener` to tsord
+             (not for loopback-bound sockets: other pods cannot reach those).
+accept(4)    on an announced listener: accepts on the supervisor's duplicate; a connection from a
+             doorbell's address (SandboxNet.take_bell) is swapped for the queued TSoR connection,
+             anything else (a plain TCP peer) is installed as it is.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import ipaddress
+import logging
+import os
+import select
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from qlib.linux import accept4, pidfd_getfd, pidfd_open_thread
+from tsor import _sys
+from tsor.addr import is_loopback, is_unspecified, parse_sockaddr, sockaddr, unmapped
+from tsor.sandbox import Listener, Redirected, SandboxNet
+
+log = logging.getLogger("quark.qkernel")
+
+SOL_SOCKET, SOL_IP, SOL_TCP, SOL_IPV6 = socket.SOL_SOCKET, socket.IPPROTO_IP, socket.IPPROTO_TCP, socket.IPPROTO_IPV6
+SO_TYPE, SO_PROTOCOL, SO_DOMAIN = 3, 38, 39
+TCP_INFO, TCP_ESTABLISHED, TCP_CLOSE = 11, 1, 7
+_INET = (socket.AF_INET, socket.AF_INET6)
+_MAX_OPT = 512   # as much of an option as is ever read (the handlers read at most as much)
+# The send buffer of a local-path (AF_UNIX) end. AF_UNIX stream flow control is the sender's
+# SO_SNDBUF alone, and its default (wmem_default, ~208 KiB) halves bulk throughput; TCP autotunes
+# its buffer up to tcp_wmem's maximum (4 MiB). 1 MiB (2 MiB once the kernel doubles it) gets most of
+# the gain (bench/README.md) and bounds what one connection can pin in kernel memory. An
+# application that sets SO_SNDBUF itself (before or after connect) gets its own value.
+LOCAL_SNDBUF = 1 << 20
+# SOL_SOCKET options Linux refuses on AF_UNIX (EOPNOTSUPP) but accepts on TCP.
+_UNIX_REFUSES = {socket.SO_REUSEPORT, 60, 61}            # SO_REUSEPORT, SO_ZEROCOPY, SO_TXTIME
+# Options set before connect() that travel to the socket that replaces the TCP one.
+_CARRY = [(SOL_TCP, socket.TCP_NODELAY), (SOL_TCP, socket.TCP_KEEPIDLE), (SOL_TCP, socket.TCP_KEEPINTVL),
+          (SOL_TCP, socket.TCP_KEEPCNT), (SOL_TCP, 18), (SOL_TCP, 25), (SOL_TCP, 13),
+          (SOL_IP, socket.IP_TOS), (SOL_IP, socket.IP_TTL),
+          (SOL_IPV6, 67), (SOL_IPV6, 16), (SOL_IPV6, socket.IPV6_V6ONLY),
+          (SOL_SOCKET, socket.SO_KEEPALIVE), (SOL_SOCKET, socket.SO_LINGER), (SOL_SOCKET, socket.SO_PRIORITY),
+          (SOL_SOCKET, socket.SO_RCVTIMEO), (SOL_SOCKET, socket.SO_SNDTIMEO), (SOL_SOCKET, socket.SO_OOBINLINE),
+          (SOL_SOCKET, socket.SO_REUSEADDR), (SOL_SOCKET, socket.SO_REUSEPORT)]
+
+# The trapped call and the deferred connect answer, as qkernel/sockets.py describes them
+# (TrappedCall, ConnectReply); typed loosely here so that tsor runs without qkernel.
+Call = Any
+Reply = Any
+
+
+class _Native(Exception):
+    pass
+
+
+class SocketIntercept:
+    """The socket hooks of one sandbox registered with tsord (its `SandboxNet`)."""
+
+    def __init__(self, net: SandboxNet) -> None:
+        self.net = net
+        self._templates: dict[int, socket.socket] = {}
+
+    @classmethod
+    def attach(cls, loop, sandbox: str, init_pid: int, pids: Callable[[], list[int]],
+               annotations: dict[str, str]) -> SocketIntercept | None:
+        """TSoR for a new sandbox, or None when it cannot apply (no tsord socket, host network)."""
+        net = SandboxNet.attach(loop, sandbox, init_pid, pids, annotations)
+        return cls(net) if net is not None else None
+
+    def close(self) -> None:
+        self.net.close()
+
+    # ---- connect ------------------------------------------------------------------------------
+    def connect(self, call: Call, fd: int, addr: bytes) -> int | Reply | None:
+        net = self.net
+        parsed = parse_sockaddr(addr)
+        if parsed is None:
+            return None
+        fam, (ip, port) = parsed
+        ip = unmapped(ip)
+        if port == 0 or is_loopback(ip) or is_unspecified(ip) or _is_multicast(ip):
+            return None   # the pod's own loopback never leaves the pod
+        ino = _inode(call, fd)
+        if ino is None:
+            return None
+        if ino in net.sockets:
+            call.check()
+            return errno.EISCONN
+        if not net.client.up or not net.addrs:
+            # tsord is not there (yet, or any more), or the sandbox registered no address to connect
+            # from (tsord would answer fallback): native, without a round trip
+            return None
+        if _sys.held_elsewhere(call.pid, fd, ino):
+            # dup'ed or already in an epoll set (nginx registers before connect): swapping the socket
+            # would leave those references on the old one, so this connection stays native
+            return None
+        s = _dup(call, fd)
+        if s is None:
+            return None
+        try:
+            if not _is_tcp(s) or s.family != fam or _tcp_state(s) != TCP_CLOSE:
+                raise _Native
+            if s.family == socket.AF_INET6 and ":" not in ip and s.getsockopt(SOL_IPV6, socket.IPV6_V6ONLY):
+                raise _Native
+            src_port = s.getsockname()[1]
+            if src_port == 0:   # the peer sees a real port: take an ephemeral one from the pod's kernel
+                s.bind(("::" if s.family == socket.AF_INET6 else "0.0.0.0", 0))
+                src_port = s.getsockname()[1]
+            nonblock = bool(fcntl.fcntl(s.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK)
+            cloexec = call.cloexec(fd)
+            call.check()
+        except (_Native, OSError):
+            s.close()
+            return None
+        d = call.defer(s.close)
+        net.connect((ip, port), src_port, lambda reply, fds: self._connected(call, d, s, fd, ino, (ip, port),
+                                                                             nonblock, cloexec, reply, fds))
+        return d
+
+    def _connected(self, call: Call, d: Reply, old: socket.socket, fd: int, ino: int, dst,
+                   nonblock: bool, cloexec: bool, reply: dict | None, fds: list[int]) -> None:
+        for extra in fds[1:]:
+            os.close(extra)
+        new = fds[0] if fds else None
+        try:
+            if d.done:   # the task was interrupted or died meanwhile
+                return
+            if (not reply or reply.get("path") not in ("local", "tcp") or new is None
+                    or _sys.socket_inode(call.pid, fd) != ino):   # fd closed or reused meanwhile
+                return d.native()
+            _set_nonblock(new, nonblock)
+            sock = socket.socket(fileno=os.dup(new))
+            with sock:
+                state = Redirected(family=old.family, local=(reply["src"][0], reply["src"][1]), peer=dst,
+                                   path=reply["path"], real_family=sock.family)
+                self._carry_options(old, sock, state)
+                self.net.redirected(os.fstat(new).st_ino, state)
+            new, handed = None, new
+            d.install(handed, cloexec, nonblock)
+        except Exception:
+            log.exception("TSoR connect for pid %d", call.pid)
+            if not d.done:
+                d.native()
+        finally:
+            if new is not None:
+                os.close(new)
+            old.close()
+
+    def _carry_options(self, old: socket.socket, new: socket.socket, state: Redirected) -> None:
+        """Options the application set before connect() hold on the socket that replaces its TCP one."""
+        default = self._template(old.family)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):   # set by the application, or TCP's default?
+            own = old.getsockopt(SOL_SOCKET, opt)
+            if own != default.getsockopt(SOL_SOCKET, opt):
+                new.setsockopt(SOL_SOCKET, opt, own // 2)   # the kernel doubles what it is given
+            elif opt == socket.SO_SNDBUF and new.family == socket.AF_UNIX:
+                new.setsockopt(SOL_SOCKET, opt, LOCAL_SNDBUF)
+        for level, opt in _CARRY:
+            try:
+                value = old.getsockopt(level, opt, 64)
+            except OSError:
+                continue   # e.g. IPV6 options of an AF_INET socket
+            if _emulated(state, level, opt):
+                state.opts[(level, opt)] = value
+                continue
+            try:
+                if new.getsockopt(level, opt, 64) != value:
+                    new.setsockopt(level, opt, value)
+            except OSError:
+                state.opts[(level, opt)] = value
+
+    # ---- addresses and options of redirected sockets ------------------------------------------
+    def _redirected(self, call: Call, fd: int) -> Redirected | None:
+        if not self.net.sockets:
+            return None
+        ino = _inode(call, fd)
+        return self.net.sockets.get(ino) if ino is not None else None
+
+    def sockname(self, call: Call, fd: int, peer: bool) -> bytes | None:
+        st = self._redirected(call, fd)
+        if st is None:
+            return None
+        return sockaddr(st.family, st.peer if peer else st.local)
+
+    def _template(self, family: int) -> socket.socket:
+        """A pristine TCP socket of `family` in the pod's network namespace: the defaults to answer."""
+        if family not in self._templates:
+            self._templates[family] = _sys.socket_in_netns(self.net.netns_fd, family)
+        return self._templates[family]
+
+    def getsockopt(self, call: Call, fd: int, level: int, opt: int) -> bytes | int | None:
+        st = self._redirected(call, fd)
+        if st is None:
+            return None
+        if not _emulated(st, level, opt) and (level, opt) not in st.opts:
+            return None
+        if level == SOL_SOCKET and opt in (SO_DOMAIN, SO_TYPE, SO_PROTOCOL):
+            return struct.pack("i", {SO_DOMAIN: st.family, SO_TYPE: socket.SOCK_STREAM,
+                                     SO_PROTOCOL: socket.IPPROTO_TCP}[opt])
+        if (level, opt) in st.opts:
+            return st.opts[(level, opt)]
+        try:
+            value = self._template(st.family).getsockopt(level, opt, _MAX_OPT)
+        except OSError as e:
+            return e.errno
+        if level == SOL_TCP and opt == TCP_INFO:
+            value = bytes([TCP_ESTABLISHED]) + value[1:]
+        return value
+
+    def setsockopt(self, call: Call, fd: int, level: int, opt: int, value: Callable[[], bytes]) -> int | None:
+        st = self._redirected(call, fd)
+        if st is None:
+            return None
+        if not _emulated(st, level, opt):
+            st.opts.pop((level, opt), None)   # the real socket holds it from now on
+            return None
+        if level == SOL_SOCKET and opt in (SO_DOMAIN, SO_TYPE, SO_PROTOCOL):
+            return errno.ENOPROTOOPT   # read-only, as on any socket
+        given = value()
+        # A real TCP socket of the same family checks the value and normalises it (booleans to 0/1,
+        # IP_TOS without its ECN bits, the congestion control's name, ...).
+        scratch = socket.socket(st.family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        with scratch:
+            try:
+                scratch.setsockopt(level, opt, given)
+            except OSError as e:
+                return e.errno
+            try:
+                given = scratch.getsockopt(level, opt, max(len(given), 64))
+            except OSError:
+                pass   # write-only options: keep what was given
+        st.opts[(level, opt)] = given
+        return 0
+
+    # ---- listeners ----------------------------------------------------------------------------
+    def listen(self, call: Call, fd: int, backlog: int) -> int | None:
+        ino = _inode(call, fd)
+        if ino is None:
+            return None
+        if ino in self.net.sockets:
+            call.check()
+            return errno.EINVAL   # listen() on a connected TCP socket
+        s = _dup(call, fd)
+        if s is None:
+            return None
+        with s:
+            if not _is_tcp(s) or is_loopback(s.getsockname()[0]):
+                return None
+            try:
+                s.listen(max(backlog, 0))   # the socket the application holds: the call itself
+            except OSError as e:
+                return e.errno
+            ip, port = s.getsockname()[:2]
+            v6only = s.family == socket.AF_INET6 and bool(s.getsockopt(SOL_IPV6, socket.IPV6_V6ONLY))
+            self.net.listen(Listener(token=os.fstat(s.fileno()).st_ino, family=s.family,
+                                     local=(unmapped(ip), port), v6only=v6only, pid=call.pid, fd=fd))
+        return 0
+
+    def listener(self, call: Call, fd: int) -> Listener | None:
+        if not self.net.listeners:
+            return None
+        ino = _inode(call, fd)
+        return self.net.listeners.get(ino) if ino is not None else None
+
+    def listener_socket(self, call: Call, fd: int, listener: Listener) -> socket.socket | None:
+        s = _dup(call, fd)
+        if s is None:
+            return None
+        if os.fstat(s.fileno()).st_ino != listener.token:
+            s.close()
+            return None
+        return s
+
+    def accept_next(self, listener: Listener, sock: socket.socket) -> tuple[int, bytes] | int | None:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        if not poller.poll(0):
+            return None
+        # Only trapped accepts (all of them come here) take from this queue, so it cannot be empty.
+        try:
+            conn, raw = accept4(sock.fileno())
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            return e.errno
+        try:
+            peer = parse_sockaddr(raw)
+            queued = self.net.take_bell(peer[1]) if peer is not None else None
+            if queued is not None:   # a doorbell: the application gets the TSoR connection
+                os.close(conn)
+                conn = queued.fd
+                with socket.socket(fileno=os.dup(conn)) as real:
+                    if real.family == socket.AF_UNIX:
+                        real.setsockopt(SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SNDBUF)
+                    self.net.redirected(os.fstat(conn).st_ino, Redirected(
+                        family=listener.family, local=queued.local, peer=queued.peer, path=queued.path,
+                        real_family=real.family))
+                raw = sockaddr(listener.family, queued.peer)
+        except BaseException:
+            os.close(conn)
+            raise
+        return conn, raw
+
+
+# ---- the task's sockets -----------------------------------------------------------------------
+
+def _inode(call: Call, fd: int) -> int | None:
+    return _sys.socket_inode(call.pid, fd) if fd >= 0 else None
+
+
+def _dup(call: Call, fd: int) -> socket.socket | None:
+    """Our own duplicate of the task's fd (same open file), as a socket; None if it is not one."""
+    if fd < 0:
+        return None
+    try:
+        pidfd = pidfd_open_thread(call.pid)
+    except OSError as e:
+        raise call.gone() from e
+    try:
+        call.check()   # the pidfd now names the trapped task for good
+        try:
+            dup = pidfd_getfd(pidfd, fd)
+        except OSError:
+            return None   # not an fd of the task: the native call answers EBADF
+    finally:
+        os.close(pidfd)
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+
+
+def _is_tcp(s: socket.socket) -> bool:
+    return s.family in _INET and s.type == socket.SOCK_STREAM and s.proto in (0, socket.IPPROTO_TCP)
+
+
+def _is_multicast(ip: str) -> bool:
+    return ipaddress.ip_address(ip).is_multicast
+
+
+def _tcp_state(s: socket.socket) -> int:
+    return s.getsockopt(SOL_TCP, TCP_INFO, 8)[0]
+
+
+def _set_nonblock(fd: int, on: bool) -> None:
+    fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fl | os.O_NONBLOCK if on else fl & ~os.O_NONBLOCK)
+
+
+def _emulated(st: Redirected, level: int, opt: int) -> bool:
+    """Is (level, opt) answered from the record rather than by the socket underneath?"""
+    if level == SOL_SOCKET:
+        return opt in (SO_DOMAIN, SO_TYPE, SO_PROTOCOL) or (
+            st.real_family == socket.AF_UNIX and opt in _UNIX_REFUSES)
+    if st.real_family == socket.AF_UNIX:
+        return level in (SOL_TCP, SOL_IP, SOL_IPV6)
+    return level == SOL_IPV6 and st.family == socket.AF_INET6 and st.real_family != socket.AF_INET6
