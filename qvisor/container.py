@@ -308,20 +308,17 @@ def config_process(root: str, container_id: str) -> dict:
         return dict(json.load(f).get("process") or {})
 
 
-def stats(root: str, container_id: str) -> dict:
-    """The container's cgroup statistics in runc's `events --stats` data layout."""
+def running_cgroup(root: str, container_id: str) -> cgroups.Cgroup:
+    """The cgroup of a container that has not stopped."""
     st = state(root, container_id)
     if st.status == STOPPED:
         raise InvalidState(f"container {container_id!r} is stopped")
-    return cgroups.open_cgroup(st.cgroup_path).stats()
+    return cgroups.open_cgroup(st.cgroup_path)
 
 
-def oom_kills(root: str, container_id: str) -> int | None:
-    """How many OOM kills the container's cgroup has seen; None once the container is stopped."""
-    st = state(root, container_id)
-    if st.status == STOPPED:
-        return None
-    return cgroups.open_cgroup(st.cgroup_path).oom_kills()
+def stats(root: str, container_id: str) -> dict:
+    """The container's cgroup statistics in runc's `events --stats` data layout."""
+    return running_cgroup(root, container_id).stats()
 
 
 def update(root: str, container_id: str, resources: dict, source: str) -> None:

@@ -10,8 +10,8 @@ import argparse
 import json
 import time
 
-from qlib.errors import InvalidState
 from qvisor import container
+from qvisor.state import STOPPED
 
 OOM_POLL_S = 0.1  # how soon an OOM kill is reported
 
@@ -30,21 +30,20 @@ def _emit(kind: str, cid: str, data: dict | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    cg = container.running_cgroup(args.root, args.id)   # opened once: v1 finds its hierarchies in mountinfo
     if args.stats:
-        _emit("stats", args.id, container.stats(args.root, args.id))
+        _emit("stats", args.id, cg.stats())
         return 0
-    seen = container.oom_kills(args.root, args.id)
+    seen = cg.oom_kills()
     next_stats = time.monotonic()
-    while seen is not None:
+    while True:
         if time.monotonic() >= next_stats:
-            try:
-                _emit("stats", args.id, container.stats(args.root, args.id))
-            except InvalidState:
-                return 0  # it stopped meanwhile
+            _emit("stats", args.id, cg.stats())
             next_stats += max(args.interval, OOM_POLL_S)
         time.sleep(min(OOM_POLL_S, max(0.0, next_stats - time.monotonic())))
-        now = container.oom_kills(args.root, args.id)
-        if now is not None and now > seen:
+        now = cg.oom_kills()   # before the stop check: an OOM kill of the init is reported too
+        if now > seen:
             _emit("oom", args.id)
         seen = now
-    return 0
+        if container.state(args.root, args.id).status == STOPPED:
+            return 0
