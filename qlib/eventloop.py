@@ -1,14 +1,22 @@
-"""The single-threaded event loop of the supervisor (and of tests and tools that drive its parts).
+"""The event loop of the supervisor (and of tests and tools that drive its parts).
 
-The supervisor forks container processes at any time, so it stays single-threaded (a fork from a
-threaded Python can inherit a held lock). Everything it waits on — the control socket, child exits,
-seccomp listener fds, deferred syscall answers — is an fd registered here with a callback.
+Everything the supervisor waits on — the control socket, child exits, deferred syscall answers — is
+an fd registered here with a callback. One other thread may do loop work: QKernel's seccomp
+notification receiver (qkernel/seccomp_platform.py) blocks in the listener's RECV ioctl, because
+only a direct waiter gets the kernel's same-CPU hand-off (an epoll waiter is woken across CPUs,
+which costs ~80 us a trap on these machines). Both run their work holding `Loop.lock`, so callbacks
+and trapped-syscall handlers never run at the same time and the code they share stays
+single-threaded in effect. The supervisor forks while holding the lock (in a callback), when the
+other thread holds nothing but is blocked in the kernel or waits for the lock, so a child never
+inherits a lock held mid-update.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import selectors
+import threading
 import time
 from collections.abc import Callable
 
@@ -21,6 +29,9 @@ class Loop:
         self._timers: list[tuple[float, int, Callback]] = []
         self._seq = itertools.count()
         self._stopped = False
+        self.lock = threading.RLock()
+        self._owner: int | None = None     # the thread that runs the loop
+        self._wake_fd: int | None = None   # an eventfd: another thread added a timer
 
     def add_reader(self, fd: int, callback: Callback) -> None:
         """Call `callback()` whenever fd is readable (level-triggered)."""
@@ -43,6 +54,15 @@ class Loop:
 
     def call_later(self, delay: float, callback: Callback) -> None:
         heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), callback))
+        if self._owner is not None and threading.get_ident() != self._owner:
+            self._wake()   # the loop may be asleep with a longer timeout
+
+    def _wake(self) -> None:
+        if self._wake_fd is None:
+            fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self.add_reader(fd, lambda: os.eventfd_read(fd))
+            self._wake_fd = fd
+        os.eventfd_write(self._wake_fd, 1)
 
     def stop(self) -> None:
         self._stopped = True
@@ -54,11 +74,16 @@ class Loop:
             self.run_once()
 
     def run_once(self, max_wait: float | None = None) -> None:
+        self._owner = threading.get_ident()
         timeout = max_wait
         if self._timers:
             due = max(0.0, self._timers[0][0] - time.monotonic())
             timeout = due if timeout is None else min(timeout, due)
         events = self._sel.select(timeout) if self._sel.get_map() else (time.sleep(timeout or 0) or [])
+        with self.lock:
+            self._dispatch(events)
+
+    def _dispatch(self, events: list) -> None:
         for key, mask in events:
             read_cb, write_cb = key.data
             if mask & selectors.EVENT_READ and read_cb is not None:
