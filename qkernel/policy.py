@@ -27,15 +27,16 @@ _FLAGS = {"SECCOMP_FILTER_FLAG_TSYNC": seccomp.Attr.CTL_TSYNC,
           "SECCOMP_FILTER_FLAG_SPEC_ALLOW": seccomp.Attr.CTL_SSB}
 
 
-def install_filter(oci_seccomp, platform: str, no_new_privileges: bool) -> int | None:
+def install_filter(oci_seccomp, platform: str, no_new_privileges: bool, sockets: bool) -> int | None:
     """Install quark's filter, then the bundle's; return the listener fd (seccomp) or None (ptrace).
 
     Called in the container process right before execve. Without no_new_privileges the process
-    needs CAP_SYS_ADMIN (in its user namespace) to load a filter, as with runc.
+    needs CAP_SYS_ADMIN (in its user namespace) to load a filter, as with runc. `sockets`: the
+    sandbox is served by TSoR, so its socket calls are trapped (otherwise they all run natively).
     """
     check_platform(platform)
     # Build both before loading either, so a bad bundle profile fails with nothing installed.
-    base = build_base_filter(platform)
+    base = build_base_filter(platform, sockets)
     bundle = build_bundle_filter(oci_seccomp) if oci_seccomp is not None else None
     for f in (base, bundle):
         if f is not None:
@@ -52,7 +53,7 @@ def install_filter(oci_seccomp, platform: str, no_new_privileges: bool) -> int |
     return listener
 
 
-def build_base_filter(platform: str) -> seccomp.SyscallFilter:
+def build_base_filter(platform: str, sockets: bool = True) -> seccomp.SyscallFilter:
     arch = table.native_arch()
     if arch not in _ARCHES:
         raise FilterError(f"no syscall table for architecture {arch}")
@@ -66,7 +67,12 @@ def build_base_filter(platform: str) -> seccomp.SyscallFilter:
         if nr is None or sc.fate is table.Fate.NATIVE:
             continue
         if sc.fate is table.Fate.TRAPPED:
-            f.add_rule(trap, nr)
+            if sc.tsor_only and not sockets:
+                continue
+            if sc.only is None:
+                f.add_rule(trap, nr)
+            for pattern in sc.only.patterns if sc.only is not None else ():
+                f.add_rule(trap, nr, *(seccomp.Arg(i, seccomp.EQ, v) for i, v in pattern))
         elif sc.when is not None:
             f.add_rule(seccomp.ERRNO(sc.errno), nr,
                        seccomp.Arg(sc.when.index, seccomp.MASKED_EQ, sc.when.mask, sc.when.mask))

@@ -36,6 +36,14 @@ class ArgMask:
 
 
 @dataclass(frozen=True)
+class ArgMatch:
+    """A trapped entry applies only when one of these argument patterns matches (anything else runs
+    natively): each pattern is (index, value) equalities the BPF filter checks, all of which must hold."""
+    patterns: tuple[tuple[tuple[int, int], ...], ...]
+    describe: str
+
+
+@dataclass(frozen=True)
 class Syscall:
     name: str
     x86_64: int | None
@@ -49,6 +57,10 @@ class Syscall:
     # handlers that accelerate (TSoR's socket calls: the native call is exactly what the task would
     # get without quark); a handler that enforces policy (personality) must fail closed.
     native_on_error: bool = False
+    # TRAPPED: only for these arguments (e.g. setsockopt at the levels TSoR emulates); None: always
+    only: ArgMatch | None = None
+    # TRAPPED: only in a sandbox served by TSoR (the socket family); elsewhere native
+    tsor_only: bool = False
 
     def nr(self, arch: str) -> int | None:
         return self.x86_64 if arch == "x86_64" else self.aarch64
@@ -58,8 +70,10 @@ def _denied(err: int, reason: str, when: ArgMask | None = None) -> dict:
     return {"fate": Fate.DENIED, "errno": err, "reason": reason, "when": when}
 
 
-def _trapped(handler: Callable, reason: str, native_on_error: bool = False) -> dict:
-    return {"fate": Fate.TRAPPED, "handler": handler, "reason": reason, "native_on_error": native_on_error}
+def _trapped(handler: Callable, reason: str, native_on_error: bool = False, only: ArgMatch | None = None,
+             tsor_only: bool = False) -> dict:
+    return {"fate": Fate.TRAPPED, "handler": handler, "reason": reason, "native_on_error": native_on_error,
+            "only": only, "tsor_only": tsor_only}
 
 
 _MODULES = "changes the code the host kernel runs"
@@ -67,6 +81,19 @@ _MOUNT = "the mount table is fixed once the runtime has set up the rootfs"
 _KEYS = "the kernel keyring is not namespaced; it widens the host attack surface"
 _TIME = "the clock is the host's, shared by every container"
 _NEWUSER = ArgMask(0, CLONE_NEWUSER, "flags has CLONE_NEWUSER")
+# The socket options TSoR answers for a redirected socket (tsor/intercept.py's _emulated): every
+# IP-, IPv6- and TCP-level option (an AF_UNIX local-path end has none), and the SOL_SOCKET ones
+# AF_UNIX answers differently from TCP. Every other option (SO_SNDBUF, SO_RCVTIMEO, SO_ERROR, ...)
+# runs natively on every socket, without a trap.
+_SOL_SOCKET, _IPPROTO_IP, _IPPROTO_TCP, _IPPROTO_IPV6 = 1, 0, 6, 41
+_SO_TYPE, _SO_REUSEPORT, _SO_PROTOCOL, _SO_DOMAIN, _SO_ZEROCOPY, _SO_TXTIME = 3, 15, 38, 39, 60, 61
+_SOCKOPTS = ArgMatch(
+    tuple(((1, level),) for level in (_IPPROTO_IP, _IPPROTO_TCP, _IPPROTO_IPV6))
+    + tuple(((1, _SOL_SOCKET), (2, opt)) for opt in (_SO_TYPE, _SO_REUSEPORT, _SO_PROTOCOL, _SO_DOMAIN,
+                                                     _SO_ZEROCOPY, _SO_TXTIME)),
+    "level is IPPROTO_IP/TCP/IPV6, or SOL_SOCKET with SO_TYPE/PROTOCOL/DOMAIN/REUSEPORT/ZEROCOPY/TXTIME")
+_TSOR = ("handled by TSoR: TCP to quark pods is carried by tsord's local/tcp paths (seccomp platform, "
+         "sandboxes served by TSoR only); anything else runs natively")
 
 # The base policy. Privileged operations get EPERM (what an unprivileged process gets from Linux);
 # interfaces programs probe for and fall back from get ENOSYS (as if the kernel lacked them).
@@ -123,9 +150,8 @@ POLICY: dict[str, dict] = {
     "personality": _trapped(sys_personality.handle,
                             "only the default personas (PER_LINUX, PER_LINUX32, UNAME26, query)"),
     "sysinfo": _trapped(sys_sysinfo.handle, "memory totals from the container's cgroup"),
-    **{name: _trapped(sys_socket.handle, "handled by TSoR: TCP to quark pods is carried by tsord's "
-                                         "local/tcp paths (seccomp platform); anything else runs natively",
-                       native_on_error=True)
+    **{name: _trapped(sys_socket.handle, _TSOR, native_on_error=True, tsor_only=True,
+                      only=_SOCKOPTS if name in ("getsockopt", "setsockopt") else None)
        for name in sys_socket.TRAPPED},
 }
 

@@ -273,7 +273,7 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preser
     channel.send(sock, {"type": "created"})
     start = _expect(sock, "start")
     hooks.run_hooks("startContainer", spec.hooks.start_container, start["state"])
-    _exec(sock, spec, spec.process, start["platform"], preserve_fds)
+    _exec(sock, spec, spec.process, start["platform"], preserve_fds, start.get("sockets", False))
 
 
 def _procview(sock: socket.socket, spec: Spec) -> None:
@@ -291,13 +291,13 @@ def _procview(sock: socket.socket, spec: Spec) -> None:
             os.close(fd)
 
 
-def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserve_fds: int) -> None:
+def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserve_fds: int, sockets: bool) -> None:
     import qkernel
     # no fd of the runtime survives into the container (CVE-2024-21626 class); the preserved ones do
     L.mark_fds_cloexec(3 + preserve_fds)
 
     def install_filter(no_new_privs: bool) -> None:
-        fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs)
+        fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs, sockets)
         if fd is not None:
             channel.send(sock, {"type": "listener"}, [fd])
             os.close(fd)
@@ -349,4 +349,4 @@ def exec_init(sock: socket.socket, spec: Spec, proc: Process, reported: int, pre
     process.set_rlimits(proc)
     if proc.terminal:
         _terminal(sock, proc)
-    _exec(sock, spec, proc, start["platform"], preserve_fds)
+    _exec(sock, spec, proc, start["platform"], preserve_fds, start.get("sockets", False))

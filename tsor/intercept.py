@@ -68,6 +68,9 @@ _CARRY = [(SOL_TCP, socket.TCP_NODELAY), (SOL_TCP, socket.TCP_KEEPIDLE), (SOL_TC
           (SOL_SOCKET, socket.SO_RCVTIMEO), (SOL_SOCKET, socket.SO_SNDTIMEO), (SOL_SOCKET, socket.SO_OOBINLINE),
           (SOL_SOCKET, socket.SO_REUSEADDR), (SOL_SOCKET, socket.SO_REUSEPORT)]
 
+# TCP options whose value is an int read back as 0/1 (tcp_setsockopt/tcp_getsockopt): TCP_NODELAY, TCP_CORK.
+_BOOLEAN = {(SOL_TCP, socket.TCP_NODELAY), (SOL_TCP, socket.TCP_CORK)}
+
 # The trapped call and the deferred connect answer, as qkernel/sockets.py describes them
 # (TrappedCall, ConnectReply); typed loosely here so that tsor runs without qkernel.
 Call = Any
@@ -105,27 +108,29 @@ class SocketIntercept:
         ip = unmapped(ip)
         if port == 0 or is_loopback(ip) or is_unspecified(ip) or _is_multicast(ip):
             return None   # the pod's own loopback never leaves the pod
-        ino = _inode(call, fd)
-        if ino is None:
-            return None
-        if ino in net.sockets:
+        ino = _inode(call, fd) if net.sockets else None
+        if ino is not None and ino in net.sockets:
             call.check()
-            return errno.EISCONN
+            return errno.EISCONN   # a redirected socket is connected (the AF_UNIX end would say EINVAL)
         if not net.client.up or not net.addrs:
             # tsord is not there (yet, or any more), or the sandbox registered no address to connect
             # from (tsord would answer fallback): native, without a round trip
             return None
-        if _sys.held_elsewhere(call.pid, fd, ino):
-            # dup'ed or already in an epoll set (nginx registers before connect): swapping the socket
-            # would leave those references on the old one, so this connection stays native
-            return None
+        if ino is None:
+            ino = _inode(call, fd)
+            if ino is None:
+                return None
         s = _dup(call, fd)
         if s is None:
             return None
         try:
             if not _is_tcp(s) or s.family != fam or _tcp_state(s) != TCP_CLOSE:
-                raise _Native
+                raise _Native   # UDP (DNS), a connected socket, ...: native, before any /proc scan
             if s.family == socket.AF_INET6 and ":" not in ip and s.getsockopt(SOL_IPV6, socket.IPV6_V6ONLY):
+                raise _Native
+            if _sys.held_elsewhere(call.pid, fd, ino):
+                # dup'ed or already in an epoll set (nginx registers before connect): swapping the
+                # socket would leave those references on the old one, so this connection stays native
                 raise _Native
             src_port = s.getsockname()[1]
             if src_port == 0:   # the peer sees a real port: take an ephemeral one from the pod's kernel
@@ -242,6 +247,13 @@ class SocketIntercept:
         if level == SOL_SOCKET and opt in (SO_DOMAIN, SO_TYPE, SO_PROTOCOL):
             return errno.ENOPROTOOPT   # read-only, as on any socket
         given = value()
+        if (level, opt) in _BOOLEAN:
+            # the per-request ones (nginx corks and uncorks around every response): TCP's own check
+            # and normalisation, without a scratch socket
+            if len(given) < 4:
+                return errno.EINVAL
+            st.opts[(level, opt)] = struct.pack("i", 1 if struct.unpack_from("i", given)[0] else 0)
+            return 0
         # A real TCP socket of the same family checks the value and normalises it (booleans to 0/1,
         # IP_TOS without its ECN bits, the congestion control's name, ...).
         scratch = socket.socket(st.family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

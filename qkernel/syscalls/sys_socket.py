@@ -12,7 +12,8 @@ accept(4)    on a listener the hooks announced: accepts on the supervisor's dupl
              install (a queued TSoR connection for a doorbell, anything else as it is).
              SOCK_NONBLOCK/SOCK_CLOEXEC and the peer's sockaddr are honoured; the fd is installed
              and the call answered in one step (ADDFD_FLAG_SEND).
-socket, bind, shutdown   native (trapped for symmetry; nothing to do).
+getsockopt   only the levels the hooks may emulate are trapped (qkernel/table.py's _SOCKOPTS).
+setsockopt
 """
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ from qlib import procfs
 
 log = logging.getLogger("quark.qkernel")
 
-TRAPPED = ("socket", "connect", "bind", "listen", "accept", "accept4", "getsockname",
-           "getpeername", "setsockopt", "getsockopt", "shutdown")
+# Only the calls that may have to answer differently for a TSoR socket; socket, bind, shutdown,
+# sendmsg/recvmsg and friends always run natively (the socket underneath does the right thing).
+TRAPPED = ("connect", "listen", "accept", "accept4", "getsockname", "getpeername", "setsockopt", "getsockopt")
 
 _MAX_OPT = 512   # the most of an option value read from the task
 

@@ -34,6 +34,8 @@ def rows(platform: str) -> list[dict]:
         elif sc.fate is table.Fate.TRAPPED:
             row["handler"] = f"{sc.handler.__module__}.{sc.handler.__name__}"
             row["reason"] = sc.reason
+            if sc.only is not None:
+                row["when"] = sc.only.describe
         out.append(row)
     return out
 
@@ -52,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         if r["fate"] == "denied":
             detail = f"{r['errno']}" + (f" if {r['when']}" if "when" in r else "") + f": {r['reason']}"
         elif r["fate"] == "trapped":
-            detail = f"{r['handler'].removeprefix('qkernel.syscalls.')}: {r['reason']}"
+            detail = (f"{r['handler'].removeprefix('qkernel.syscalls.')}" + (f" if {r['when']}" if "when" in r else "")
+                      + f": {r['reason']}")
         else:
             detail = ""
         nr = lambda v: "-" if v is None else str(v)  # noqa: E731

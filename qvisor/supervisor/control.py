@@ -97,7 +97,8 @@ class ControlMixin:
             return self._fail(conn, InvalidState(f"cannot start a container in state {self.state.status}"))
         self.pending_start = conn
         self.state.status = RUNNING  # the hooks' state says running from startContainer on
-        channel.send(self.init.sock, {"type": "start", "state": self._hook_state(), "platform": self.platform})
+        channel.send(self.init.sock, {"type": "start", "state": self._hook_state(), "platform": self.platform,
+                                       "sockets": self._sockets_trapped()})
 
     def _start_done(self, error: QuarkError | None) -> None:
         conn, self.pending_start = self.pending_start, None

@@ -143,6 +143,11 @@ class CreateMixin:
             ctx.tsor = SocketIntercept.attach(self.loop, self.state.id, init_pid, self.cgroup.pids,
                                               self.spec.annotations)
 
+    def _sockets_trapped(self) -> bool:
+        """Whether the container's filter traps the socket family: only for a sandbox TSoR serves
+        (a sandbox without it pays nothing for sockets)."""
+        return self.kernel is not None and self.kernel.context.tsor is not None
+
     def _forward_console(self, master: int, name: str) -> None:
         """Send the pty master to --console-socket (runc's protocol: one fd with the pty name)."""
         try:

@@ -66,7 +66,7 @@ class ExecMixin:
                 self._watch_exit(ex.pid)
             if self.platform == "ptrace":
                 self.kernel.attach(ex.pid)
-            channel.send(ex.sock, {"type": "start", "platform": self.platform})
+            channel.send(ex.sock, {"type": "start", "platform": self.platform, "sockets": self._sockets_trapped()})
         elif kind == "console":
             ex.console.extend(fds)
         elif kind == "listener":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -204,3 +205,53 @@ def test_iperf3_and_redis(bed):
     assert local_count(bed.node_a) >= before + 4    # iperf3 opens two, redis-cli one each
     bed.stop("quark", "iperf-s")
     bed.stop("quark", "redis")
+
+
+# Every call of the socket family, each once, in a container: a listener on the pod's address, a
+# connection to it, options at every level, names, half-close. Waits for /out/<tag>-go, writes
+# /out/<tag>-done.
+SOCKET_CALLS = """
+import os, socket, sys, time
+tag, ip = sys.argv[1], sys.argv[2]
+while not os.path.exists(f"/out/{tag}-go"):
+    time.sleep(0.02)
+l = socket.socket(); l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); l.bind((ip, 0)); l.listen()
+c = socket.socket(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); c.connect(l.getsockname())
+s, _ = l.accept()
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1); c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK)
+c.getsockopt(socket.SOL_SOCKET, 39); c.getsockopt(socket.IPPROTO_IP, socket.IP_TOS)
+c.getsockname(); s.getpeername(); c.shutdown(socket.SHUT_WR)
+open(f"/out/{tag}-done", "w").close()
+"""
+
+
+def _supervisor_of(bed, cid: str) -> int:
+    init = json.loads(bed.quark("state", cid).stdout)["pid"]
+    with open(f"/proc/{init}/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("PPid:")))
+
+
+def _socket_calls_with_supervisor_stopped(bed, tag: str, tsor: bool, wait: float) -> bool:
+    """Run SOCKET_CALLS while the sandbox's supervisor is stopped: whether they all finished
+    within `wait` seconds (a trapped call waits for the supervisor's answer)."""
+    pod = bed.node_a.pod(tag)
+    bed.start("quark", tag, bed.bundle(tag, ["python3", "-c", SOCKET_CALLS, tag, pod.ip], pod, tsor=tsor))
+    sup = _supervisor_of(bed, tag)
+    os.kill(sup, signal.SIGSTOP)
+    try:
+        open(bed.out(f"{tag}-go"), "w").close()
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not os.path.exists(bed.out(f"{tag}-done")):
+            time.sleep(0.05)
+        return os.path.exists(bed.out(f"{tag}-done"))
+    finally:
+        os.kill(sup, signal.SIGCONT)
+        bed.stop("quark", tag)
+
+
+def test_a_sandbox_without_tsor_traps_no_socket_call(bed):
+    """Without TSoR (no tsord for the sandbox) the filter traps none of the socket family: every
+    call finishes while the supervisor that would answer a trap is stopped. With TSoR the same
+    program waits for it (the listen, accept and connect are trapped), which shows the check works."""
+    assert _socket_calls_with_supervisor_stopped(bed, "notsor", tsor=False, wait=15)
+    assert not _socket_calls_with_supervisor_stopped(bed, "withtsor", tsor=True, wait=2)

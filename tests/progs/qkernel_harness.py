@@ -93,7 +93,7 @@ def delay_handler(loop: Loop, seconds: float, counters: Counters):
 def child(argv: list[str], platform: str, sock: socket.socket, go: int, bundle, nnp: bool) -> None:
     try:
         os.read(go, 1)   # ptrace: wait until the harness has seized us
-        fd = qkernel.install_filter(bundle, platform, nnp)
+        fd = qkernel.install_filter(bundle, platform, nnp, sockets=True)
         if fd is not None:
             socket.send_fds(sock, [b"L"], [fd])
             os.close(fd)

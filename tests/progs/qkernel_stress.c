@@ -40,7 +40,7 @@ static double now(void) {
 static int sndbuf(void) {
     int v = 0;
     socklen_t len = sizeof v;
-    if (getsockopt(sock, SOL_SOCKET, SO_SNDBUF, &v, &len) != 0) return -errno;
+    if (getsockopt(sock, SOL_SOCKET, SO_TYPE, &v, &len) != 0) return -errno;
     return v;
 }
 

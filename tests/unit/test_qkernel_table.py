@@ -19,8 +19,8 @@ ISSUE_DENIED = ["init_module", "finit_module", "delete_module", "kexec_load", "k
                 "mount", "umount2", "pivot_root", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick",
                 "open_tree", "unshare", "setns", "clone", "open_by_handle_at", "reboot", "swapon",
                 "swapoff", "settimeofday", "acct", "quotactl", "lookup_dcookie"]
-SOCKET_FAMILY = ["socket", "connect", "bind", "listen", "accept", "accept4", "getsockname",
-                 "getpeername", "setsockopt", "getsockopt", "shutdown"]
+SOCKET_FAMILY = ["connect", "listen", "accept", "accept4", "getsockname", "getpeername", "setsockopt",
+                 "getsockopt"]
 
 
 def test_issue_policy_is_in_the_table():
@@ -30,6 +30,8 @@ def test_issue_policy_is_in_the_table():
         assert t[name].errno and t[name].reason
     for name in SOCKET_FAMILY + ["sysinfo", "personality"]:
         assert t[name].fate is table.Fate.TRAPPED and t[name].handler is not None, name
+    for name in ("socket", "bind", "shutdown"):   # nothing for TSoR to do: never trapped
+        assert t[name].fate is table.Fate.NATIVE, name
     assert t["clone"].when.mask == table.CLONE_NEWUSER and t["unshare"].when.mask == table.CLONE_NEWUSER
     assert t["read"].fate is table.Fate.NATIVE and t["getpid"].fate is table.Fate.NATIVE
 
@@ -52,6 +54,26 @@ def test_base_filter_compiles(platform, tmp_path):
     assert "# filter for syscall \"bpf\"" in pfc
     trap = "0x7fc00000" if platform == "seccomp" else f"TRACE({policy.TRACE_DATA})"
     assert trap in pfc   # SECCOMP_RET_USER_NOTIF, or SECCOMP_RET_TRACE with quark's data
+
+
+def _notify_rules(f, tmp_path) -> str:
+    with open(tmp_path / "f.pfc", "w") as out:
+        f.export_pfc(out)
+    return (tmp_path / "f.pfc").read_text()
+
+
+def test_socket_family_is_trapped_only_for_tsor_and_options_only_at_emulated_levels(tmp_path):
+    without = _notify_rules(policy.build_base_filter("seccomp", sockets=False), tmp_path)
+    assert "0x7fc00000" in without   # sysinfo, personality
+    for name in SOCKET_FAMILY:
+        assert f'# filter for syscall "{name}"' not in without, name
+    with_tsor = _notify_rules(policy.build_base_filter("seccomp", sockets=True), tmp_path)
+    setsockopt = with_tsor.split('# filter for syscall "setsockopt"')[1].split("# filter for syscall")[0]
+    # levels IPPROTO_IP (0), IPPROTO_TCP (6), IPPROTO_IPV6 (41); SOL_SOCKET (1) only with SO_DOMAIN & co
+    for level in (0, 6, 41, 1):
+        assert f"if ($a1.lo32 == {level})" in setsockopt, level
+    assert "if ($a2.lo32 == 39)" in setsockopt and "if ($a2.lo32 == 7)" not in setsockopt   # SO_DOMAIN, not SO_SNDBUF
+    assert "if ($syscall == 54)\n    action" not in setsockopt   # no unconditional trap
 
 
 def rule(names, action, errno_ret=None, args=()):
