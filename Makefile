@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # and python3-pyverbs import into the venv because it is made with --system-site-packages.
 APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf3 \
 	redis-server redis-tools python3-venv python3-dev python3-seccomp python3-pyverbs \
-	iproute2 gcc libc6-dev procps util-linux
+	iproute2 gcc libc6-dev procps util-linux wrk
 
 .PHONY: install apt venv links bytecode trampoline demo test test-unit test-cgroup2 vm-deps bench proto clean
 install: apt venv links
@@ -63,7 +63,10 @@ vm-deps: venv
 test-cgroup2: install vm-deps
 	$(PY) -m tests.vm.lane -- $(ARGS)
 
+# matplotlib (the `bench` extra) draws bench/results/tsor.png; nginx is fetched by bench/tsor.py itself
+# (tests/support/nginx.py: downloaded and unpacked, never installed on the host)
 bench: install
+	$(PY) -m pip install -q -e '.[bench]' --config-settings editable_mode=compat
 	$(PY) bench/startup.py
 	$(PY) bench/tsor.py
 

@@ -1,13 +1,19 @@
-"""TSoR benchmark: one run, side by side, on this machine (root; runc, iperf3, redis, gcc).
+"""TSoR benchmark: side by side, on this machine (root; runc, iperf3, redis, gcc, wrk; nginx is fetched).
 
 One node  — two containers in two pods on one bridge (CNI bridge plugin):
             quark + TSoR (local path) vs runc (veth + bridge, the Kubernetes default path):
-            iperf3 throughput, 64 B ping-pong RTT p50/p99, redis-benchmark GET/SET at -c 1 and -c 50.
+            iperf3 throughput, 64 B ping-pong RTT p50/p99 (unpinned, and with both ends pinned by
+            taskset to one CPU and to two), redis-benchmark GET/SET at -c 1 and -c 50, connection
+            set-up time, and nginx (Debian's default nginx.conf) under `wrk -t1 -c16 -d10s`, keep-alive
+            and `Connection: close`, with the CPU time of quark's supervisors and tsord per 10,000 requests.
 Two nodes — two network namespaces joined by a veth, each with a bridge, pods and tsord:
             quark + TSoR (tcp path) vs runc (plain TCP, same veth): iperf3 throughput and
             connection set-up time (connect + 1-byte echo + close).
 
-    .venv/bin/python bench/tsor.py [--json bench/results/tsor.json] [--png bench/results/tsor.png]
+    .venv/bin/python bench/tsor.py [--only nginx,setup,...] [--runs N] [--json F] [--png F]
+
+tsord runs without --debug here (a log line per connection is CPU the nginx rows count).
+The chart needs matplotlib (`make bench` installs the `bench` extra).
 """
 from __future__ import annotations
 
@@ -17,20 +23,38 @@ import io
 import json
 import os
 import platform
-import struct
+import re
+import statistics
 import subprocess
 import sys
 import time
-import zlib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tests.cleanup import quark_cgroup_dirs, remove_empty_since  # noqa: E402
-from tests.support.testbed import Testbed  # noqa: E402
+from tests.cleanup import quark_cgroup_dirs, remove_empty_since
+from tests.support.nginx import ensure_nginx, prepare_bundle
+from tests.support.testbed import TSORD_PORT, Testbed
 
 GOALS = {"iperf3_gbps": (">=", 2.0), "rtt_p50_us": ("<=", 0.75), "redis_c50_rps": (">=", 1.5),
-         "redis_c1_rps": (">=", 1.05), "two_node_iperf3_gbps": (">=", 0.95)}
+         "redis_c1_rps": (">=", 1.05), "two_node_iperf3_gbps": (">=", 0.95),
+         # issue 13: both RTT placements, set-up within 4x of plain TCP, nginx as Debian ships it
+         "rtt_same_cpu_p50_us": ("<=", 0.75), "rtt_cross_cpu_p50_us": ("<=", 0.75), "setup_p50_us": ("<=", 4.0),
+         "two_node_setup_p50_us": ("<=", 4.0), "nginx_keepalive_rps": (">=", 1.3), "nginx_close_rps": (">=", 1.0)}
+PARTS = ("iperf3", "rtt", "pinned", "redis", "setup", "nginx", "two_nodes")
+# (section, key, label, unit, higher is better): the rows of the report and the bars of the chart, in order
+METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
+           ("one_node", "rtt_p50_us", "64 B RTT p50", "us", False),
+           ("one_node", "rtt_same_cpu_p50_us", "RTT p50, both on CPU 0", "us", False),
+           ("one_node", "rtt_cross_cpu_p50_us", "RTT p50, CPUs 0 and 1", "us", False),
+           ("one_node", "redis_c50_rps", "redis -c 50", "req/s", True),
+           ("one_node", "redis_c1_rps", "redis -c 1", "req/s", True),
+           ("one_node", "setup_p50_us", "set-up p50 (local path)", "us", False),
+           ("one_node", "nginx_keepalive_rps", "nginx keep-alive", "req/s", True),
+           ("one_node", "nginx_close_rps", "nginx Connection: close", "req/s", True),
+           ("two_nodes", "two_node_iperf3_gbps", "2 nodes: iperf3", "Gb/s", True),
+           ("two_nodes", "two_node_setup_p50_us", "2 nodes: set-up p50", "us", False)]
+WRK = "wrk -t1 -c16 -d10s"
 
 
 def wait_port(bed: Testbed, pod, port: int, timeout: float = 15) -> None:
@@ -38,7 +62,7 @@ def wait_port(bed: Testbed, pod, port: int, timeout: float = 15) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if subprocess.run(["ip", "netns", "exec", pod.node.netns, sys.executable, "-c", code],
-                          capture_output=True).returncode == 0:
+                          check=False, capture_output=True).returncode == 0:
             return
         time.sleep(0.1)
     raise RuntimeError(f"nothing listens on {pod.ip}:{port}")
@@ -60,31 +84,155 @@ def redis_rps(text: str) -> dict[str, float]:
     return {row[0]: float(row[1]) for row in rows[1:] if len(row) > 1}
 
 
-def one_node(runtime: str, pp: str, tag: str) -> dict:
+def start_tsord(node) -> None:
+    """Node.start_tsord (tests/support/testbed.py) without --debug: tsord's CPU is measured here,
+    and the tests' per-connection debug log is not what a node runs."""
+    cfg = os.path.join(node.bed.dir, f"{node.name}-tsor.yaml")
+    with open(cfg, "w") as f:
+        json.dump({"node": node.name, "socket": node.socket, "metrics": f"unix:{node.metrics}",
+                   "routes": node.bed.routes_file, "cluster_secret_file": node.bed.secret_file,
+                   **({"listen": f"{node.address}:{TSORD_PORT}"} if node.address else {})}, f)
+    with open(os.path.join(node.bed.dir, f"{node.name}-tsord.log"), "a") as log:
+        # `ip netns exec` execs: the Popen's pid is tsord's own
+        node.tsord = subprocess.Popen(["ip", "netns", "exec", node.netns, sys.executable, "-m", "tsor.daemon",
+                                       "--config", cfg], stdout=log, stderr=log, cwd=REPO,
+                                      env=dict(os.environ, PYTHONPATH=REPO))
+    deadline = time.monotonic() + 10
+    while not os.path.exists(node.socket):
+        if node.tsord.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"tsord {node.name} did not start: {node.log()}")
+        time.sleep(0.02)
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """utime + stime of each live pid (all its threads), in seconds."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def supervisors(bed: Testbed) -> list[int]:
+    """quark's supervisors of this testbed: the processes whose argv carries its `--root`."""
+    root, found = os.path.join(bed.dir, "quark").encode(), []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if root in f.read().split(b"\0"):
+                        found.append(int(d))
+            except OSError:
+                pass
+    return found
+
+
+def wait_file(path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {path}")
+        time.sleep(0.05)
+
+
+def wrk(bed: Testbed, runtime: str, name: str, pod, node, url: str, extra: str) -> dict:
+    """One wrk run from a detached container; for quark, the CPU time its supervisors (nginx's and
+    wrk's) and tsord used during it. The container waits for a go file, so only wrk's run is counted."""
+    go, done, stop = (f"{name}-{x}" for x in ("go", "done", "stop"))
+    shell = (f"while [ ! -e /out/{go} ]; do sleep 0.05; done; {WRK} {extra} {url} > /out/{name}.txt 2>&1; "
+             f"echo $? > /out/{done}; while [ ! -e /out/{stop} ]; do sleep 0.1; done")
+    bed.start(runtime, name, bed.bundle(name, ["sh", "-c", shell], pod, tsor=runtime == "quark"))
+    try:
+        time.sleep(0.5)
+        pids = supervisors(bed) + ([node.tsord.pid] if node.tsord else [])
+        before = cpu_seconds(pids)
+        open(bed.out(go), "w").close()
+        wait_file(bed.out(done), 60)
+        after = cpu_seconds(pids)
+        open(bed.out(stop), "w").close()
+    finally:
+        bed.stop(runtime, name)
+    with open(bed.out(f"{name}.txt")) as f:
+        text = f.read()
+    with open(bed.out(done)) as f:
+        if f.read().strip() != "0":
+            raise RuntimeError(f"{name} ({runtime}) failed: {text[-2000:]}")
+    requests = int(re.search(r"(\d+) requests in", text)[1])
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    res = {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", text)[1]), "requests": requests,
+           "socket_errors": sum(map(int, errors.groups())) if errors else 0,
+           "non_2xx": int(non2xx[1]) if non2xx else 0}
+    if runtime == "quark":
+        per10k = 10000 / max(requests, 1)
+        tsord = node.tsord.pid
+        res["supervisor_cpu_s_per_10k"] = per10k * sum(after.get(p, before[p]) - before[p]
+                                                       for p in before if p != tsord)
+        res["tsord_cpu_s_per_10k"] = per10k * (after.get(tsord, 0) - before.get(tsord, 0))
+    return res
+
+
+def one_node(runtime: str, pp: str, tag: str, parts: set[str]) -> dict:
     bed = Testbed(prefix=f"qb{tag}", octet=215)
     try:
         node = bed.node("n")
         if runtime == "quark":
-            node.start_tsord()
+            start_tsord(node)
         srv, cli = node.pod("srv"), node.pod("cli")
         tsor = runtime == "quark"
-        bed.start(runtime, "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], srv, tsor=tsor))
-        bed.start(runtime, "pp-s", bed.bundle("pp-s", [pp, "server", "7001"], srv, tsor=tsor))
-        bed.start(runtime, "redis", bed.bundle("redis", ["redis-server", "--port", "6379", "--save", "",
-                                                         "--appendonly", "no", "--protected-mode", "no"],
-                                               srv, tsor=tsor))
-        for port in (5201, 7001, 6379):
+        ports = []
+        if "iperf3" in parts:
+            bed.start(runtime, "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], srv, tsor=tsor))
+            ports.append(5201)
+        if parts & {"rtt", "setup"}:
+            bed.start(runtime, "pp-s", bed.bundle("pp-s", [pp, "server", "7001"], srv, tsor=tsor))
+            ports.append(7001)
+        if "pinned" in parts:       # its per-connection threads inherit CPU 0
+            bed.start(runtime, "pp-pin", bed.bundle("pp-pin", ["taskset", "-c", "0", pp, "server", "7002"], srv,
+                                                    tsor=tsor))
+            ports.append(7002)
+        if "redis" in parts:
+            bed.start(runtime, "redis", bed.bundle("redis", ["redis-server", "--port", "6379", "--save", "",
+                                                             "--appendonly", "no", "--protected-mode", "no"],
+                                                   srv, tsor=tsor))
+            ports.append(6379)
+        if "nginx" in parts:
+            ngx = bed.bundle("nginx", ["nginx"], srv, tsor=tsor)
+            prepare_bundle(ngx, ensure_nginx())
+            bed.start(runtime, "nginx", ngx)
+            ports.append(80)
+        for port in ports:
             wait_port(bed, srv, port)
         res = {}
-        it = json.loads(client(bed, runtime, "iperf", cli, f"iperf3 -c {srv.ip} -p 5201 -t 5 -J"))
-        res["iperf3_gbps"] = it["end"]["sum_received"]["bits_per_second"] / 1e9
-        p50, p99 = map(float, client(bed, runtime, "rtt", cli, f"{pp} rtt {srv.ip} 7001 20000").split())
-        res["rtt_p50_us"], res["rtt_p99_us"] = p50, p99
-        for c, n in ((1, 20000), (50, 100000)):
-            rps = redis_rps(client(bed, runtime, f"redis{c}", cli,
-                                   f"redis-benchmark -h {srv.ip} -p 6379 -t get,set -n {n} -c {c} --csv"))
-            res[f"redis_c{c}_rps"] = (rps["GET"] + rps["SET"]) / 2
-            res[f"redis_c{c}_get_rps"], res[f"redis_c{c}_set_rps"] = rps["GET"], rps["SET"]
+        if "iperf3" in parts:
+            it = json.loads(client(bed, runtime, "iperf", cli, f"iperf3 -c {srv.ip} -p 5201 -t 5 -J"))
+            res["iperf3_gbps"] = it["end"]["sum_received"]["bits_per_second"] / 1e9
+        if "rtt" in parts:
+            p50, p99 = map(float, client(bed, runtime, "rtt", cli, f"{pp} rtt {srv.ip} 7001 20000").split())
+            res["rtt_p50_us"], res["rtt_p99_us"] = p50, p99
+        if "pinned" in parts:
+            # the server's end on CPU 0; the client's on CPU 0 (same) or 1 (cross): placement like for like
+            for place, cpu in (("same_cpu", 0), ("cross_cpu", 1)):
+                if cpu < (os.cpu_count() or 1):
+                    out = client(bed, runtime, f"rtt-{place}", cli, f"taskset -c {cpu} {pp} rtt {srv.ip} 7002 20000")
+                    res[f"rtt_{place}_p50_us"], res[f"rtt_{place}_p99_us"] = map(float, out.split())
+        if "redis" in parts:
+            for c, n in ((1, 20000), (50, 100000)):
+                rps = redis_rps(client(bed, runtime, f"redis{c}", cli,
+                                       f"redis-benchmark -h {srv.ip} -p 6379 -t get,set -n {n} -c {c} --csv"))
+                res[f"redis_c{c}_rps"] = (rps["GET"] + rps["SET"]) / 2
+                res[f"redis_c{c}_get_rps"], res[f"redis_c{c}_set_rps"] = rps["GET"], rps["SET"]
+        if "setup" in parts:
+            p50, p99 = map(float, client(bed, runtime, "setup", cli, f"{pp} connect {srv.ip} 7001 300").split())
+            res["setup_p50_us"], res["setup_p99_us"] = p50, p99
+        if "nginx" in parts:
+            for kind, extra in (("keepalive", ""), ("close", "-H 'Connection: close'")):
+                w = wrk(bed, runtime, f"wrk-{kind}", cli, node, f"http://{srv.ip}/", extra)
+                res.update({f"nginx_{kind}_{k}": v for k, v in w.items()})
         if runtime == "quark":
             from tsor.metrics import fetch, parse
             res["tsord"] = {k: v for k, v in parse(fetch(node.metrics)).items() if "connections" in k}
@@ -100,8 +248,8 @@ def two_nodes(runtime: str, pp: str, tag: str) -> dict:
         bed.link(a, b)
         tsor = runtime == "quark"
         if tsor:
-            a.start_tsord()
-            b.start_tsord()
+            start_tsord(a)
+            start_tsord(b)
         srv, cli = b.pod("srv"), a.pod("cli")
         bed.start(runtime, "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], srv, tsor=tsor))
         bed.start(runtime, "pp-s", bed.bundle("pp-s", [pp, "server", "7001"], srv, tsor=tsor))
@@ -120,70 +268,136 @@ def two_nodes(runtime: str, pp: str, tag: str) -> dict:
         bed.close()
 
 
-def png(path: str, ratios: list[tuple[str, float, float, str]]) -> None:
-    """A bar chart without a plotting library: one bar per metric, height = quark / runc (or runc /
-    quark for latencies, so higher is better everywhere); the grey tick is the goal, the dark line
-    is 1.0 (parity). Bars in the order of the README table."""
-    w, h, scale = 80 + 90 * len(ratios), 320, 100   # 100 px per 1.0x
-    img = [[(255, 255, 255)] * w for _ in range(h)]
-    base = h - 20
+def rows(results: dict) -> list[dict]:
+    """One row per metric measured for both runtimes: the values, quark / runc, and quark's advantage
+    (the ratio turned so that higher is better), with the goal where the project has one."""
+    cfg = {"one_node": ("quark_tsor_local", "runc_bridge"), "two_nodes": ("quark_tsor_tcp", "runc_plain_tcp")}
+    out = []
+    for section, key, label, unit, higher in METRICS:
+        if section not in results:
+            continue
+        q, r = (results[section][c].get(key) for c in cfg[section])
+        if q is None or r is None:
+            continue
+        ratio = q / r
+        goal = GOALS.get(key)
+        out.append({"key": key, "label": label, "unit": unit, "quark": q, "runc": r, "ratio": ratio,
+                    "advantage": ratio if higher else 1 / ratio,
+                    "goal": None if goal is None else (goal[1] if higher else 1 / goal[1]),
+                    "met": None if goal is None else (ratio >= goal[1] if goal[0] == ">=" else ratio <= goal[1])})
+    return out
 
-    def rect(x0, y0, x1, y1, color):
-        for y in range(max(0, y0), min(h, y1)):
-            for x in range(max(0, x0), min(w, x1)):
-                img[y][x] = color
-    for i, (_, ratio, goal, better) in enumerate(ratios):
-        x = 50 + 90 * i
-        rect(x, base - int(min(ratio, 2.9) * scale), x + 50, base, (46, 125, 50) if ratio >= goal else (198, 40, 40))
-        rect(x - 5, base - int(goal * scale) - 1, x + 55, base - int(goal * scale) + 2, (120, 120, 120))
-    rect(20, base - scale - 1, w - 20, base - scale + 1, (0, 0, 0))
-    rect(20, base, w - 20, base + 2, (0, 0, 0))
-    raw = b"".join(b"\0" + bytes(c for px in row for c in px) for row in img)
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack("!I", len(data)) + kind + data + struct.pack("!I", zlib.crc32(kind + data))
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack("!IIBBBBB", w, h, 8, 2, 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+def chart(path: str, table: list[dict], machine: str) -> None:
+    """A bar per row: quark + TSoR's advantage over runc (log scale, higher is better), the ratio and
+    both values on the bar, the goal as a black tick, parity as a dashed line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    def fmt(v: float) -> str:
+        return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+    fig, ax = plt.subplots(figsize=(max(8, 1.25 * len(table) + 2), 6.5))
+    colors = {True: "#2e7d32", False: "#c62828", None: "#1565c0"}
+    xs = range(len(table))
+    ax.bar(xs, [t["advantage"] for t in table], width=0.6, color=[colors[t["met"]] for t in table])
+    ax.set_yscale("log")
+    top = max(4.0, *(t["advantage"] * 3 for t in table), *(t["goal"] * 3 for t in table if t["goal"]))
+    bottom = min(0.25, *(t["advantage"] / 1.8 for t in table))
+    ax.set_ylim(bottom, top)
+    ticks = [v for v in (0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32) if bottom <= v <= top]
+    ax.set_yticks(ticks, [f"{v:g}x" for v in ticks])
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    for x, t in zip(xs, table):
+        if t["goal"]:
+            ax.hlines(t["goal"], x - 0.4, x + 0.4, color="black", linewidth=2.5)
+        ax.annotate(f"{t['advantage']:.2f}x\n{fmt(t['quark'])} vs {fmt(t['runc'])}\n{t['unit']}",
+                    (x, max(t["advantage"], t["goal"] or 0)), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 3), textcoords="offset points",
+                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
+    ax.set_xticks(list(xs), [t["label"] for t in table], rotation=30, ha="right", fontsize=9)
+    ax.set_ylabel("quark + TSoR advantage over runc (x, log scale; higher is better)\n"
+                  "throughput: quark / runc; latency: runc / quark")
+    ax.set_xlabel("metric (values on each bar: quark vs runc, in the unit shown)")
+    ax.set_title(f"TSoR vs runc + bridge (one node) and plain TCP (two nodes)\n{machine}", fontsize=11)
+    ax.legend(handles=[Patch(color=colors[True], label="goal met"), Patch(color=colors[False], label="goal not met"),
+                       Patch(color=colors[None], label="no goal (reported)"),
+                       plt.Line2D([], [], color="black", linewidth=2.5, label="goal"),
+                       plt.Line2D([], [], color="black", linestyle="--", linewidth=1, label="parity (1x)")],
+              loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def merge(runs: list[dict]) -> dict:
+    """The median of each number over the runs (the runs themselves kept when there are several)."""
+    out = dict(runs[-1])
+    for k, v in runs[-1].items():
+        if isinstance(v, (int, float)):
+            out[k] = statistics.median(r[k] for r in runs if k in r)
+    if len(runs) > 1:
+        out["runs"] = runs
+    return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=os.path.join(REPO, "bench/results/tsor.json"))
     p.add_argument("--png", default=os.path.join(REPO, "bench/results/tsor.png"))
+    p.add_argument("--only", default=",".join(PARTS),
+                   help=f"comma-separated parts to run (default all): {','.join(PARTS)}")
+    p.add_argument("--runs", type=int, default=1, help="repeat each side N times; numbers are medians")
     args = p.parse_args()
+    parts = {x.strip() for x in args.only.split(",") if x.strip()}
+    if not parts or parts - set(PARTS):
+        p.error(f"--only: unknown part(s) {', '.join(sorted(parts - set(PARTS))) or '(none given)'}; "
+                f"choose from {','.join(PARTS)}")
+    if args.runs < 1:
+        p.error("--runs: must be at least 1")
     if os.geteuid() != 0:
         print("bench/tsor.py needs root (namespaces, containers)", file=sys.stderr)
         return 1
     pp = os.path.join(REPO, "bench", ".pingpong")
     subprocess.run(["gcc", "-O2", "-o", pp, os.path.join(REPO, "bench/pingpong.c"), "-lpthread"], check=True)
     pp_in = "/repo/bench/.pingpong"
+    one = parts - {"two_nodes"}
     cgroups_before = quark_cgroup_dirs()
+    machine = {"kernel": platform.release(), "cpus": os.cpu_count()}
+    results: dict = {"machine": machine, "parts": sorted(parts), "runs": args.runs}
     try:
-        results = {"machine": {"kernel": platform.release(), "cpus": os.cpu_count()},
-                   "one_node": {"quark_tsor_local": one_node("quark", pp_in, "q"),
-                                "runc_bridge": one_node("runc", pp_in, "r")},
-                   "two_nodes": {"quark_tsor_tcp": two_nodes("quark", pp_in, "q"),
-                                 "runc_plain_tcp": two_nodes("runc", pp_in, "r")}}
+        if one:
+            results["one_node"] = {
+                "quark_tsor_local": merge([one_node("quark", pp_in, "q", one) for _ in range(args.runs)]),
+                "runc_bridge": merge([one_node("runc", pp_in, "r", one) for _ in range(args.runs)])}
+        if "two_nodes" in parts:
+            results["two_nodes"] = {"quark_tsor_tcp": merge([two_nodes("quark", pp_in, "q") for _ in range(args.runs)]),
+                                    "runc_plain_tcp": merge([two_nodes("runc", pp_in, "r") for _ in range(args.runs)])}
     finally:
         remove_empty_since(cgroups_before)
-    q, r = results["one_node"]["quark_tsor_local"], results["one_node"]["runc_bridge"]
-    q2, r2 = results["two_nodes"]["quark_tsor_tcp"], results["two_nodes"]["runc_plain_tcp"]
-    ratios = {"iperf3_gbps": q["iperf3_gbps"] / r["iperf3_gbps"],
-              "rtt_p50_us": q["rtt_p50_us"] / r["rtt_p50_us"],
-              "redis_c50_rps": q["redis_c50_rps"] / r["redis_c50_rps"],
-              "redis_c1_rps": q["redis_c1_rps"] / r["redis_c1_rps"],
-              "two_node_iperf3_gbps": q2["two_node_iperf3_gbps"] / r2["two_node_iperf3_gbps"]}
-    results["ratios"] = ratios
-    results["goals_met"] = {k: (v >= GOALS[k][1] if GOALS[k][0] == ">=" else v <= GOALS[k][1])
-                            for k, v in ratios.items()}
+    table = rows(results)
+    results["ratios"] = {t["key"]: t["ratio"] for t in table}
+    results["goals_met"] = {t["key"]: t["met"] for t in table if t["met"] is not None}
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2)
-    bars = [(k, v if GOALS[k][0] == ">=" else 1 / v, GOALS[k][1] if GOALS[k][0] == ">=" else 1 / GOALS[k][1], "")
-            for k, v in ratios.items()]
-    png(args.png, bars)
     print(json.dumps(results, indent=2))
+    print(f"\n{'metric':<28} {'quark+TSoR':>12} {'runc':>12} {'ratio':>7}  goal")
+    for t in table:
+        goal = "" if t["met"] is None else f"{GOALS[t['key']][0]} {GOALS[t['key']][1]}x: {'met' if t['met'] else 'NOT met'}"
+        print(f"{t['label'] + ' (' + t['unit'] + ')':<28} {t['quark']:>12.1f} {t['runc']:>12.1f} {t['ratio']:>6.2f}x  {goal}")
+    q = results.get("one_node", {}).get("quark_tsor_local", {})
+    for kind in ("keepalive", "close"):
+        if f"nginx_{kind}_rps" in q:
+            print(f"nginx {kind}: quark CPU s per 10k requests: supervisors "
+                  f"{q[f'nginx_{kind}_supervisor_cpu_s_per_10k']:.3f}, tsord {q[f'nginx_{kind}_tsord_cpu_s_per_10k']:.3f}")
+    if table:
+        try:
+            chart(args.png, table, f"kernel {machine['kernel']}, {machine['cpus']} CPUs, "
+                                   f"{args.runs} run(s), {time.strftime('%Y-%m-%d %H:%M')}")
+        except ImportError:
+            print(f"no chart: matplotlib is missing (make bench installs it); {args.png} not written", file=sys.stderr)
     return 0
 
 
