@@ -220,6 +220,24 @@ def pidfd_send_signal(pidfd: int, sig: int) -> None:
                          ctypes.c_uint(0)), "pidfd_send_signal")
 
 
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+
+
+def process_vm_readv(pid: int, addr: int, size: int) -> bytes:
+    """`size` bytes at `addr` in another process, in one call (no /proc/PID/mem to open and close).
+    Returns what could be read (short at an unmapped page); OSError (ESRCH, EPERM, EFAULT) otherwise."""
+    buf = ctypes.create_string_buffer(size)
+    local, remote = _Iovec(ctypes.addressof(buf), size), _Iovec(addr, size)
+    n = _check(_libc.process_vm_readv(ctypes.c_int(pid), ctypes.byref(local), ctypes.c_ulong(1),
+                                      ctypes.byref(remote), ctypes.c_ulong(1), ctypes.c_ulong(0)),
+               "process_vm_readv")
+    return buf.raw[:n]
+
+
 def pidfd_getfd(pidfd: int, fd: int) -> int:
     """Our own duplicate of the task's `fd` (same open file description), close-on-exec."""
     return _check(_libc.syscall(_SYS_PIDFD_GETFD, ctypes.c_int(pidfd), ctypes.c_int(fd),
