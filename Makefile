@@ -8,8 +8,8 @@ APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf
 	redis-server redis-tools python3-venv python3-dev python3-seccomp python3-pyverbs \
 	iproute2 gcc libc6-dev procps util-linux wrk
 
-.PHONY: install apt venv links bytecode trampoline demo test test-unit test-cgroup2 vm-deps bench proto clean
-install: apt venv links
+.PHONY: install apt venv links bytecode fastpath trampoline demo test test-unit test-cgroup2 vm-deps bench proto clean
+install: apt venv links fastpath
 
 apt:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
@@ -19,6 +19,12 @@ apt:
 	fi
 
 venv: $(VENV)/.installed
+
+# QKernel's compiled fast path (qkernel/fastpath.c, loaded with ctypes): without it every trapped
+# call goes through Python (same answers, slower); a stale one is not loaded
+fastpath: qkernel/_fastpath.so
+qkernel/_fastpath.so: qkernel/fastpath.c
+	gcc -O2 -Wall -Wextra -shared -fPIC -o $@ $< -lpthread
 
 # editable_mode=compat: a plain path entry in a .pth file; the default import-hook finder costs
 # ~9 ms at every start of `quark`, and `quark` starts four times per container.

@@ -19,6 +19,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from qkernel import seccomp_notify as sn
+from qkernel import table
 from qkernel.errors import QuarkError
 from qkernel.request import Answer, Continue, Errno, InstallFd, Request, Return
 
@@ -90,12 +91,22 @@ class SeccompPlatform:
         self.audit_arch = AUDIT_ARCH[kernel.arch]
         self._listeners: set[int] = set()
         self._closed = False
+        # the compiled receiver loop (qkernel/fastpath.py), for a sandbox with socket hooks: None
+        # not decided yet, False not available (every notification goes through Python)
+        self._fast = None
 
     def serve_listener(self, fd: int) -> None:
         """Serve a listener from its own receiver thread (the supervisor calls this once it is
         confined: threads inherit its capabilities and seccomp filter)."""
         sn.sync_wake_up(fd)
         self._listeners.add(fd)
+        hooks = self.kernel.context.tsor
+        if self._fast is None and hooks is not None and hasattr(hooks, "use_option_table"):
+            from qkernel import fastpath
+            self._fast = fastpath.load() or False
+            if self._fast:
+                self._fast.init(table.by_name()["setsockopt"].nr(self.kernel.arch), self.audit_arch)
+                hooks.use_option_table(self._fast)
         threading.Thread(target=self._receive_loop, args=(fd,), name=f"qkernel-recv-{fd}", daemon=True).start()
 
     def attach(self, pid: int) -> None:
@@ -117,7 +128,8 @@ class SeccompPlatform:
         try:
             while True:
                 try:
-                    notif = sn.recv(fd)   # blocks without the GIL
+                    # blocks without the GIL; the compiled loop answers the calls it can inside
+                    notif = self._fast.serve(fd) if self._fast else sn.recv(fd)
                 except OSError as e:
                     if e.errno == errno.EINTR:
                         continue

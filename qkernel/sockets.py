@@ -46,6 +46,19 @@ class TrappedCall(Protocol):
         """Answer later; `on_cancel` runs if the task is interrupted or dies first."""
 
 
+class OptionTable(Protocol):
+    """TCP_NODELAY (1) and TCP_CORK (3) of the sockets registered here, by socket inode."""
+
+    def add(self, inode: int, nodelay: bool, cork: bool) -> bool:
+        """Register a socket with its values; False when the table is full (the hooks keep them)."""
+
+    def remove(self, inode: int) -> None: ...
+
+    def get(self, inode: int, opt: int) -> int | None: ...
+
+    def set(self, inode: int, opt: int, value: bool) -> bool: ...
+
+
 class SocketHooks(Protocol):
     """The sandbox's socket policy. Every method may answer None: the call runs natively. An int
     answer is an errno for the call (0: the call succeeded)."""
@@ -76,6 +89,10 @@ class SocketHooks(Protocol):
         """The next connection on `sock` (our duplicate of `listener`'s socket): (fd, the peer's
         sockaddr), the fd ours to install or close; an errno accept(2) failed with; None when none
         is queued."""
+
+    def use_option_table(self, table: OptionTable) -> None:
+        """QKernel answers TCP_NODELAY/TCP_CORK itself for the sockets the hooks put in `table`
+        (qkernel/fastpath.py): the hooks keep those two options there, and read them from there."""
 
     def close(self) -> None:
         """The sandbox is gone."""

@@ -69,7 +69,8 @@ _CARRY = [(SOL_TCP, socket.TCP_NODELAY), (SOL_TCP, socket.TCP_KEEPIDLE), (SOL_TC
           (SOL_SOCKET, socket.SO_REUSEADDR), (SOL_SOCKET, socket.SO_REUSEPORT)]
 
 # TCP options whose value is an int read back as 0/1 (tcp_setsockopt/tcp_getsockopt): TCP_NODELAY, TCP_CORK.
-_BOOLEAN = {(SOL_TCP, socket.TCP_NODELAY), (SOL_TCP, socket.TCP_CORK)}
+_BOOLEAN_KEYS = ((SOL_TCP, socket.TCP_NODELAY), (SOL_TCP, socket.TCP_CORK))   # the order qfp_add takes
+_BOOLEAN = set(_BOOLEAN_KEYS)
 
 # The trapped call and the deferred connect answer, as qkernel/sockets.py describes them
 # (TrappedCall, ConnectReply); typed loosely here so that tsor runs without qkernel.
@@ -87,6 +88,30 @@ class SocketIntercept:
     def __init__(self, net: SandboxNet) -> None:
         self.net = net
         self._templates: dict[int, socket.socket] = {}
+        # QKernel's compiled option table (qkernel/fastpath.py), when it has one: TCP_NODELAY and
+        # TCP_CORK of local-path sockets live there, so the per-request calls never reach Python
+        self.fast: Any = None
+        self._tabled: set[int] = set()
+        net.on_forget = self._forget
+
+    def use_option_table(self, table: Any) -> None:
+        self.fast = table
+        for ino, st in self.net.sockets.items():
+            self._to_table(ino, st)
+
+    def _to_table(self, ino: int, st: Redirected) -> None:
+        if self.fast is None or st.real_family != socket.AF_UNIX:
+            return
+        nodelay, cork = (st.opts.get(key, b"\0\0\0\0") for key in _BOOLEAN_KEYS)
+        if self.fast.add(ino, struct.unpack_from("i", nodelay)[0], struct.unpack_from("i", cork)[0]):
+            self._tabled.add(ino)
+            for key in _BOOLEAN_KEYS:
+                st.opts.pop(key, None)
+
+    def _forget(self, ino: int) -> None:
+        if ino in self._tabled:
+            self._tabled.discard(ino)
+            self.fast.remove(ino)
 
     @classmethod
     def attach(cls, loop, sandbox: str, init_pid: int, pids: Callable[[], list[int]],
@@ -164,7 +189,9 @@ class SocketIntercept:
                 state = Redirected(family=old.family, local=(reply["src"][0], reply["src"][1]), peer=dst,
                                    path=reply["path"], real_family=sock.family)
                 self._carry_options(old, sock, state)
-                self.net.redirected(os.fstat(new).st_ino, state)
+                ino_new = os.fstat(new).st_ino
+                self.net.redirected(ino_new, state)
+                self._to_table(ino_new, state)
             new, handed = None, new
             d.install(handed, cloexec, nonblock)
         except Exception:
@@ -201,10 +228,13 @@ class SocketIntercept:
 
     # ---- addresses and options of redirected sockets ------------------------------------------
     def _redirected(self, call: Call, fd: int) -> Redirected | None:
+        return self._redirected_ino(call, fd)[1]
+
+    def _redirected_ino(self, call: Call, fd: int) -> tuple[int | None, Redirected | None]:
         if not self.net.sockets:
-            return None
+            return None, None
         ino = _inode(call, fd)
-        return self.net.sockets.get(ino) if ino is not None else None
+        return ino, self.net.sockets.get(ino) if ino is not None else None
 
     def sockname(self, call: Call, fd: int, peer: bool) -> bytes | None:
         st = self._redirected(call, fd)
@@ -219,9 +249,13 @@ class SocketIntercept:
         return self._templates[family]
 
     def getsockopt(self, call: Call, fd: int, level: int, opt: int) -> bytes | int | None:
-        st = self._redirected(call, fd)
+        ino, st = self._redirected_ino(call, fd)
         if st is None:
             return None
+        if ino in self._tabled and (level, opt) in _BOOLEAN:
+            value = self.fast.get(ino, opt)
+            if value is not None:
+                return struct.pack("i", value)
         if not _emulated(st, level, opt) and (level, opt) not in st.opts:
             return None
         if level == SOL_SOCKET and opt in (SO_DOMAIN, SO_TYPE, SO_PROTOCOL):
@@ -238,7 +272,7 @@ class SocketIntercept:
         return value
 
     def setsockopt(self, call: Call, fd: int, level: int, opt: int, value: Callable[[], bytes]) -> int | None:
-        st = self._redirected(call, fd)
+        ino, st = self._redirected_ino(call, fd)
         if st is None:
             return None
         if not _emulated(st, level, opt):
@@ -252,7 +286,9 @@ class SocketIntercept:
             # and normalisation, without a scratch socket
             if len(given) < 4:
                 return errno.EINVAL
-            st.opts[(level, opt)] = struct.pack("i", 1 if struct.unpack_from("i", given)[0] else 0)
+            on = bool(struct.unpack_from("i", given)[0])
+            if not (ino in self._tabled and self.fast.set(ino, opt, on)):
+                st.opts[(level, opt)] = struct.pack("i", int(on))
             return 0
         # A real TCP socket of the same family checks the value and normalises it (booleans to 0/1,
         # IP_TOS without its ECN bits, the congestion control's name, ...).
@@ -329,9 +365,11 @@ class SocketIntercept:
                 with socket.socket(fileno=os.dup(conn)) as real:
                     if real.family == socket.AF_UNIX:
                         real.setsockopt(SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SNDBUF)
-                    self.net.redirected(os.fstat(conn).st_ino, Redirected(
-                        family=listener.family, local=queued.local, peer=queued.peer, path=queued.path,
-                        real_family=real.family))
+                    state = Redirected(family=listener.family, local=queued.local, peer=queued.peer,
+                                       path=queued.path, real_family=real.family)
+                    ino_new = os.fstat(conn).st_ino
+                    self.net.redirected(ino_new, state)
+                    self._to_table(ino_new, state)
                 raw = sockaddr(listener.family, queued.peer)
         except BaseException:
             os.close(conn)

@@ -270,6 +270,9 @@ class SandboxNet:
     def connect(self, dst: Endpoint, src_port: int, on_reply: Reply) -> None:
         self.client.request(protocol.Connect((unmapped(dst[0]), dst[1]), src_port), on_reply)
 
+    # called with a socket inode whose state the sweep dropped (the intercept's option table)
+    on_forget: Callable[[int], None] | None = None
+
     def redirected(self, inode: int, state: Redirected) -> None:
         self.sockets[inode] = state
         self._schedule_sweep()
@@ -353,7 +356,8 @@ class SandboxNet:
             self.loop.call_later(0, lambda: self._sweep_step(scan, sockets, listeners, live))
             return
         for ino in sockets - live:
-            self.sockets.pop(ino, None)
+            if self.sockets.pop(ino, None) is not None and self.on_forget is not None:
+                self.on_forget(ino)
         for ino in listeners - live:
             if ino in self.listeners:
                 self._forget_listener(self.listeners[ino])

@@ -223,7 +223,11 @@ class Client:
         opts = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1), (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
                 (socket.SOL_SOCKET, socket.SO_REUSEADDR, 1), (socket.SOL_SOCKET, socket.SO_REUSEPORT, 1),
                 (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30), (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5),
-                (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3), (socket.IPPROTO_IP, socket.IP_TOS, 0x10)]
+                (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3), (socket.IPPROTO_IP, socket.IP_TOS, 0x10),
+                # what servers set per request (nginx's tcp_nopush): QKernel's compiled fast path
+                # answers these on a local-path socket, Python reads them back
+                (socket.IPPROTO_TCP, socket.TCP_CORK, 1), (socket.IPPROTO_TCP, socket.TCP_CORK, 0),
+                (socket.IPPROTO_TCP, socket.TCP_NODELAY, 0), (socket.IPPROTO_TCP, socket.TCP_CORK, 1)]
         ok = True
         for level, opt, val in opts:
             s.setsockopt(level, opt, val)
@@ -237,6 +241,11 @@ class Client:
         ok &= struct.unpack("ii", s.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8)) == (1, 2)
         info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
         ok &= len(info) == 104 and info[0] == 1   # TCP_ESTABLISHED
+        try:   # TCP's own checks: a value shorter than an int is EINVAL
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, b"\x01")
+            ok = False
+        except OSError as e:
+            ok &= e.errno == errno.EINVAL
         return ok, res, s
 
     def check_domain_type_protocol(self):

@@ -1,0 +1,133 @@
+/* QKernel's compiled fast path: the seccomp receiver loop, answering the per-request socket option
+ * calls of TSoR's local path without Python.
+ *
+ * A server like nginx (Debian's default tcp_nopush) sets TCP_CORK on and off around every response.
+ * On a local-path socket (an AF_UNIX end underneath, which has no TCP options) QKernel must answer
+ * those calls itself, and through Python each answer cost ~65 us of the supervisor's CPU. Here they
+ * cost a readlink, a 4-byte process_vm_readv and two ioctls.
+ *
+ * qfp_serve() blocks in SECCOMP_IOCTL_NOTIF_RECV (called through ctypes, so without the GIL) and
+ * answers setsockopt(fd, IPPROTO_TCP, TCP_NODELAY or TCP_CORK, ...) when fd's socket inode is in
+ * the table of local-path sockets Python keeps here (qfp_add / qfp_remove); the value is recorded
+ * as TCP records it (0 or 1), and Python reads it back for getsockopt (qfp_get). Every other
+ * notification is copied to the caller and qfp_serve returns: Python dispatches it as before.
+ * Anything unexpected (a bad pointer, a table miss) also goes to Python, which knows every rule.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <linux/seccomp.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define CAPACITY (1 << 16)          /* local-path sockets one sandbox holds at once, at most */
+#define EMPTY 0
+#define TOMBSTONE ((uint64_t)-1)
+
+struct entry { uint64_t ino; int32_t nodelay, cork; };
+
+static struct entry table[CAPACITY];
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int nr_setsockopt = -1;
+static uint32_t audit_arch;
+static uint64_t answered;           /* calls answered here (tests and `quark` diagnostics read it) */
+
+#ifndef SECCOMP_IOCTL_NOTIF_RECV
+#define SECCOMP_IOCTL_NOTIF_RECV _IOWR('!', 0, struct seccomp_notif)
+#define SECCOMP_IOCTL_NOTIF_SEND _IOWR('!', 1, struct seccomp_notif_resp)
+#define SECCOMP_IOCTL_NOTIF_ID_VALID _IOW('!', 2, __u64)
+#endif
+
+static struct entry *find(uint64_t ino, int for_insert) {
+    uint64_t h = (ino * 0x9E3779B97F4A7C15ull) >> 48;
+    struct entry *grave = NULL;
+    for (int i = 0; i < CAPACITY; i++) {
+        struct entry *e = &table[(h + i) & (CAPACITY - 1)];
+        if (e->ino == ino) return e;
+        if (e->ino == TOMBSTONE) { if (!grave) grave = e; continue; }
+        if (e->ino == EMPTY) return for_insert ? (grave ? grave : e) : NULL;
+    }
+    return for_insert ? grave : NULL;
+}
+
+void qfp_init(int setsockopt_nr, uint32_t arch) { nr_setsockopt = setsockopt_nr; audit_arch = arch; }
+
+/* 0 recorded; -1 the table is full (Python keeps the socket's options itself). */
+int qfp_add(uint64_t ino, int nodelay, int cork) {
+    pthread_mutex_lock(&lock);
+    struct entry *e = find(ino, 1);
+    if (e) { e->ino = ino; e->nodelay = !!nodelay; e->cork = !!cork; }
+    pthread_mutex_unlock(&lock);
+    return e ? 0 : -1;
+}
+
+void qfp_remove(uint64_t ino) {
+    pthread_mutex_lock(&lock);
+    struct entry *e = find(ino, 0);
+    if (e) e->ino = TOMBSTONE;
+    pthread_mutex_unlock(&lock);
+}
+
+/* The recorded value of TCP_NODELAY (1) or TCP_CORK (3), or -1 when the socket is not here. */
+int qfp_get(uint64_t ino, int opt) {
+    pthread_mutex_lock(&lock);
+    struct entry *e = find(ino, 0);
+    int v = e ? (opt == 1 ? e->nodelay : e->cork) : -1;
+    pthread_mutex_unlock(&lock);
+    return v;
+}
+
+int qfp_set(uint64_t ino, int opt, int value) {
+    pthread_mutex_lock(&lock);
+    struct entry *e = find(ino, 0);
+    if (e) { if (opt == 1) e->nodelay = !!value; else e->cork = !!value; }
+    pthread_mutex_unlock(&lock);
+    return e ? 0 : -1;
+}
+
+uint64_t qfp_answered(void) { return answered; }
+
+static uint64_t socket_inode(uint32_t pid, int fd) {
+    char path[64], link[64];
+    snprintf(path, sizeof path, "/proc/%u/fd/%d", pid, fd);
+    ssize_t n = readlink(path, link, sizeof link - 1);
+    if (n <= 9 || strncmp(link, "socket:[", 8) != 0) return 0;
+    link[n] = 0;
+    return strtoull(link + 8, NULL, 10);
+}
+
+/* 1 answered here; 0 for Python. */
+static int try_answer(int listener, struct seccomp_notif *n) {
+    if (n->data.nr != nr_setsockopt || n->data.arch != audit_arch) return 0;
+    int fd = (int)n->data.args[0], level = (int)n->data.args[1], opt = (int)n->data.args[2];
+    if (fd < 0 || level != 6 /* IPPROTO_TCP */ || (opt != 1 && opt != 3)) return 0;
+    uint64_t ino = socket_inode(n->pid, fd);
+    if (!ino || qfp_get(ino, opt) < 0) return 0;
+    struct seccomp_notif_resp r = {.id = n->id};
+    if ((uint32_t)n->data.args[4] < sizeof(int)) {
+        r.error = -EINVAL;   /* as tcp_setsockopt */
+    } else {
+        int value;
+        struct iovec local = {&value, sizeof value}, remote = {(void *)(uintptr_t)n->data.args[3], sizeof value};
+        if (process_vm_readv((pid_t)n->pid, &local, 1, &remote, 1, 0) != sizeof value) return 0;
+        /* the pid may have died and been reused while we read: only act for a live request */
+        if (ioctl(listener, SECCOMP_IOCTL_NOTIF_ID_VALID, &n->id) != 0) return 1;
+        qfp_set(ino, opt, value);
+    }
+    if (ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &r) == 0) __atomic_add_fetch(&answered, 1, __ATOMIC_RELAXED);
+    return 1;   /* answered, or abandoned by the task (ENOENT): nothing more to do either way */
+}
+
+/* Receive until a notification Python must handle: 0 with *out filled, or -errno from RECV. */
+int qfp_serve(int listener, struct seccomp_notif *out) {
+    for (;;) {
+        memset(out, 0, sizeof *out);   /* the kernel requires it zeroed */
+        if (ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, out) != 0) return -errno;
+        if (!try_answer(listener, out)) return 0;
+    }
+}

@@ -1,0 +1,78 @@
+"""The compiled fast path (qkernel/fastpath.c), loaded with ctypes: the seccomp receiver loop that
+answers TCP_NODELAY/TCP_CORK on TSoR's local-path sockets without Python.
+
+`make install` builds qkernel/_fastpath.so (gcc). Without it, or when it is older than its source,
+`load()` answers None and every trapped call goes through Python as before: same answers, slower.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from functools import cache
+
+from qkernel import seccomp_notify as sn
+
+log = logging.getLogger("quark.qkernel")
+
+_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fastpath.c")
+LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fastpath.so")
+TCP_NODELAY, TCP_CORK = 1, 3
+OPTIONS = (TCP_NODELAY, TCP_CORK)
+
+
+class FastPath:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        lib.qfp_serve.argtypes = [ctypes.c_int, ctypes.POINTER(sn.SeccompNotif)]
+        lib.qfp_serve.restype = ctypes.c_int
+        lib.qfp_add.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
+        lib.qfp_get.argtypes = [ctypes.c_uint64, ctypes.c_int]
+        lib.qfp_set.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
+        lib.qfp_remove.argtypes = [ctypes.c_uint64]
+        lib.qfp_init.argtypes = [ctypes.c_int, ctypes.c_uint32]
+        lib.qfp_answered.restype = ctypes.c_uint64
+
+    def init(self, setsockopt_nr: int, audit_arch: int) -> None:
+        self._lib.qfp_init(setsockopt_nr, audit_arch)
+
+    def serve(self, listener: int) -> sn.SeccompNotif:
+        """The next notification Python must answer (the fast ones are answered inside). Raises
+        OSError as RECV does. ctypes releases the GIL for the call."""
+        notif = sn.SeccompNotif()
+        r = self._lib.qfp_serve(listener, ctypes.byref(notif))
+        if r < 0:
+            raise OSError(-r, os.strerror(-r))
+        return notif
+
+    # The option table of local-path sockets (by socket inode); the C loop reads and updates it.
+    def add(self, inode: int, nodelay: bool, cork: bool) -> bool:
+        return self._lib.qfp_add(inode, int(nodelay), int(cork)) == 0
+
+    def remove(self, inode: int) -> None:
+        self._lib.qfp_remove(inode)
+
+    def get(self, inode: int, opt: int) -> int | None:
+        v = self._lib.qfp_get(inode, opt)
+        return None if v < 0 else v
+
+    def set(self, inode: int, opt: int, value: bool) -> bool:
+        return self._lib.qfp_set(inode, opt, int(value)) == 0
+
+    @property
+    def answered(self) -> int:
+        return self._lib.qfp_answered()
+
+
+@cache
+def load() -> FastPath | None:
+    """The fast path, or None (not built, stale, or not loadable here)."""
+    try:
+        if os.stat(LIBRARY).st_mtime < os.stat(_SRC).st_mtime:
+            log.warning("%s is older than its source (run make install); trapped calls all go through Python",
+                        LIBRARY)
+            return None
+        return FastPath(ctypes.CDLL(LIBRARY))
+    except OSError as e:
+        log.debug("no compiled fast path (%s); trapped calls all go through Python", e)
+        return None

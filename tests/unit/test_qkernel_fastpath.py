@@ -1,0 +1,96 @@
+"""QKernel's compiled fast path (qkernel/fastpath.c) against a real seccomp listener: the per-request
+TCP_CORK/TCP_NODELAY calls on a registered local-path socket are answered without Python; every
+other notification still reaches Python. No root needed (the child sets no_new_privs)."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+
+import pytest
+import seccomp
+
+from qkernel import fastpath, table
+from qkernel import seccomp_notify as sn
+from qkernel.seccomp_platform import AUDIT_ARCH
+
+CALLS = 1000
+
+
+@pytest.fixture(scope="module")
+def fast():
+    fp = fastpath.load()
+    if fp is None:
+        pytest.skip(f"{fastpath.LIBRARY} is not built (make install builds it with gcc)")
+    fp.init(table.by_name()["setsockopt"].nr(table.native_arch()), AUDIT_ARCH[table.native_arch()])
+    return fp
+
+
+def _child(chan: socket.socket) -> None:
+    """Registered socket `a` (an AF_UNIX end, as on the local path): CALLS x TCP_CORK on/off and one
+    TCP_NODELAY; unregistered `b`: one TCP_NODELAY, which Python answers (EOPNOTSUPP here)."""
+    a, b = socket.socketpair()
+    chan.send(json.dumps({"a": os.fstat(a.fileno()).st_ino}).encode())
+    f = seccomp.SyscallFilter(seccomp.ALLOW)
+    f.add_rule(seccomp.NOTIFY, "setsockopt")
+    f.load()
+    socket.send_fds(chan, [b"L"], [f.get_notify_fd()])
+    chan.recv(1)   # the parent registered `a`
+    errors = 0
+    for i in range(CALLS):
+        try:
+            a.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, i % 2)
+        except OSError:
+            errors += 1
+    a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        b.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        other = 0
+    except OSError as e:
+        other = e.errno
+    chan.send(json.dumps({"errors": errors, "other": other}).encode())
+
+
+def test_option_calls_on_registered_sockets_never_reach_python(fast):
+    parent, child = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            parent.close()
+            _child(child)
+        finally:
+            os._exit(0)
+    child.close()
+    try:
+        ino = json.loads(parent.recv(100))["a"]
+        _, fds, _, _ = socket.recv_fds(parent, 1, 1)
+        listener = fds[0]
+        before = fast.answered
+        assert fast.add(ino, False, False)
+        parent.send(b"g")
+        seen = []
+        while True:
+            try:
+                notif = fast.serve(listener)   # returns only what Python must answer
+            except OSError as e:
+                assert e.errno == errno.ENOENT
+                break
+            seen.append((notif.data.args[1], notif.data.args[2]))
+            sn.send(listener, notif.id, error=-errno.EOPNOTSUPP)
+        result = json.loads(parent.recv(100))
+    finally:
+        os.waitpid(pid, 0)
+        fast.remove(ino)
+    assert result == {"errors": 0, "other": errno.EOPNOTSUPP}
+    assert seen == [(socket.IPPROTO_TCP, socket.TCP_NODELAY)]   # only the unregistered socket's call
+    assert fast.answered - before == CALLS + 1
+    os.close(listener)
+
+
+def test_the_table_keeps_what_was_set_and_forgets_removed_sockets(fast):
+    assert fast.add(12345, True, False)
+    assert (fast.get(12345, fastpath.TCP_NODELAY), fast.get(12345, fastpath.TCP_CORK)) == (1, 0)
+    assert fast.set(12345, fastpath.TCP_CORK, True) and fast.get(12345, fastpath.TCP_CORK) == 1
+    fast.remove(12345)
+    assert fast.get(12345, fastpath.TCP_CORK) is None and not fast.set(12345, fastpath.TCP_CORK, True)
