@@ -97,9 +97,19 @@ class SeccompPlatform:
 
     def serve_listener(self, fd: int) -> None:
         """Serve a listener from its own receiver thread (the supervisor calls this once it is
-        confined: threads inherit its capabilities and seccomp filter)."""
-        sn.sync_wake_up(fd)
+        confined: threads inherit its capabilities and seccomp filter).
+
+        Only where the kernel knows SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (6.6+): the same release made
+        a blocked RECV return once no task uses the filter any more. Before it, RECV waits on a
+        semaphore that nothing raises then, so a receiver would outlive its process (one thread and
+        fd per `quark exec`); there the event loop waits for the listener as before (no same-CPU
+        hand-off to gain there either)."""
         self._listeners.add(fd)
+        if not sn.sync_wake_up(fd):
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            self.kernel.loop.add_reader(fd, lambda: self._on_readable(fd, poller))
+            return
         hooks = self.kernel.context.tsor
         if self._fast is None and hooks is not None and hasattr(hooks, "use_option_table"):
             from qkernel import fastpath
@@ -118,10 +128,37 @@ class SeccompPlatform:
         return False
 
     def close(self) -> None:
+        for fd in [fd for fd in self._listeners if self.kernel.loop.has_reader(fd)]:
+            self.kernel.loop.remove_reader(fd)   # served by the loop (a kernel before 6.6)
+            self._listeners.discard(fd)
+            os.close(fd)
         # A receiver blocked in RECV keeps its listener: closing the fd under it could hand the
         # number to another file before the thread looks again. It closes the fd itself when it
         # wakes (the last task gone, or one more notification, answered ENOSYS) or at exit.
         self._closed = True
+
+    def _on_readable(self, fd: int, poller: select.poll) -> None:
+        # The loop cannot tell POLLIN from POLLHUP (no task left using the filter), and RECV would
+        # block on the latter: ask poll() which one it is. Many threads trapping at once are
+        # drained in one callback.
+        for _ in range(64):
+            events = poller.poll(0)
+            revents = events[0][1] if events else 0
+            if revents & select.POLLIN:
+                try:
+                    notif = sn.recv(fd)
+                except OSError as e:
+                    if e.errno in (errno.ENOENT, errno.EINTR):
+                        return   # the task was killed between poll and receive
+                    raise
+                self._receive(fd, notif)
+            elif revents & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                self.kernel.loop.remove_reader(fd)
+                self._listeners.discard(fd)
+                os.close(fd)
+                return
+            else:
+                return
 
     def _receive_loop(self, fd: int) -> None:
         lock = self.kernel.loop.lock
