@@ -3,7 +3,8 @@ supervisor answers them.
 
 Each listener has a receiver thread blocked in SECCOMP_IOCTL_NOTIF_RECV, with the listener in
 SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP mode (Linux 6.6): the trapping task hands its CPU straight to
-the receiver and gets it back with the answer, instead of two cross-CPU wake-ups. Measured here
+the receiver and gets it back with the answer, instead of two cross-CPU wake-ups (on older kernels
+the event loop waits for the listener instead: see serve_listener). Measured here
 (bench/syscalls.py, 2 vCPUs): a trapped round trip took ~100 us p50 through the event loop's epoll
 (epoll does not pass the same-CPU hint on) and ~12 us with the receiver, of which the Python
 handler is most. The receiver dispatches holding the loop's lock (qlib/eventloop.py), so handlers
@@ -29,6 +30,8 @@ if TYPE_CHECKING:   # the kernel creates its platform; a platform only talks bac
 log = logging.getLogger("quark.qkernel")
 
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+# Notifications taken per wakeup of the event loop: many threads trapping at once are drained in one callback.
+_BATCH = 64
 
 
 class NotifRequest(Request):
@@ -99,9 +102,9 @@ class SeccompPlatform:
         """Serve a listener from its own receiver thread (the supervisor calls this once it is
         confined: threads inherit its capabilities and seccomp filter).
 
-        Only where the kernel knows SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (6.6+): the same release made
-        a blocked RECV return once no task uses the filter any more. Before it, RECV waits on a
-        semaphore that nothing raises then, so a receiver would outlive its process (one thread and
+        Only where the kernel knows SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (6.6+): the same patch series
+        made a blocked RECV return once no task uses the filter any more. Before it, RECV waits on
+        a semaphore that nothing raises then, so a receiver would outlive its process (one thread and
         fd per `quark exec`); there the event loop waits for the listener as before (no same-CPU
         hand-off to gain there either)."""
         self._listeners.add(fd)
@@ -139,9 +142,8 @@ class SeccompPlatform:
 
     def _on_readable(self, fd: int, poller: select.poll) -> None:
         # The loop cannot tell POLLIN from POLLHUP (no task left using the filter), and RECV would
-        # block on the latter: ask poll() which one it is. Many threads trapping at once are
-        # drained in one callback.
-        for _ in range(64):
+        # block on the latter: ask poll() which one it is.
+        for _ in range(_BATCH):
             events = poller.poll(0)
             revents = events[0][1] if events else 0
             if revents & select.POLLIN:
