@@ -34,7 +34,7 @@ sys.path.insert(0, REPO)
 
 from tests.cleanup import quark_cgroup_dirs, remove_empty_since
 from tests.support.nginx import ensure_nginx, prepare_bundle
-from tests.support.testbed import TSORD_PORT, Testbed
+from tests.support.testbed import Testbed
 
 GOALS = {"iperf3_gbps": (">=", 2.0), "rtt_p50_us": ("<=", 0.75), "redis_c50_rps": (">=", 1.5),
          "redis_c1_rps": (">=", 1.05), "two_node_iperf3_gbps": (">=", 0.95),
@@ -82,26 +82,6 @@ def client(bed: Testbed, runtime: str, name: str, pod, shell: str, timeout: floa
 def redis_rps(text: str) -> dict[str, float]:
     rows = list(csv.reader(io.StringIO(text)))
     return {row[0]: float(row[1]) for row in rows[1:] if len(row) > 1}
-
-
-def start_tsord(node) -> None:
-    """Node.start_tsord (tests/support/testbed.py) without --debug: tsord's CPU is measured here,
-    and the tests' per-connection debug log is not what a node runs."""
-    cfg = os.path.join(node.bed.dir, f"{node.name}-tsor.yaml")
-    with open(cfg, "w") as f:
-        json.dump({"node": node.name, "socket": node.socket, "metrics": f"unix:{node.metrics}",
-                   "routes": node.bed.routes_file, "cluster_secret_file": node.bed.secret_file,
-                   **({"listen": f"{node.address}:{TSORD_PORT}"} if node.address else {})}, f)
-    with open(os.path.join(node.bed.dir, f"{node.name}-tsord.log"), "a") as log:
-        # `ip netns exec` execs: the Popen's pid is tsord's own
-        node.tsord = subprocess.Popen(["ip", "netns", "exec", node.netns, sys.executable, "-m", "tsor.daemon",
-                                       "--config", cfg], stdout=log, stderr=log, cwd=REPO,
-                                      env=dict(os.environ, PYTHONPATH=REPO))
-    deadline = time.monotonic() + 10
-    while not os.path.exists(node.socket):
-        if node.tsord.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"tsord {node.name} did not start: {node.log()}")
-        time.sleep(0.02)
 
 
 def cpu_seconds(pids: list[int]) -> dict[int, float]:
@@ -181,7 +161,7 @@ def one_node(runtime: str, pp: str, tag: str, parts: set[str]) -> dict:
     try:
         node = bed.node("n")
         if runtime == "quark":
-            start_tsord(node)
+            node.start_tsord(debug=False)
         srv, cli = node.pod("srv"), node.pod("cli")
         tsor = runtime == "quark"
         ports = []
@@ -248,8 +228,8 @@ def two_nodes(runtime: str, pp: str, tag: str) -> dict:
         bed.link(a, b)
         tsor = runtime == "quark"
         if tsor:
-            start_tsord(a)
-            start_tsord(b)
+            a.start_tsord(debug=False)
+            b.start_tsord(debug=False)
         srv, cli = b.pod("srv"), a.pod("cli")
         bed.start(runtime, "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], srv, tsor=tsor))
         bed.start(runtime, "pp-s", bed.bundle("pp-s", [pp, "server", "7001"], srv, tsor=tsor))

@@ -101,7 +101,9 @@ class Node:
         self.pods.append(p)
         return p
 
-    def start_tsord(self, *, wait: bool = True) -> None:
+    def start_tsord(self, *, wait: bool = True, debug: bool = True) -> None:
+        """`debug`: tsord logs every connection (the tests read it); benchmarks run without, as a
+        node does."""
         cfg = os.path.join(self.bed.dir, f"{self.name}-tsor.yaml")
         with open(cfg, "w") as f:
             json.dump({"node": self.name, "socket": self.socket, "metrics": f"unix:{self.metrics}",
@@ -109,7 +111,8 @@ class Node:
                        **({"listen": f"{self.address}:{TSORD_PORT}"} if self.address else {})}, f)
         log = open(os.path.join(self.bed.dir, f"{self.name}-tsord.log"), "a")
         self.tsord = subprocess.Popen(["ip", "netns", "exec", self.netns, sys.executable, "-m", "tsor.daemon",
-                                       "--config", cfg, "--debug"], stdout=log, stderr=log, cwd=REPO,
+                                       "--config", cfg, *(["--debug"] if debug else [])],
+                                      stdout=log, stderr=log, cwd=REPO,
                                       env=dict(os.environ, PYTHONPATH=REPO))
         log.close()
         if wait:
