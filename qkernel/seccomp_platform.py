@@ -114,7 +114,7 @@ class SeccompPlatform:
             self.kernel.loop.add_reader(fd, lambda: self._on_readable(fd, poller))
             return
         hooks = self.kernel.context.tsor
-        if self._fast is None and hooks is not None and hasattr(hooks, "use_option_table"):
+        if self._fast is None and hooks is not None:
             from qkernel import fastpath
             self._fast = fastpath.load() or False
             if self._fast:

@@ -227,17 +227,15 @@ class SocketIntercept:
                 state.opts[(level, opt)] = value
 
     # ---- addresses and options of redirected sockets ------------------------------------------
-    def _redirected(self, call: Call, fd: int) -> Redirected | None:
-        return self._redirected_ino(call, fd)[1]
-
-    def _redirected_ino(self, call: Call, fd: int) -> tuple[int | None, Redirected | None]:
+    def _redirected(self, call: Call, fd: int) -> tuple[int | None, Redirected | None]:
+        """The socket inode at the task's fd and its TSoR state (None: not a redirected socket)."""
         if not self.net.sockets:
             return None, None
         ino = _inode(call, fd)
         return ino, self.net.sockets.get(ino) if ino is not None else None
 
     def sockname(self, call: Call, fd: int, peer: bool) -> bytes | None:
-        st = self._redirected(call, fd)
+        _, st = self._redirected(call, fd)
         if st is None:
             return None
         return sockaddr(st.family, st.peer if peer else st.local)
@@ -249,7 +247,7 @@ class SocketIntercept:
         return self._templates[family]
 
     def getsockopt(self, call: Call, fd: int, level: int, opt: int) -> bytes | int | None:
-        ino, st = self._redirected_ino(call, fd)
+        ino, st = self._redirected(call, fd)
         if st is None:
             return None
         if ino in self._tabled and (level, opt) in _BOOLEAN:
@@ -272,7 +270,7 @@ class SocketIntercept:
         return value
 
     def setsockopt(self, call: Call, fd: int, level: int, opt: int, value: Callable[[], bytes]) -> int | None:
-        ino, st = self._redirected_ino(call, fd)
+        ino, st = self._redirected(call, fd)
         if st is None:
             return None
         if not _emulated(st, level, opt):
