@@ -1,10 +1,13 @@
 """Container start-up, quark vs runc, side by side in one run.
 
-N x (create, start, wait, delete) of /bin/true in one busybox bundle with quark and with runc,
-interleaved; median and p95 of each phase and the quark/runc ratio. The supervisor's resident
-(RSS) and proportional (PSS) memory per sandbox. `ctr run --rm` of a busybox image through
-containerd with quark's shim vs io.containerd.runc.v2. JSON to bench/results/startup.json.
-Usage: python bench/startup.py [--runs 50] [--ctr-runs 20] [--sandboxes 10] [--no-containerd]
+N x (create, start, wait, delete) of /bin/true in one busybox bundle, interleaved, with: quark as
+installed on PATH (the C front end, qvisor/frontend.c, and the sandbox factory, qvisor/factory.py),
+quark without the factory (the Python CLI for every verb, QUARK_FACTORY=0: how quark ran before the
+factory), and runc; median and p95 of each phase and the ratios to runc. The supervisors' resident
+(RSS) and proportional (PSS) memory per sandbox over --sandboxes running sandboxes, with and
+without the factory. `ctr run --rm` of a busybox image through containerd with quark's shim vs
+io.containerd.runc.v2. JSON to bench/results/startup.json.
+Usage: python bench/startup.py [--runs 50] [--ctr-runs 20] [--sandboxes 50] [--no-containerd]
 """
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ from qlib.procfs import parent_pid  # noqa: E402
 from tests.cleanup import quark_cgroup_dirs, remove_empty_since  # noqa: E402
 from tests.support.busybox import make_bundle  # noqa: E402
 
-QUARK = os.path.join(os.path.dirname(sys.executable), "quark")
+ROOT_DIR = Path(__file__).resolve().parents[1]
+QUARK_PY = os.path.join(os.path.dirname(sys.executable), "quark")
+FRONT_END = str(ROOT_DIR / "qvisor" / "_quark")   # `make frontend`
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -35,17 +40,17 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def lifecycle(argv: list[str], bundle: str, cid: str) -> dict[str, float]:
-    """create, start, wait (pidfd poll on the init, the same for both), delete: seconds each."""
+def lifecycle(argv: list[str], bundle: str, cid: str, env: dict | None = None) -> dict[str, float]:
+    """create, start, wait (pidfd poll on the init, the same for all), delete: seconds each."""
     t = {}
     t0 = time.perf_counter()
     subprocess.run(argv + ["create", "--bundle", bundle, cid], check=True,
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
     t["create"] = time.perf_counter() - t0
-    pid = json.loads(subprocess.run(argv + ["state", cid], check=True, capture_output=True).stdout)["pid"]
+    pid = json.loads(subprocess.run(argv + ["state", cid], check=True, capture_output=True, env=env).stdout)["pid"]
     pidfd = os.pidfd_open(pid)   # before start: /bin/true may be gone before we look
     t0 = time.perf_counter()
-    subprocess.run(argv + ["start", cid], check=True)
+    subprocess.run(argv + ["start", cid], check=True, env=env)
     t["start"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     select.select([pidfd], [], [], 10)
@@ -53,7 +58,7 @@ def lifecycle(argv: list[str], bundle: str, cid: str) -> dict[str, float]:
     os.close(pidfd)
     _reap_orphans()   # runc's init is re-parented to us (a subreaper): collect it
     t0 = time.perf_counter()
-    subprocess.run(argv + ["delete", cid], check=True)
+    subprocess.run(argv + ["delete", cid], check=True, env=env)
     t["delete"] = time.perf_counter() - t0
     t["total"] = sum(t.values())
     return t
@@ -69,30 +74,32 @@ def _reap_orphans() -> None:
             return
 
 
-def phase_rows(q: list[dict], r: list[dict]) -> list[dict]:
+def phase_rows(q: list[dict], nf: list[dict], r: list[dict]) -> list[dict]:
     rows = []
     for phase in ("create", "start", "wait", "delete", "total"):
-        qs, rs = [x[phase] for x in q], [x[phase] for x in r]
+        qs, ns, rs = [x[phase] for x in q], [x[phase] for x in nf], [x[phase] for x in r]
         rows.append({"phase": phase, "runs": len(qs),
                      "quark_median_ms": round(statistics.median(qs) * 1000, 1),
                      "quark_p95_ms": round(_pct(qs, 0.95) * 1000, 1),
+                     "no_factory_median_ms": round(statistics.median(ns) * 1000, 1),
                      "runc_median_ms": round(statistics.median(rs) * 1000, 1),
                      "runc_p95_ms": round(_pct(rs, 0.95) * 1000, 1),
-                     "ratio": round(statistics.median(qs) / statistics.median(rs), 2)})
+                     "ratio": round(statistics.median(qs) / statistics.median(rs), 2),
+                     "no_factory_ratio": round(statistics.median(ns) / statistics.median(rs), 2)})
     return rows
 
 
-def supervisor_memory(root: str, bundle: str, n: int) -> dict:
+def supervisor_memory(argv: list[str], bundle: str, n: int, env: dict | None = None) -> dict:
     """Resident and proportional memory of the supervisors of n running sandboxes."""
-    argv = [QUARK, "--root", root]
     rss, pss = [], []
     try:
         for i in range(n):
-            subprocess.run(argv + ["run", "-d", "--bundle", bundle, f"mem-{i}"], check=True,
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            subprocess.run(argv + ["create", "--bundle", bundle, f"mem-{i}"], check=True,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
+            subprocess.run(argv + ["start", f"mem-{i}"], check=True, env=env)
         for i in range(n):
             init = json.loads(subprocess.run(argv + ["state", f"mem-{i}"], check=True,
-                                             capture_output=True).stdout)["pid"]
+                                             capture_output=True, env=env).stdout)["pid"]
             sup = parent_pid(init)
             with open(f"/proc/{sup}/smaps_rollup") as f:
                 fields = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.endswith("kB\n")}
@@ -100,9 +107,9 @@ def supervisor_memory(root: str, bundle: str, n: int) -> dict:
             pss.append(fields["Pss"] / 1024)
     finally:
         for i in range(n):
-            subprocess.run(argv + ["delete", "--force", f"mem-{i}"], capture_output=True)
+            subprocess.run(argv + ["delete", "--force", f"mem-{i}"], capture_output=True, env=env)
     return {"sandboxes": n, "rss_median_mib": round(statistics.median(rss), 1),
-            "pss_median_mib": round(statistics.median(pss), 1)}
+            "pss_median_mib": round(statistics.median(pss), 1), "pss_total_mib": round(sum(pss), 1)}
 
 
 def time_ctr(runs: int, work: str) -> dict | None:
@@ -133,47 +140,65 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--ctr-runs", type=int, default=20)
-    ap.add_argument("--sandboxes", type=int, default=10, help="for the supervisor memory figure")
+    ap.add_argument("--sandboxes", type=int, default=50, help="for the supervisor memory figure")
     ap.add_argument("--no-containerd", action="store_true")
     a = ap.parse_args()
     L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)   # runc's orphaned inits come to us
     work = tempfile.mkdtemp(prefix="quark-bench-")
     result: dict = {"command": "python bench/startup.py " + " ".join(sys.argv[1:])}
     cgroups_before = quark_cgroup_dirs()
+    # a factory of the benchmark's own (its directory, started by the first create, stopped at the end)
+    with_factory = dict(os.environ, QUARK_FACTORY_DIR=os.path.join(work, "factory"), QUARK_FACTORY="1")
+    no_factory = dict(os.environ, QUARK_FACTORY="0")
+    front = FRONT_END if os.access(FRONT_END, os.X_OK) else QUARK_PY
+    result["front_end"] = front
     try:
         bundle = os.path.join(work, "bundle")
         make_bundle(bundle, ["/bin/true"])
-        quark, runc = [QUARK, "--root", os.path.join(work, "quark")], ["runc", "--root", os.path.join(work, "runc")]
-        lifecycle(quark, bundle, "warm")
+        quark, runc = [front, "--root", os.path.join(work, "quark")], ["runc", "--root", os.path.join(work, "runc")]
+        slow = [QUARK_PY, "--root", os.path.join(work, "quark")]
+        lifecycle(quark, bundle, "warm", with_factory)   # starts the factory
+        time.sleep(1)
+        lifecycle(quark, bundle, "warm", with_factory)
+        lifecycle(slow, bundle, "warm", no_factory)
         lifecycle(runc, bundle, "warm")
-        q, r = [], []
-        for i in range(a.runs):   # interleaved, so drift hits both alike
-            q.append(lifecycle(quark, bundle, f"b{i}"))
+        q, nf, r = [], [], []
+        for i in range(a.runs):   # interleaved, so drift hits all alike
+            q.append(lifecycle(quark, bundle, f"b{i}", with_factory))
+            nf.append(lifecycle(slow, bundle, f"b{i}", no_factory))
             r.append(lifecycle(runc, bundle, f"b{i}"))
-        result["lifecycle"] = phase_rows(q, r)
+        result["lifecycle"] = phase_rows(q, nf, r)
         sleeper = os.path.join(work, "sleeper")
         make_bundle(sleeper, ["sleep", "1000"])
-        result["supervisor_memory"] = supervisor_memory(os.path.join(work, "mem"), sleeper, a.sandboxes)
+        result["supervisor_memory"] = supervisor_memory(
+            [front, "--root", os.path.join(work, "mem")], sleeper, a.sandboxes, with_factory)
+        result["supervisor_memory_no_factory"] = supervisor_memory(
+            [QUARK_PY, "--root", os.path.join(work, "mem")], sleeper, min(a.sandboxes, 10), no_factory)
         if not a.no_containerd:
             result["ctr_run_rm"] = time_ctr(a.ctr_runs, work)
     finally:
+        from qvisor import factory
+        factory.stop(with_factory["QUARK_FACTORY_DIR"])
         shutil.rmtree(work, ignore_errors=True)
         remove_empty_since(cgroups_before)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "startup.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"`{result['command']}`\n")
-    print("| phase | runs | quark median | quark p95 | runc median | runc p95 | ratio (median) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| phase | runs | quark median | quark p95 | no factory median | runc median | runc p95 "
+          "| ratio (median) | no factory ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for x in result["lifecycle"]:
         print(f"| {x['phase']} | {x['runs']} | {x['quark_median_ms']} ms | {x['quark_p95_ms']} ms "
-              f"| {x['runc_median_ms']} ms | {x['runc_p95_ms']} ms | {x['ratio']:.2f}x |")
+              f"| {x['no_factory_median_ms']} ms | {x['runc_median_ms']} ms | {x['runc_p95_ms']} ms "
+              f"| {x['ratio']:.2f}x | {x['no_factory_ratio']:.2f}x |")
     c = result.get("ctr_run_rm")
     if c:
         print(f"| ctr run --rm (quark shim vs io.containerd.runc.v2) | {c['runs']} | {c['quark_median_ms']} ms "
-              f"| {c['quark_p95_ms']} ms | {c['runc_median_ms']} ms | {c['runc_p95_ms']} ms | {c['ratio']:.2f}x |")
-    m = result["supervisor_memory"]
-    print(f"\nsupervisor memory ({m['sandboxes']} sandboxes): RSS median {m['rss_median_mib']} MiB, "
-          f"PSS median {m['pss_median_mib']} MiB")
+              f"| {c['quark_p95_ms']} ms | | {c['runc_median_ms']} ms | {c['runc_p95_ms']} ms | {c['ratio']:.2f}x | |")
+    for key, what in (("supervisor_memory", "with the factory"), ("supervisor_memory_no_factory", "without")):
+        m = result[key]
+        print(f"\nsupervisor memory {what} ({m['sandboxes']} sandboxes): RSS median {m['rss_median_mib']} MiB, "
+              f"PSS median {m['pss_median_mib']} MiB, PSS total {m['pss_total_mib']} MiB")
     return 0
 
 

@@ -89,6 +89,9 @@ PR_SET_DUMPABLE = 4
 PR_SET_KEEPCAPS = 8
 PR_CAPBSET_READ = 23
 PR_CAPBSET_DROP = 24
+PR_SET_NAME = 15
+PR_SET_MM = 35
+PR_SET_MM_MAP = 14
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT = 47
@@ -105,6 +108,7 @@ _SYS_CLOSE_RANGE = syscalls.number("close_range")
 _SYS_OPEN_TREE = syscalls.number("open_tree")
 _SYS_MOVE_MOUNT = syscalls.number("move_mount")
 _SYS_OPENAT2 = syscalls.number("openat2")
+_SYS_BRK = syscalls.number("brk")
 CLOSE_RANGE_CLOEXEC = 4
 PIDFD_THREAD = os.O_EXCL   # pidfd of a thread, not only of a thread-group leader (Linux 6.9)
 
@@ -318,6 +322,44 @@ def close_fds_except(keep: set[int] | frozenset[int], first: int = 3) -> None:
 def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
     return _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg2), ctypes.c_ulong(arg3),
                               ctypes.c_ulong(arg4), ctypes.c_ulong(arg5)), "prctl")
+
+
+_titles: list = []   # the buffers /proc/PID/cmdline and environ point into must stay alive
+
+
+class _MmMap(ctypes.Structure):   # struct prctl_mm_map
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "start_code", "end_code", "start_data", "end_data", "start_brk", "brk", "start_stack",
+        "arg_start", "arg_end", "env_start", "env_end", "auxv")] + [("auxv_size", ctypes.c_uint32),
+                                                                     ("exe_fd", ctypes.c_uint32)]
+
+
+def set_cmdline(argv: list[str], env: dict[str, str] | None = None) -> None:
+    """Make /proc/self/cmdline (what ps shows) read `argv`, /proc/self/comm its argv[0], and with
+    `env` /proc/self/environ read that environment: a process forked from a pre-imported parent
+    would otherwise show the parent's. PR_SET_MM_MAP points the kernel's record of the arg and env
+    areas at new buffers; with exe_fd -1 it needs no capability (PR_SET_MM_ARG_START would need
+    CAP_SYS_RESOURCE); the other fields are this process's own, read from /proc/self/stat."""
+    raw = b"\0".join(os.fsencode(a) for a in argv) + b"\0"
+    buf = ctypes.create_string_buffer(raw, len(raw))
+    env_buf = None
+    if env is not None:
+        raw_env = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in env.items()) or b"\0"
+        env_buf = ctypes.create_string_buffer(raw_env, len(raw_env))
+    with open("/proc/self/stat", "rb") as f:
+        st = [int(x) for x in f.read().rsplit(b")", 1)[1].split()[1:]]
+    field = lambda n: st[n - 4]   # noqa: E731 — proc(5) numbers fields from 1; st starts at field 4
+    brk = _libc.syscall(_SYS_BRK, 0)
+    env_start, env_end = ((ctypes.addressof(env_buf), ctypes.addressof(env_buf) + len(env_buf))
+                          if env_buf is not None else (field(50), field(51)))
+    m = _MmMap(start_code=field(26), end_code=field(27), start_data=field(45), end_data=field(46),
+               start_brk=field(47), brk=brk, start_stack=field(28), arg_start=ctypes.addressof(buf),
+               arg_end=ctypes.addressof(buf) + len(raw), env_start=env_start, env_end=env_end,
+               auxv=0, auxv_size=0, exe_fd=0xFFFFFFFF)
+    prctl(PR_SET_MM, PR_SET_MM_MAP, ctypes.addressof(m), ctypes.sizeof(m))
+    _titles[:] = [buf, env_buf]
+    name = ctypes.create_string_buffer(os.path.basename(argv[0]).encode()[:15], 16)
+    prctl(PR_SET_NAME, ctypes.addressof(name))
 
 
 class _CapHeader(ctypes.Structure):

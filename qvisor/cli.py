@@ -91,9 +91,18 @@ def setup_logging(log: str, log_format: str, debug: bool) -> None:
     root.setLevel(logging.DEBUG if debug else logging.WARNING)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, in_factory: bool = False) -> int:
     argv = sys.argv[1:] if argv is None else argv
     verb = _verb_of(argv)
+    if verb == "create" and not in_factory:
+        # the sandbox factory (qvisor/factory.py) has the supervisor's imports loaded already and
+        # its forks share them; without one, this create runs here and starts one for the next
+        from qvisor import factory
+        if factory.enabled():
+            code = factory.request(argv)
+            if code is not None:
+                return code
+            factory.ensure_running()
     parser = build_parser(verb if verb in COMMANDS else None)
     args = parser.parse_args(argv)
     if not args.verb:

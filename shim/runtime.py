@@ -103,7 +103,8 @@ def _quark_errors(verb: str) -> Iterator[None]:
 
 
 class Quark:
-    """quark for one --root: the CLI for create and exec, qvisor.container for the rest."""
+    """quark for one --root: the sandbox factory (else the CLI) for create, the CLI for exec,
+    qvisor.container for the rest."""
 
     def __init__(self, root: str, binary: str | None = None, log_dir: str | None = None) -> None:
         self.root = root
@@ -117,14 +118,23 @@ class Quark:
         """Run a verb with its errors in a JSON log file, read back with their kind. The stdio of
         create and exec belong to the container; the others' go nowhere."""
         argv = self._argv("--log", log_path, "--log-format", "json", *args)
-        if stdio is None:
-            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, close_fds=True)
-        else:
-            proc = subprocess.run(argv, stdin=stdio.stdin, stdout=stdio.stdout, stderr=stdio.stderr, close_fds=True)
-        if proc.returncode != 0:
+        code = None
+        if args[0] == "create" and stdio is not None:
+            # in the sandbox factory (qvisor/factory.py): no `quark` process per container, and a
+            # supervisor that shares the factory's pages; None: it declined or runs none, so the CLI
+            from qvisor import factory
+            if factory.enabled():
+                with _quark_errors(args[0]):
+                    code = factory.request(argv[1:], (stdio.stdin, stdio.stdout, stdio.stderr))
+        if code is None and stdio is None:
+            code = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, close_fds=True).returncode
+        elif code is None:
+            code = subprocess.run(argv, stdin=stdio.stdin, stdout=stdio.stdout, stderr=stdio.stderr,
+                                  close_fds=True).returncode
+        if code != 0:
             msg, kind = _last_error(log_path)
-            raise RpcError(code_of(kind), f"quark {args[0]}: {msg or f'exit status {proc.returncode}'}")
+            raise RpcError(code_of(kind), f"quark {args[0]}: {msg or f'exit status {code}'}")
 
     def create(self, cid: str, bundle: str, pid_file: str, stdio: Stdio, console_socket: str | None) -> None:
         args = ["create", "--bundle", bundle, "--pid-file", pid_file]

@@ -1,0 +1,553 @@
+"""The sandbox factory: a pre-imported quark that forks supervisors and runs the hot verbs.
+
+Every `quark` call used to be a new CPython process that paid ~20 ms of interpreter start and
+~30-60 ms of imports before any work, and every supervisor paid the imports again. The factory
+imports everything once, freezes its objects out of the garbage collector's reach (so forked
+children keep sharing those pages), and listens on a unix socket. A client (the C front end,
+qvisor/frontend.c, the Python CLI, or the shim) sends one request: the argv of a `quark` call, its
+environment and umask, and its stdin, stdout, stderr and working directory as fds. The factory
+checks that the caller may do what it asks and is in the same place, forks a worker that becomes
+that caller's `quark` process (its stdio, cwd, environment, umask, rlimits, oom_score_adj, for
+create its cgroups, and a cmdline naming the call), and the worker runs the verb exactly as the CLI
+does and sends back the exit status. A create's supervisor is forked from the worker as it is from
+the CLI, so it is its own process, session and confinement; it only shares, copy-on-write, the
+factory's pages of imported code.
+
+The factory is optional. It answers "fall back" (and the client runs the verb itself, as before)
+when the verb is not one it serves, when the caller is not root or not in the factory's
+namespaces, root, credentials, capabilities, seccomp and LSM context, when the caller's
+rlimits exceed the factory's, when the caller's parent chain holds a runc-compatible manager
+that reaps the container's init itself (the supervisor must then be re-parented to it, see
+Supervisor._choose_reaper), and when quark's code on disk changed since the factory imported it
+(then it also exits; the next create starts a fresh one). It is started by the first create and
+exits after QUARK_FACTORY_IDLE seconds without a request (default 300). QUARK_FACTORY=0 turns it
+off; QUARK_FACTORY_DIR moves its socket, lock and pid file (default /run/quark).
+"""
+from __future__ import annotations
+
+import array
+import errno
+import fcntl
+import gc
+import logging
+import os
+import resource
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+log = logging.getLogger("quark.factory")
+
+MAGIC = b"quark-factory/1"
+SOCK_NAME, LOCK_NAME, PID_NAME, LOG_NAME = "factory.sock", "factory.lock", "factory.pid", "factory.log"
+# verbs that end promptly and need no terminal or signal forwarding; the others run in the client
+SERVED = frozenset({"create", "start", "state", "kill", "delete", "pause", "resume", "ps", "list"})
+MAX_REQUEST = 1 << 20          # argv + environment; a bigger request falls back
+# runc-compatible managers that reap the init themselves (qvisor.supervisor.reaper.RUNC_MANAGERS)
+_CALLER_REAPS = ("containerd-shim-runc", "conmon")
+_NAMESPACES = ("mnt", "pid", "net", "ipc", "uts", "user", "cgroup", "time")
+_SAME_STATUS = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")
+_RLIMITS = {getattr(resource, n): n for n in sorted(dir(resource), reverse=True) if n.startswith("RLIMIT_")}
+_PACKAGES = ("qlib", "qvisor", "qkernel", "tsor")
+
+
+def enabled() -> bool:
+    return os.environ.get("QUARK_FACTORY", "1") != "0"
+
+
+def directory() -> str:
+    return os.environ.get("QUARK_FACTORY_DIR", "/run/quark")
+
+
+def socket_path(where: str | None = None) -> str:
+    return os.path.join(where or directory(), SOCK_NAME)
+
+
+# ---- the wire: one SOCK_SEQPACKET message each way ------------------------------------------
+# request: MAGIC, argc, argv..., envc, env..., umask (octal), NUL-separated; SCM_RIGHTS carries
+# stdin, stdout, stderr and an O_PATH fd of the working directory. Reply: b"F" + reason (the
+# client runs the verb itself), or b"X" + the exit status once the verb is done.
+
+def encode_request(argv: list[str], env: dict[str, str], umask: int) -> bytes:
+    fields = [MAGIC, str(len(argv)).encode(), *(os.fsencode(a) for a in argv), str(len(env)).encode(),
+              *(os.fsencode(k) + b"=" + os.fsencode(v) for k, v in env.items()), b"%o" % umask]
+    return b"\0".join(fields)
+
+
+def decode_request(data: bytes) -> tuple[list[str], dict[str, str], int]:
+    """(argv, env, umask); ValueError for anything malformed."""
+    f = data.split(b"\0")
+    if f[0] != MAGIC:
+        raise ValueError("not a quark-factory/1 request")
+    argc = int(f[1])
+    argv = [os.fsdecode(a) for a in f[2:2 + argc]]
+    envc = int(f[2 + argc])
+    pairs = f[3 + argc:3 + argc + envc]
+    if len(argv) != argc or len(pairs) != envc or len(f) != 4 + argc + envc:
+        raise ValueError("truncated request")
+    env = {}
+    for p in pairs:
+        k, sep, v = p.partition(b"=")
+        if not sep:
+            raise ValueError("environment entry without '='")
+        env[os.fsdecode(k)] = os.fsdecode(v)
+    return argv, env, int(f[-1], 8)
+
+
+def request(argv: list[str], stdio: tuple[int, int, int] = (0, 1, 2), env: dict[str, str] | None = None,
+            where: str | None = None) -> int | None:
+    """Run `quark argv` in the factory; its exit status, or None when the caller must run it
+    itself (no factory, or it declined)."""
+    data = encode_request(argv, dict(os.environ) if env is None else env, _umask())
+    if len(data) > MAX_REQUEST:
+        return None
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    except OSError:
+        return None
+    cwd = -1
+    try:
+        s.connect(socket_path(where))
+        cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        socket.send_fds(s, [data], [*stdio, cwd])
+    except OSError:
+        s.close()
+        return None   # no factory, or it went away before taking the request
+    finally:
+        if cwd >= 0:
+            os.close(cwd)
+    try:
+        reply = s.recv(4096)
+    except ConnectionResetError:
+        return None   # the factory exited with our request still queued: nothing of it ran
+    except OSError:
+        reply = b""
+    finally:
+        s.close()
+    if reply[:1] == b"X":
+        return int(reply[1:])
+    if reply[:1] == b"F":
+        log.debug("factory declined: %s", reply[1:].decode(errors="replace"))
+        return None   # declined before anything ran
+    # the worker ran (part of) the verb and died: running it again could do it twice
+    from qlib.errors import QuarkError
+    raise QuarkError(f"{argv[0] if argv else 'quark'}: the factory's worker ended without an exit status")
+
+
+def _umask() -> int:
+    old = os.umask(0o22)
+    os.umask(old)
+    return old
+
+
+def ensure_running(where: str | None = None) -> None:
+    """Start a factory in the background unless one answers (called by a create that ran without
+    one). Never waits for it: this create goes on by itself, the next one uses it."""
+    if not enabled():
+        return
+    path = socket_path(where)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        s.connect(path)
+        return
+    except OSError:
+        pass
+    finally:
+        s.close()
+    where = where or directory()
+    try:
+        os.makedirs(where, mode=0o700, exist_ok=True)
+        logf = os.open(os.path.join(where, LOG_NAME), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        log.warning("cannot start the sandbox factory in %s: %s", where, e.strerror)
+        return
+    try:
+        subprocess.Popen([sys.executable, "-m", "qvisor.factory", "--dir", where], stdin=subprocess.DEVNULL,
+                         stdout=logf, stderr=logf, close_fds=True, start_new_session=True, cwd="/")
+    except OSError as e:
+        log.warning("cannot start the sandbox factory: %s", e.strerror)
+    finally:
+        os.close(logf)
+
+
+def stop(where: str | None = None, timeout: float = 5.0) -> int:
+    """Stop the factory serving `where` (SIGTERM by the pid it recorded, confirmed by the lock it
+    holds); its pid, or 0 when none ran."""
+    where = where or directory()
+    try:
+        with open(os.path.join(where, PID_NAME)) as f:
+            pid = int(f.read().strip() or 0)
+        lock = os.open(os.path.join(where, LOCK_NAME), os.O_RDWR | os.O_CLOEXEC)
+    except (OSError, ValueError):
+        return 0
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return 0   # nobody holds the lock: no factory runs; the pid file is stale
+        except BlockingIOError:
+            pass
+        pidfd = os.pidfd_open(pid)
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+            select.select([pidfd], [], [], timeout)
+        finally:
+            os.close(pidfd)
+        return pid
+    except ProcessLookupError:
+        return 0
+    finally:
+        os.close(lock)
+
+
+# ---- the server ----------------------------------------------------------------------------
+
+def _fingerprint_files() -> list[str]:
+    """The files whose change makes a running factory stale: quark's modules (and the
+    directories holding them, for added files) and the compiled fast path."""
+    base = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = []
+    for pkg in _PACKAGES:
+        for d, _dirs, files in os.walk(os.path.join(base, pkg)):
+            if os.path.basename(d) == "__pycache__":
+                continue
+            paths.append(d)
+            paths += [os.path.join(d, f) for f in files if f.endswith((".py", ".so"))]
+    return sorted(paths)
+
+
+def _fingerprint(paths: list[str]) -> tuple:
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def _status(pid: int | str) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
+def _namespaces(pid: int | str) -> tuple:
+    out = []
+    for ns in _NAMESPACES:
+        try:
+            out.append(os.stat(f"/proc/{pid}/ns/{ns}").st_ino)
+        except FileNotFoundError:
+            out.append(None)   # a kernel without this namespace type
+    return tuple(out)
+
+
+def _lsm(pid: int | str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/attr/current", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _ancestors(pid: int) -> list[str]:
+    names = []
+    while pid > 1:
+        try:
+            names.append(os.path.basename(os.readlink(f"/proc/{pid}/exe")))
+            pid = int(_status(pid)["PPid"])
+        except (OSError, KeyError, ValueError):
+            break
+    return names
+
+
+class Factory:
+    def __init__(self, where: str, idle_s: float) -> None:
+        self.where, self.idle_s = where, idle_s
+        self.listener: socket.socket | None = None
+        self.lock_fd = -1
+        self.me: tuple = ()
+        self.files: list[str] = []
+        self.stamp: tuple = ()
+        self.stale = False
+        self.wakeup: tuple[int, int] = (-1, -1)   # the signal wake-up pipe
+
+    def serve(self) -> int:
+        os.makedirs(self.where, mode=0o700, exist_ok=True)
+        self.lock_fd = os.open(os.path.join(self.where, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return 0   # another factory serves this directory
+        self.files = _fingerprint_files()
+        self.stamp = _fingerprint(self.files)
+        _preload()
+        path = socket_path(self.where)
+        try:
+            os.unlink(path)   # a dead factory's (we hold the lock: no live one owns it)
+        except FileNotFoundError:
+            pass
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)
+        try:
+            self.listener.bind(path)   # 0600 from birth: only root may connect (and SO_PEERCRED checks)
+        finally:
+            os.umask(old)
+        self.listener.listen(64)
+        with open(os.path.join(self.where, PID_NAME + ".tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(self.where, PID_NAME + ".tmp"), os.path.join(self.where, PID_NAME))
+        self.me = self._identity(os.getpid())
+        stop_r, stop_w = self.wakeup = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(stop_w)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: None)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        gc.collect()
+        gc.freeze()   # the imported objects stay out of the collector's passes: their pages stay shared
+        log.info("serving %s (pid %d)", path, os.getpid())
+        idle_until = time.monotonic() + self.idle_s
+        try:
+            while not self.stale:
+                ready, _, _ = select.select([self.listener, stop_r], [], [], max(0.0, idle_until - time.monotonic()))
+                if stop_r in ready:
+                    sigs = os.read(stop_r, 64)
+                    self._reap()
+                    if set(sigs) - {signal.SIGCHLD}:
+                        break   # SIGTERM, SIGINT or SIGHUP
+                if self.listener in ready:
+                    self._accept()
+                    idle_until = time.monotonic() + self.idle_s
+                elif not ready and time.monotonic() >= idle_until:
+                    log.info("idle for %.0f s: exiting", self.idle_s)
+                    break
+        finally:
+            self._close()
+        return 0
+
+    def _close(self) -> None:
+        # the socket first, while the lock still says the name is ours
+        try:
+            os.unlink(socket_path(self.where))
+        except OSError:
+            pass
+        try:
+            os.unlink(os.path.join(self.where, PID_NAME))
+        except OSError:
+            pass
+        if self.listener is not None:
+            self.listener.close()
+        os.close(self.lock_fd)
+
+    @staticmethod
+    def _reap() -> None:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    @staticmethod
+    def _identity(pid: int) -> tuple:
+        st = _status(pid)
+        root = os.stat(f"/proc/{pid}/root")
+        return (_namespaces(pid), (root.st_dev, root.st_ino), tuple(st.get(k) for k in _SAME_STATUS), _lsm(pid))
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        fds: list[int] = []
+        try:
+            conn.settimeout(5)   # a client that connects and sends nothing must not block the factory
+            data, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST, 4)
+            pid, uid, _gid = array.array("i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) != 4:
+                return self._decline(conn, "malformed request")
+            try:
+                argv, env, umask = decode_request(data)
+            except ValueError as e:
+                return self._decline(conn, str(e))
+            reason = self._refusal(pid, uid, argv, env)
+            if reason:
+                return self._decline(conn, reason)
+            worker = os.fork()
+            if worker == 0:
+                self._work(conn, fds, argv, env, umask, pid)   # never returns
+        except (OSError, ValueError) as e:
+            log.warning("request failed: %s", e)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+
+    @staticmethod
+    def _decline(conn: socket.socket, reason: str) -> None:
+        log.info("declined: %s", reason)
+        try:
+            conn.send(b"F" + reason.encode())
+        except OSError:
+            pass
+
+    def _refusal(self, pid: int, uid: int, argv: list[str], env: dict[str, str]) -> str:
+        """Why this request must run in the client instead ("" when the factory may run it)."""
+        from qvisor.cli import _verb_of
+        if uid != 0:
+            return "the caller is not root"
+        if _verb_of(argv) not in SERVED:
+            return "not a verb the factory serves"
+        if any(a.startswith("--preserve-fds") for a in argv):
+            return "--preserve-fds: the fds are the client's to hand on"
+        if env.get("QUARK_INIT_REAPER") or env.get("QUARK_FACTORY") == "0":
+            return "the caller chose how the init is reaped, or turned the factory off"
+        if _fingerprint(self.files) != self.stamp:   # a file added or removed changes its directory's mtime
+            self.stale = True
+            return "quark's code changed since the factory started: it exits"
+        try:
+            if self._identity(pid) != self.me:
+                return "the caller's namespaces, root, credentials or security context differ from the factory's"
+            for r in _RLIMITS:   # the worker takes the caller's limits: it cannot raise a hard one
+                caller, mine = resource.prlimit(pid, r)[1], resource.getrlimit(r)[1]
+                if mine != resource.RLIM_INFINITY and (caller == resource.RLIM_INFINITY or caller > mine):
+                    return f"the caller's hard {_RLIMITS[r]} is above the factory's"
+            if any(name.startswith(_CALLER_REAPS) for name in _ancestors(pid)):
+                return "a runc-compatible manager above the caller reaps the container's init"
+        except (OSError, KeyError):
+            return "the caller went away"
+        return ""
+
+    def _work(self, conn: socket.socket, fds: list[int], argv: list[str], env: dict[str, str],
+              umask: int, caller: int) -> None:
+        """The forked worker: become the caller's `quark` process and run the verb."""
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+                signal.signal(sig, signal.SIG_DFL)
+            self.listener.close()
+            for fd in (self.lock_fd, *self.wakeup):   # nothing of the factory's own goes on to the supervisor
+                os.close(fd)
+            conn.settimeout(None)
+            try:
+                self._adopt(caller, fds, env, umask, argv)
+            except OSError as e:
+                self._decline(conn, f"cannot take on the caller's context: {e}")
+                os._exit(0)
+            from qvisor import cli
+            try:
+                code = cli.main(argv, in_factory=True)
+            except SystemExit as e:   # argparse's usage errors, --help, --version
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                code = 1
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            try:
+                conn.send(b"X%d" % code)
+            except OSError:
+                pass
+            os._exit(code & 0xFF)
+
+    @staticmethod
+    def _adopt(caller: int, fds: list[int], env: dict[str, str], umask: int, argv: list[str]) -> None:
+        for i in range(3):
+            os.dup2(fds[i], i)   # inheritable: these are the process's stdio from now on
+        os.fchdir(fds[3])
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        fds.clear()
+        os.umask(umask)
+        os.environ.clear()
+        os.environ.update(env)
+        for r in _RLIMITS:
+            resource.setrlimit(r, resource.prlimit(caller, r))
+        with open(f"/proc/{caller}/oom_score_adj") as f:
+            adj = f.read().strip()
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(adj)
+        from qvisor.cli import _verb_of
+        if _verb_of(argv) == "create":   # the supervisor lives where the caller's processes live
+            _join_cgroups_of(caller)
+        try:
+            from qlib import linux as L
+            L.set_cmdline(["quark", *argv], env)
+        except OSError as e:   # cosmetic (ps); a kernel without PR_SET_MM_MAP
+            log.debug("cmdline not set: %s", e)
+
+
+def _join_cgroups_of(pid: int) -> None:
+    """Move this process into the cgroups `pid` is in, in every hierarchy (v1 and v2)."""
+    mounts: list[tuple[set[str], str]] = []   # (controllers or name=, or {""} for v2) -> mount point
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            pre, _, post = line.partition(" - ")
+            fields, after = pre.split(), post.split()
+            if len(after) < 3 or fields[3] != "/":
+                continue
+            if after[0] == "cgroup2":
+                mounts.append(({""}, fields[4]))
+            elif after[0] == "cgroup":
+                mounts.append((set(after[2].split(",")), fields[4]))
+    with open(f"/proc/{pid}/cgroup") as f:
+        lines = f.read().splitlines()
+    me = str(os.getpid())
+    for line in lines:
+        _hid, ctrls, path = line.split(":", 2)
+        want = set(ctrls.split(",")) if ctrls else {""}
+        for opts, mnt in mounts:
+            if want <= opts:
+                try:
+                    with open(os.path.join(mnt + path, "cgroup.procs"), "w") as f:
+                        f.write(me)
+                except OSError as e:
+                    if e.errno != errno.ENOENT:   # a hierarchy that vanished meanwhile
+                        raise
+                break
+
+
+def _preload() -> None:
+    """Import what the served verbs and a supervisor use, so forks start with it loaded."""
+    import importlib
+    from qvisor import cli
+    for verb in SERVED:
+        importlib.import_module(f"qvisor.commands.{cli.COMMANDS[verb][0]}")
+    for name in ("qvisor.container", "qvisor.validate", "qvisor.spec", "qvisor.supervisor", "qvisor.hooks",
+                 "qkernel", "qkernel.seccomp_platform", "qkernel.policy", "tsor.intercept", "tsor.sandbox",
+                 "qvisor.cgroups.v1", "qvisor.cgroups.v2", "yaml", "seccomp"):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:   # optional parts (libseccomp's bindings): the worker imports on use
+            log.info("not preloaded: %s (%s)", name, e)
+    cli.build_parser()   # every verb's arguments module
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m qvisor.factory", description="quark's sandbox factory")
+    p.add_argument("--dir", default=directory(), help="where its socket, lock and pid file live")
+    p.add_argument("--idle", type=float, default=float(os.environ.get("QUARK_FACTORY_IDLE", "300")),
+                   help="exit after this many seconds without a request")
+    p.add_argument("--stop", action="store_true", help="stop the factory serving --dir")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.stop:
+        pid = stop(args.dir)
+        print(f"stopped {pid}" if pid else "no factory was running")
+        return 0
+    return Factory(args.dir, args.idle).serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""The sandbox factory (qvisor/factory.py) and the C front end (qvisor/frontend.c): verbs run in a
+forked, pre-imported worker that takes on the caller's stdio, cwd, environment, rlimits and (for
+create) cgroups; supervisors share the factory's pages; anything the factory must not do for the
+caller falls back to the Python CLI, with the same result."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from qlib import cgroupfs
+from qvisor import factory
+
+REPO = Path(__file__).resolve().parents[2]
+FRONT_END = str(REPO / "qvisor" / "_quark")
+QUARK_PY = os.path.join(os.path.dirname(sys.executable), "quark")
+
+
+@pytest.fixture
+def served(tmp_path, quark):
+    """A factory of this test's own: (directory, its Popen, env for clients)."""
+    assert os.access(FRONT_END, os.X_OK), "the front end is built by `make install` (make frontend)"
+    where = str(tmp_path / "factory")
+    proc = subprocess.Popen([sys.executable, "-m", "qvisor.factory", "--dir", where, "--idle", "120"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "factory.log", "w"))
+    deadline = time.monotonic() + 30
+    while not os.path.exists(os.path.join(where, factory.SOCK_NAME)) and time.monotonic() < deadline:
+        assert proc.poll() is None, (tmp_path / "factory.log").read_text()
+        time.sleep(0.05)
+    env = dict(os.environ, QUARK_FACTORY_DIR=where, QUARK_FACTORY="1")
+    yield where, proc, env
+    factory.stop(where)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _log(tmp_path) -> str:
+    return (tmp_path / "factory.log").read_text()
+
+
+def _run(env, *args, cwd=None, argv0=(FRONT_END,), **kw) -> subprocess.CompletedProcess:
+    # files, not pipes: a created container keeps the stdio it was given
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.run([*argv0, *args], env=env, stdout=out, stderr=err, timeout=60, cwd=cwd,
+                           stdin=subprocess.DEVNULL, **kw)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read())
+
+
+def _smaps(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.endswith("kB\n")}
+
+
+def _supervisor(root: str, cid: str) -> int:
+    with open(os.path.join(root, cid, "state.json")) as f:
+        return json.load(f)["supervisor_pid"]
+
+
+def _own_cgroup(tmp_path) -> str:
+    """A cgroup made for this test (v2: unified; v1: the pids hierarchy): its path as
+    /proc/PID/cgroup shows it."""
+    name = f"quark-test-factory-{uuid.uuid4().hex[:8]}"
+    base = "/sys/fs/cgroup" if cgroupfs.unified() else "/sys/fs/cgroup/pids"
+    os.mkdir(os.path.join(base, name))
+    return os.path.join(base, name)
+
+
+def test_a_create_runs_in_a_worker_and_its_supervisor_shares_the_factorys_pages(served, quark, bundle, tmp_path):
+    where, proc, env = served
+    b = bundle(["sleep", "100"])
+    r = _run(env, "--root", quark.root, "create", "--bundle", b, "f1")
+    assert r.returncode == 0, r.stderr + _log(tmp_path)
+    assert _run(env, "--root", quark.root, "start", "f1").returncode == 0
+    sup = _supervisor(quark.root, "f1")
+    # its own process and session, named for its container in ps, not the factory's
+    assert sup != proc.pid and os.getsid(sup) not in (os.getsid(proc.pid), os.getsid(0))
+    with open(f"/proc/{sup}/cmdline", "rb") as f:
+        assert f.read().split(b"\0")[:5] == [b"quark", b"--root", quark.root.encode(), b"create", b"--bundle"]
+    # and it holds nothing of the factory's: no socket, lock file or pipe of its
+    factory_fds = {os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")}
+    sup_fds = {os.readlink(f"/proc/{sup}/fd/{fd}") for fd in os.listdir(f"/proc/{sup}/fd")}
+    assert not {f for f in sup_fds & factory_fds if not f.startswith("/dev/")}, (sup_fds, factory_fds)
+    assert not any(f.startswith(where) for f in sup_fds)
+    # forked from the pre-imported factory: its interpreter's pages are the factory's, shared
+    shared_with_factory = _smaps(sup)["Shared_Dirty"]
+    assert shared_with_factory > 2048, _smaps(sup)
+
+    # without the factory (the Python CLI forks it), nothing of the kind is shared
+    nf = dict(env, QUARK_FACTORY="0")
+    assert _run(nf, "--root", quark.root, "run", "-d", "--bundle", b, "f2").returncode == 0
+    assert _smaps(_supervisor(quark.root, "f2"))["Shared_Dirty"] < shared_with_factory / 4
+    assert "declined" not in _log(tmp_path)
+
+
+def test_the_verbs_answer_as_the_cli_does(served, quark, bundle, tmp_path):
+    """Same stdout, stderr and exit status through the factory as from the Python CLI."""
+    where, _, env = served
+    nf = dict(env, QUARK_FACTORY="0")
+    b = bundle(["sleep", "100"])
+    for e in (env, nf):
+        tag = "f" if e is env else "p"
+        assert _run(e, "--root", quark.root, "create", "--bundle", b, f"v{tag}").returncode == 0
+    for args in (["state", "nope"], ["start", "nope"], ["kill", "nope", "KILL"], ["delete", "nope"],
+                 ["kill", "v{}", "NOSUCHSIGNAL"], ["pause", "v{}"], ["create", "--bundle", "/nonexistent", "x"],
+                 ["bogus-verb"], ["--version"]):
+        got = {}
+        for e, tag in ((env, "f"), (nf, "p")):
+            a = [x.replace("{}", tag) for x in args]
+            r = _run(e, "--root", quark.root, *a)
+            got[tag] = (r.returncode, r.stdout.replace(f"v{tag}", "v*"), r.stderr.replace(f"v{tag}", "v*"))
+        assert got["f"] == got["p"], args
+    assert json.loads(_run(env, "--root", quark.root, "ps", "--format", "json", "vf").stdout) == \
+        [quark.state("vf")["pid"]]
+    st = json.loads(_run(env, "--root", quark.root, "state", "vf").stdout)
+    assert st["status"] == "created" and st["id"] == "vf"
+    listed = _run(env, "--root", quark.root, "list", "--format", "json")
+    assert {c["id"] for c in json.loads(listed.stdout)} == {"vf", "vp"}
+    for tag in "fp":
+        assert _run(env, "--root", quark.root, "delete", "--force", f"v{tag}").returncode == 0
+    assert quark.ids() == []
+    assert "declined" not in _log(tmp_path)
+
+
+def test_the_worker_takes_on_the_callers_cwd_env_umask_rlimits_and_cgroup(served, quark, bundle, tmp_path):
+    where, proc, env = served
+    b = bundle(["sleep", "100"])
+    cg = _own_cgroup(tmp_path)
+    rel = os.path.relpath(b, tmp_path)   # a relative --bundle resolves against the caller's cwd
+
+    def as_caller():
+        with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (4321, 4321))   # the supervisor keeps it
+        os.umask(0o027)
+
+    try:
+        r = _run(dict(env, QUARK_TEST_MARK="from-the-caller"), "--root", quark.root,
+                 "--log", "rel.log", "create", "--bundle", rel, "--pid-file", "init.pid", "w1",
+                 cwd=str(tmp_path), preexec_fn=as_caller)
+        assert r.returncode == 0, r.stderr + _log(tmp_path)
+        sup = _supervisor(quark.root, "w1")
+        init = int((tmp_path / "init.pid").read_text())          # the cwd's, not the factory's /
+        assert oct((tmp_path / "init.pid").stat().st_mode & 0o777) == oct(0o640)   # the caller's umask
+        with open(f"/proc/{sup}/cgroup") as f:
+            assert cg.replace("/sys/fs/cgroup/pids", "").replace("/sys/fs/cgroup", "") in f.read()
+        with open(f"/proc/{proc.pid}/cgroup") as f:
+            assert os.path.basename(cg) not in f.read()   # the factory stayed where it was
+        with open(f"/proc/{sup}/environ", "rb") as f:
+            assert b"QUARK_TEST_MARK=from-the-caller" in f.read().split(b"\0")
+        with open(f"/proc/{sup}/limits") as f:
+            assert any(ln.startswith("Max open files") and ln.split()[3:5] == ["4321", "4321"] for ln in f)
+        assert init > 0
+    finally:
+        quark("delete", "--force", "w1", check=False)
+        for _ in range(100):
+            try:
+                os.rmdir(cg)
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+def test_a_caller_in_another_mount_namespace_is_declined_and_the_cli_runs_the_verb(served, quark, bundle, tmp_path):
+    where, _, env = served
+    b = bundle(["true"])
+    r = _run(env, "--root", quark.root, "create", "--bundle", b, "ns1",
+             argv0=("unshare", "--mount", "--propagation", "unchanged", FRONT_END))
+    assert r.returncode == 0, r.stderr
+    assert quark.state("ns1")["status"] == "created"
+    assert "declined: the caller's namespaces" in _log(tmp_path)
+    quark("delete", "--force", "ns1")
+
+
+def test_a_runc_style_manager_above_the_caller_is_declined_so_it_reaps_the_init(served, quark, bundle, tmp_path):
+    """conmon (and containerd's runc shim) wait for the init themselves: the supervisor must be
+    re-parented to them, which only a create forked from their own child gives."""
+    where, _, env = served
+    conmon = tmp_path / "conmon"
+    shutil.copy(os.path.realpath(sys.executable), conmon)
+    caller = ("import ctypes, os, subprocess, sys\n"
+              "ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n"
+              f"subprocess.run([{FRONT_END!r}, '--root', {quark.root!r}, 'create', '--bundle', sys.argv[1],"
+              " '--pid-file', sys.argv[2], 'cr'], check=True)\n"
+              f"subprocess.run([{FRONT_END!r}, '--root', {quark.root!r}, 'start', 'cr'], check=True)\n"
+              "_, status = os.waitpid(int(open(sys.argv[2]).read()), 0)\n"
+              "print(os.waitstatus_to_exitcode(status), flush=True)\n")
+    r = _run(dict(env, PYTHONHOME=sys.base_prefix), "-c", caller, bundle(["sh", "-c", "exit 7"]),
+             str(tmp_path / "pid"), argv0=(str(conmon),))
+    assert (r.returncode, r.stdout) == (0, "7\n"), r.stderr
+    assert "declined: a runc-compatible manager" in _log(tmp_path)
+    quark("delete", "--force", "cr", check=False)
+
+
+def test_only_root_may_connect(served):
+    where, _, _ = served
+    path = os.path.join(where, factory.SOCK_NAME)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                s.connect(path)
+            except PermissionError:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # and a request from a non-root uid (SO_PEERCRED) is declined, whatever the socket's mode
+    f = factory.Factory(where, 1)
+    assert f._refusal(os.getpid(), 1000, ["state", "x"], {}) == "the caller is not root"
+
+
+def test_a_factory_whose_code_changed_declines_and_exits(served, quark, bundle, tmp_path):
+    where, proc, env = served
+    module = REPO / "qvisor" / "factory.py"
+    st = module.stat()
+    os.utime(module, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    try:
+        r = _run(env, "--root", quark.root, "create", "--bundle", bundle(["true"]), "s1")
+        assert r.returncode == 0, r.stderr
+        proc.wait(timeout=10)   # it exits; the create above ran in the CLI, which starts a new one
+        assert "quark's code changed" in _log(tmp_path)
+    finally:
+        os.utime(module, ns=(st.st_atime_ns, st.st_mtime_ns))
+    quark("delete", "--force", "s1")
+    factory.stop(where)
+
+
+def test_an_idle_factory_exits_and_removes_its_socket(tmp_path):
+    where = str(tmp_path / "idle")
+    p = subprocess.run([sys.executable, "-m", "qvisor.factory", "--dir", where, "--idle", "0.5"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "idle for" in p.stderr
+    assert not os.path.exists(os.path.join(where, factory.SOCK_NAME))
+    assert not os.path.exists(os.path.join(where, factory.PID_NAME))
+
+
+def test_the_first_create_starts_a_factory_and_the_next_one_uses_it(quark, bundle, tmp_path):
+    where = str(tmp_path / "ondemand")
+    env = dict(os.environ, QUARK_FACTORY_DIR=where, QUARK_FACTORY="1")
+    b = bundle(["true"])
+    try:
+        assert _run(env, "--root", quark.root, "create", "--bundle", b, "d1").returncode == 0
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(where, factory.SOCK_NAME)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert factory.request(["--root", quark.root, "state", "d1"],
+                               stdio=(0, os.open(os.devnull, os.O_WRONLY), 2), env=env, where=where) == 0
+        assert _run(env, "--root", quark.root, "create", "--bundle", b, "d2").returncode == 0
+        with open(f"/proc/{_supervisor(quark.root, 'd2')}/cmdline", "rb") as f:
+            assert b"qvisor.factory" not in f.read()
+        assert _smaps(_supervisor(quark.root, "d2"))["Shared_Dirty"] > 2048   # forked from the factory
+    finally:
+        quark("delete", "--force", "d1", check=False)
+        quark("delete", "--force", "d2", check=False)
+        assert factory.stop(where) > 0
+
+
+def test_quark_factory_0_never_starts_one(quark, bundle, tmp_path):
+    where = str(tmp_path / "off")
+    env = dict(os.environ, QUARK_FACTORY_DIR=where, QUARK_FACTORY="0")
+    assert _run(env, "--root", quark.root, "run", "-d", "--bundle", bundle(["true"]), "o1").returncode == 0
+    time.sleep(0.5)
+    assert not os.path.exists(os.path.join(where, factory.SOCK_NAME))
+    quark("delete", "--force", "o1")
+
+
+def test_the_wire_format_round_trips_and_rejects_garbage():
+    argv, env = ["--root", "/r", "state", "a=b"], {"A": "1", "EMPTY": "", "EQ": "x=y"}
+    data = factory.encode_request(argv, env, 0o027)
+    assert factory.decode_request(data) == (argv, env, 0o027)
+    for bad in (b"", b"nope\0" + data, data[:-6], data + b"\0extra"):
+        with pytest.raises(ValueError):
+            factory.decode_request(bad)
+
+
+def test_the_shim_creates_through_the_factory_without_a_cli_process(served, quark, bundle, tmp_path, monkeypatch):
+    from shim.runtime import Quark, Stdio
+    from shim.ttrpc import Code, RpcError
+    from tests.integration.conftest import edit_config
+    where, _, env = served
+    monkeypatch.setenv("QUARK_FACTORY_DIR", where)
+    q = Quark(quark.root, binary="/bin/false")   # a `quark create` process would fail: none runs
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        b = bundle(["sleep", "100"])
+        q.create("sh1", b, str(tmp_path / "sh1.pid"), Stdio(null, null, null), None)
+        assert int((tmp_path / "sh1.pid").read_text()) == quark.state("sh1")["pid"]
+        assert _smaps(_supervisor(quark.root, "sh1"))["Shared_Dirty"] > 2048   # forked from the factory
+        # an error in the worker reaches containerd as its kind's status code, as from the CLI
+        bad = bundle(["true"])
+        edit_config(bad, lambda c: c["process"].update(cwd="relative"))
+        with pytest.raises(RpcError) as e:
+            q.create("sh2", bad, str(tmp_path / "sh2.pid"), Stdio(null, null, null), None)
+        assert e.value.code == Code.INVALID_ARGUMENT and "process.cwd" in str(e.value)
+        assert "declined" not in _log(tmp_path)
+    finally:
+        os.close(null)
+        quark("delete", "--force", "sh1", check=False)
