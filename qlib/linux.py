@@ -317,6 +317,42 @@ def close_fds_except(keep: set[int] | frozenset[int], first: int = 3) -> None:
                     pass   # the directory's own fd, already gone
 
 
+# --- inotify ---
+
+IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE, IN_DELETE_SELF, IN_MOVE_SELF = 0x40, 0x80, 0x100, 0x200, 0x400, 0x800
+IN_CHANGES = (IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+              | IN_DELETE_SELF | IN_MOVE_SELF)
+_IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
+_INOTIFY_EVENT = struct.Struct("iIII")
+
+
+def inotify_init() -> int:
+    """A non-blocking, close-on-exec inotify fd."""
+    return _check(_libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC), "inotify_init1")
+
+
+def inotify_add_watch(fd: int, path: str, mask: int) -> int:
+    return _check(_libc.inotify_add_watch(fd, os.fsencode(path), ctypes.c_uint32(mask)), "inotify_add_watch", path)
+
+
+def inotify_names(fd: int) -> list[str]:
+    """The names in the events queued on a non-blocking inotify fd ("" for the watched directory
+    itself); [] when none is queued."""
+    names = []
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return names
+        off = 0
+        while off + _INOTIFY_EVENT.size <= len(data):
+            _wd, _mask, _cookie, size = _INOTIFY_EVENT.unpack_from(data, off)
+            off += _INOTIFY_EVENT.size
+            names.append(os.fsdecode(data[off:off + size].rstrip(b"\0")))
+            off += size
+
+
 # --- prctl, capabilities ---
 
 def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import logging
@@ -51,8 +52,10 @@ def _verb_of(argv: list[str]) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
-    """The full parser; with `verb`, only that verb's arguments are loaded."""
+    """The full parser; with `verb`, only that verb's arguments are loaded. Cached: the sandbox
+    factory builds the served verbs' parsers once, its workers only parse (parsing changes none)."""
     p = argparse.ArgumentParser(prog="quark", description="quark: a secure OCI container runtime")
     p.add_argument("--root", default=DEFAULT_ROOT, help="root directory for container state (default: %(default)s)")
     p.add_argument("--log", default="", help="log file (default: stderr)")

@@ -204,29 +204,33 @@ def stop(where: str | None = None, timeout: float = 5.0) -> int:
 
 # ---- the server ----------------------------------------------------------------------------
 
-def _fingerprint_files() -> list[str]:
-    """The files whose change makes a running factory stale: quark's modules (and the
-    directories holding them, for added files) and the compiled fast path."""
+def _package_dirs() -> list[str]:
+    """The directories of quark's modules (and the compiled fast path): a change in any of them
+    makes a running factory stale."""
     base = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    paths = []
+    dirs = []
     for pkg in _PACKAGES:
-        for d, _dirs, files in os.walk(os.path.join(base, pkg)):
-            if os.path.basename(d) == "__pycache__":
-                continue
-            paths.append(d)
-            paths += [os.path.join(d, f) for f in files if f.endswith((".py", ".so"))]
-    return sorted(paths)
+        for d, subdirs, _files in os.walk(os.path.join(base, pkg)):
+            subdirs[:] = [x for x in subdirs if x != "__pycache__"]
+            dirs.append(d)
+    return dirs
 
 
-def _fingerprint(paths: list[str]) -> tuple:
-    out = []
-    for p in paths:
-        try:
-            st = os.stat(p)
-            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
-        except OSError:
-            out.append(None)
-    return tuple(out)
+def _watch_code() -> int:
+    """An inotify fd that has an event queued once any of quark's modules changes (written,
+    touched, added, removed, renamed). Set up before the imports, so nothing changed in between
+    goes unseen; checking it costs one read(2) per request."""
+    from qlib import linux as L
+    fd = L.inotify_init()
+    for d in _package_dirs():
+        L.inotify_add_watch(fd, d, L.IN_CHANGES)
+    return fd
+
+
+def _code_changed(fd: int) -> bool:
+    from qlib import linux as L
+    # __pycache__ appearing (the first import of a never-compiled package) is no change of code
+    return any(name != "__pycache__" for name in L.inotify_names(fd))
 
 
 def _status(pid: int | str) -> dict[str, str]:
@@ -269,9 +273,9 @@ class Factory:
         self.listener: socket.socket | None = None
         self.lock_fd = -1
         self.me: tuple = ()
-        self.files: list[str] = []
-        self.stamp: tuple = ()
+        self.watch = -1                # inotify on quark's code (_watch_code)
         self.stale = False
+        self.spare: socket.socket | None = None   # our end of the pre-forked worker's socket
         self.wakeup: tuple[int, int] = (-1, -1)   # the signal wake-up pipe
 
     def serve(self) -> int:
@@ -281,8 +285,7 @@ class Factory:
             fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return 0   # another factory serves this directory
-        self.files = _fingerprint_files()
-        self.stamp = _fingerprint(self.files)
+        self.watch = _watch_code()
         _preload()
         path = socket_path(self.where)
         try:
@@ -308,6 +311,7 @@ class Factory:
         gc.collect()
         gc.freeze()   # the imported objects stay out of the collector's passes: their pages stay shared
         log.info("serving %s (pid %d)", path, os.getpid())
+        self._fork_spare()
         idle_until = time.monotonic() + self.idle_s
         try:
             while not self.stale:
@@ -339,6 +343,8 @@ class Factory:
             pass
         if self.listener is not None:
             self.listener.close()
+        if self.spare is not None:
+            self.spare.close()   # the spare worker reads EOF and exits
         os.close(self.lock_fd)
 
     @staticmethod
@@ -376,15 +382,75 @@ class Factory:
             reason = self._refusal(pid, uid, argv, env)
             if reason:
                 return self._decline(conn, reason)
-            worker = os.fork()
-            if worker == 0:
-                self._work(conn, fds, argv, env, umask, pid)   # never returns
+            if not self._hand_to_spare(pid, data, conn, fds):
+                if os.fork() == 0:
+                    self._detach()
+                    self._work(conn, fds, argv, env, umask, pid)   # never returns
         except (OSError, ValueError) as e:
             log.warning("request failed: %s", e)
         finally:
             for fd in fds:
                 os.close(fd)
             conn.close()
+        if not self.stale:
+            self._fork_spare()   # the next request's worker, forked while nobody waits for it
+
+    def _hand_to_spare(self, caller: int, data: bytes, conn: socket.socket, fds: list[int]) -> bool:
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return False
+        try:
+            socket.send_fds(spare, [caller.to_bytes(4, "little") + data], [conn.fileno(), *fds])
+            return True
+        except OSError:
+            return False   # it died: fork one for this request
+        finally:
+            spare.close()
+
+    def _fork_spare(self) -> None:
+        """Fork a worker ahead of its request: the fork of a process this size (a few ms, and
+        the copy-on-write faults of its first steps) is then off the path of the next request."""
+        if self.spare is not None:
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            pid = os.fork()
+        except OSError as e:
+            log.warning("cannot fork a spare worker: %s", e)
+            ours.close()
+            theirs.close()
+            return
+        if pid == 0:
+            ours.close()
+            self._detach()
+            try:
+                data, fds, _flags, _ = socket.recv_fds(theirs, MAX_REQUEST + 4, 5)
+            except OSError:
+                os._exit(0)
+            if len(fds) != 5 or len(data) < 4:
+                os._exit(0)   # the factory exited, or was done with us
+            theirs.close()
+            try:
+                argv, env, umask = decode_request(data[4:])
+            except ValueError:
+                os._exit(1)   # cannot be: the factory decoded it before handing it on
+            self._work(socket.socket(fileno=fds[0]), fds[1:], argv, env, umask, int.from_bytes(data[:4], "little"))
+        theirs.close()
+        self.spare = ours
+
+    def _detach(self) -> None:
+        """In a forked worker: drop everything of the factory's own, so none of it goes on to a
+        supervisor (its socket, lock, wake-up pipe, code watch, the next spare's channel)."""
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        if self.listener is not None:
+            self.listener.close()
+        if self.spare is not None:
+            self.spare.close()
+        for fd in (self.lock_fd, self.watch, *self.wakeup):
+            if fd >= 0:
+                os.close(fd)
 
     @staticmethod
     def _decline(conn: socket.socket, reason: str) -> None:
@@ -405,7 +471,7 @@ class Factory:
             return "--preserve-fds: the fds are the client's to hand on"
         if env.get("QUARK_INIT_REAPER") or env.get("QUARK_FACTORY") == "0":
             return "the caller chose how the init is reaped, or turned the factory off"
-        if _fingerprint(self.files) != self.stamp:   # a file added or removed changes its directory's mtime
+        if self.stale or _code_changed(self.watch):
             self.stale = True
             return "quark's code changed since the factory started: it exits"
         try:
@@ -426,12 +492,6 @@ class Factory:
         """The forked worker: become the caller's `quark` process and run the verb."""
         code = 1
         try:
-            signal.set_wakeup_fd(-1)
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
-                signal.signal(sig, signal.SIG_DFL)
-            self.listener.close()
-            for fd in (self.lock_fd, *self.wakeup):   # nothing of the factory's own goes on to the supervisor
-                os.close(fd)
             conn.settimeout(None)
             try:
                 self._adopt(caller, fds, env, umask, argv)
@@ -530,7 +590,15 @@ def _preload() -> None:
             importlib.import_module(name)
         except ImportError as e:   # optional parts (libseccomp's bindings): the worker imports on use
             log.info("not preloaded: %s (%s)", name, e)
-    cli.build_parser()   # every verb's arguments module
+    for verb in SERVED:
+        cli.build_parser(verb)   # cached: a worker only parses
+    # a supervisor's first filter build pays libseccomp's and the table's set-up: pay it here once
+    try:
+        from qkernel import policy
+        policy.build_base_filter("seccomp", False)
+        policy.build_base_filter("seccomp", True)
+    except Exception as e:   # noqa: BLE001 — only a warm-up: the supervisor builds (and reports) for real
+        log.info("seccomp filter warm-up skipped: %s", e)
 
 
 def main(argv: list[str] | None = None) -> int:

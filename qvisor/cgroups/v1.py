@@ -7,11 +7,13 @@ plus named hierarchies such as name=systemd, which only track processes.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from qlib import procfs
 from qlib.errors import SetupError, Unsupported
 
-from ..spec import THROTTLES, BlockIO, CpuResources, MemoryResources, NetworkResources, Resources
+if TYPE_CHECKING:   # the spec model is imported where resources are applied, not by every verb
+    from ..spec import BlockIO, CpuResources, MemoryResources, NetworkResources, Resources
 from . import (
     KERNEL_MEMORY,
     RESOURCES,
@@ -194,6 +196,7 @@ class V1Cgroup(Cgroup):
                 plan.append(("blkio", weight + "_device", f"{dev} {wd.weight}", where + ".weight"))
             if wd.leaf_weight is not None:
                 plan.append(("blkio", "blkio.leaf_weight_device", f"{dev} {wd.leaf_weight}", where + ".leafWeight"))
+        from ..spec import THROTTLES
         for key, attr in THROTTLES.items():
             name = f"blkio.{attr.replace('throttle_', 'throttle.')}_device"  # blkio.throttle.read_bps_device
             plan += [("blkio", name, f"{t.major}:{t.minor} {t.rate}", f"blockIO.{key}[{i}]")

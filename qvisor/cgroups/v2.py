@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from qlib.errors import SetupError, Unsupported
 
-from ..spec import THROTTLES, BlockIO, CpuResources, MemoryResources, NetworkResources, Resources
+if TYPE_CHECKING:   # the spec model is imported where resources are applied, not by every verb
+    from ..spec import BlockIO, CpuResources, MemoryResources, Resources
 from . import (
     CGROUP_ROOT,
     KERNEL_MEMORY,
@@ -144,6 +145,7 @@ class V2Cgroup(Cgroup):
 
     def _plan(self, r: Resources) -> list[Write]:
         """(file, value, linux.resources field) for each write, in runc's order."""
+        from ..spec import NetworkResources
         if r.network is not None and r.network != NetworkResources():
             raise Unsupported(f"{RESOURCES}.network: cgroup v2 has no net_cls or net_prio controller "
                               "(match the cgroup path in eBPF or iptables instead)")
@@ -211,6 +213,7 @@ class V2Cgroup(Cgroup):
                 raise Unsupported(f"{RESOURCES}.blockIO.weightDevice[{i}].weight: per-device weights need the "
                                   "BFQ I/O scheduler's io.bfq.weight, which this host lacks")
             writes.append(("io.bfq.weight", f"{wd.major}:{wd.minor} {wd.weight}", f"blockIO.weightDevice[{i}]"))
+        from ..spec import THROTTLES
         for key, attr in THROTTLES.items():
             limit = attr.removeprefix("throttle_").replace("read_", "r").replace("write_", "w")  # rbps, wiops
             writes += [("io.max", f"{t.major}:{t.minor} {limit}={t.rate}", f"blockIO.{key}[{i}]")
