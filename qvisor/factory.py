@@ -491,6 +491,10 @@ class Factory:
               umask: int, caller: int) -> None:
         """The forked worker: become the caller's `quark` process and run the verb."""
         code = 1
+        # what the verb forks (a create's supervisor, the shim's server) must not hold the
+        # client's connection: its child closes its copy at once (a no-op further down, where the
+        # object already says closed)
+        os.register_at_fork(after_in_child=conn.close)
         try:
             conn.settimeout(None)
             try:

@@ -65,6 +65,15 @@ def _smaps(pid: int) -> dict[str, int]:
         return {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.endswith("kB\n")}
 
 
+def _fd_kinds(pid: int) -> list[str]:
+    """The targets of a process's fds, with inode numbers and per-container paths left out."""
+    kinds = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        kinds.append(target.split(":[")[0] if ":[" in target else os.path.basename(target))
+    return sorted(kinds)
+
+
 def _supervisor(root: str, cid: str) -> int:
     with open(os.path.join(root, cid, "state.json")) as f:
         return json.load(f)["supervisor_pid"]
@@ -103,6 +112,8 @@ def test_a_create_runs_in_a_worker_and_its_supervisor_shares_the_factorys_pages(
     nf = dict(env, QUARK_FACTORY="0")
     assert _run(nf, "--root", quark.root, "run", "-d", "--bundle", b, "f2").returncode == 0
     assert _smaps(_supervisor(quark.root, "f2"))["Shared_Dirty"] < shared_with_factory / 4
+    # and it holds the same kinds of fds as one the CLI forked: nothing of the worker's either
+    assert _fd_kinds(sup) == _fd_kinds(_supervisor(quark.root, "f2"))
     assert "declined" not in _log(tmp_path)
 
 
