@@ -26,11 +26,16 @@ fastpath: qkernel/_fastpath.so
 qkernel/_fastpath.so: qkernel/fastpath.c
 	gcc -O2 -Wall -Wextra -shared -fPIC -o $@ $< -lpthread
 
-# The `quark` on PATH (qvisor/frontend.c): hands the hot verbs to the sandbox factory in well under
-# a millisecond, and execs the Python CLI beside it for everything else
-frontend: qvisor/_quark
+# The `quark` and `containerd-shim-quark-v1` on PATH (qvisor/frontend.c, one program; build/bin has
+# both names): hands the hot verbs and the shim's start to the sandbox factory in well under a
+# millisecond, and execs the Python console scripts beside it for everything else
+frontend: qvisor/_quark build/bin/quark build/bin/containerd-shim-quark-v1
 qvisor/_quark: qvisor/frontend.c Makefile
-	gcc -O2 -Wall -Wextra -DQUARK_PY='"$(CURDIR)/$(VENV)/bin/quark"' -o $@ $<
+	gcc -O2 -Wall -Wextra -DQUARK_PY='"$(CURDIR)/$(VENV)/bin/quark"' \
+		-DQUARK_SHIM_PY='"$(CURDIR)/$(VENV)/bin/containerd-shim-quark-v1"' -o $@ $<
+build/bin/quark build/bin/containerd-shim-quark-v1: qvisor/_quark
+	@mkdir -p build/bin
+	ln -sfn ../../qvisor/_quark $@
 
 # editable_mode=compat: a plain path entry in a .pth file; the default import-hook finder costs
 # ~9 ms at every start of `quark`, and `quark` starts four times per container.
@@ -42,8 +47,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 # runc-style use and containerd both look the binaries up on PATH: point them at this checkout
 links: venv bytecode frontend
-	@ln -sfn $(CURDIR)/qvisor/_quark /usr/local/bin/quark
-	@for b in containerd-shim-quark-v1 tsord; do ln -sfn $(CURDIR)/$(VENV)/bin/$$b /usr/local/bin/$$b; done
+	@for b in quark containerd-shim-quark-v1; do ln -sfn $(CURDIR)/build/bin/$$b /usr/local/bin/$$b; done
+	@ln -sfn $(CURDIR)/$(VENV)/bin/tsord /usr/local/bin/tsord
 
 # Byte-compile ahead: with PYTHONDONTWRITEBYTECODE set (common in CI images) every `quark` and
 # shim start would otherwise recompile its modules (~5 ms each time). Only stale files are redone.

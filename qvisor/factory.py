@@ -41,7 +41,10 @@ import time
 
 log = logging.getLogger("quark.factory")
 
-MAGIC = b"quark-factory/1"
+MAGIC = b"quark-factory/2"
+# programs besides quark that the factory runs: entry points of this group (name -> a dict with
+# "main", "serves", "adopts_cgroups", "preload"; the shim registers containerd-shim-quark-v1)
+PROGRAM_GROUP = "quark.factory"
 SOCK_NAME, LOCK_NAME, PID_NAME, LOG_NAME = "factory.sock", "factory.lock", "factory.pid", "factory.log"
 # verbs that end promptly and need no terminal or signal forwarding; the others run in the client
 SERVED = frozenset({"create", "start", "state", "kill", "delete", "pause", "resume", "ps", "list"})
@@ -67,21 +70,26 @@ def socket_path(where: str | None = None) -> str:
 
 
 # ---- the wire: one SOCK_SEQPACKET message each way ------------------------------------------
-# request: MAGIC, argc, argv..., envc, env..., umask (octal), NUL-separated; SCM_RIGHTS carries
+# request: MAGIC, program ("quark", or one of PROGRAM_GROUP), argc, argv..., envc, env..., umask (octal),
+# NUL-separated; SCM_RIGHTS carries
 # stdin, stdout, stderr and an O_PATH fd of the working directory. Reply: b"F" + reason (the
 # client runs the verb itself), or b"X" + the exit status once the verb is done.
 
-def encode_request(argv: list[str], env: dict[str, str], umask: int) -> bytes:
-    fields = [MAGIC, str(len(argv)).encode(), *(os.fsencode(a) for a in argv), str(len(env)).encode(),
+def encode_request(argv: list[str], env: dict[str, str], umask: int, prog: str = "quark") -> bytes:
+    fields = [MAGIC, prog.encode(), str(len(argv)).encode(), *(os.fsencode(a) for a in argv), str(len(env)).encode(),
               *(os.fsencode(k) + b"=" + os.fsencode(v) for k, v in env.items()), b"%o" % umask]
     return b"\0".join(fields)
 
 
-def decode_request(data: bytes) -> tuple[list[str], dict[str, str], int]:
-    """(argv, env, umask); ValueError for anything malformed."""
+def decode_request(data: bytes) -> tuple[list[str], dict[str, str], int, str]:
+    """(argv, env, umask, program); ValueError for anything malformed."""
     f = data.split(b"\0")
-    if f[0] != MAGIC:
-        raise ValueError("not a quark-factory/1 request")
+    if f[0] != MAGIC or len(f) < 2:
+        raise ValueError("not a quark-factory/2 request")
+    prog = os.fsdecode(f[1])
+    if not prog:
+        raise ValueError("no program named")
+    f = f[1:]   # the rest is laid out as before the program field
     argc = int(f[1])
     argv = [os.fsdecode(a) for a in f[2:2 + argc]]
     envc = int(f[2 + argc])
@@ -94,14 +102,14 @@ def decode_request(data: bytes) -> tuple[list[str], dict[str, str], int]:
         if not sep:
             raise ValueError("environment entry without '='")
         env[os.fsdecode(k)] = os.fsdecode(v)
-    return argv, env, int(f[-1], 8)
+    return argv, env, int(f[-1], 8), prog
 
 
 def request(argv: list[str], stdio: tuple[int, int, int] = (0, 1, 2), env: dict[str, str] | None = None,
-            where: str | None = None) -> int | None:
-    """Run `quark argv` in the factory; its exit status, or None when the caller must run it
-    itself (no factory, or it declined)."""
-    data = encode_request(argv, dict(os.environ) if env is None else env, _umask())
+            where: str | None = None, prog: str = "quark") -> int | None:
+    """Run `quark argv` (or `prog argv`) in the factory; its exit status, or None when the caller
+    must run it itself (no factory, or it declined)."""
+    data = encode_request(argv, dict(os.environ) if env is None else env, _umask(), prog)
     if len(data) > MAX_REQUEST:
         return None
     try:
@@ -376,16 +384,16 @@ class Factory:
             if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) != 4:
                 return self._decline(conn, "malformed request")
             try:
-                argv, env, umask = decode_request(data)
+                argv, env, umask, prog = decode_request(data)
             except ValueError as e:
                 return self._decline(conn, str(e))
-            reason = self._refusal(pid, uid, argv, env)
+            reason = self._refusal(pid, uid, argv, env, prog)
             if reason:
                 return self._decline(conn, reason)
             if not self._hand_to_spare(pid, data, conn, fds):
                 if os.fork() == 0:
                     self._detach()
-                    self._work(conn, fds, argv, env, umask, pid)   # never returns
+                    self._work(conn, fds, argv, env, umask, pid, prog)   # never returns
         except (OSError, ValueError) as e:
             log.warning("request failed: %s", e)
         finally:
@@ -431,10 +439,11 @@ class Factory:
                 os._exit(0)   # the factory exited, or was done with us
             theirs.close()
             try:
-                argv, env, umask = decode_request(data[4:])
+                argv, env, umask, prog = decode_request(data[4:])
             except ValueError:
                 os._exit(1)   # cannot be: the factory decoded it before handing it on
-            self._work(socket.socket(fileno=fds[0]), fds[1:], argv, env, umask, int.from_bytes(data[:4], "little"))
+            self._work(socket.socket(fileno=fds[0]), fds[1:], argv, env, umask, int.from_bytes(data[:4], "little"),
+                       prog)
         theirs.close()
         self.spare = ours
 
@@ -460,12 +469,14 @@ class Factory:
         except OSError:
             pass
 
-    def _refusal(self, pid: int, uid: int, argv: list[str], env: dict[str, str]) -> str:
+    def _refusal(self, pid: int, uid: int, argv: list[str], env: dict[str, str], prog: str = "quark") -> str:
         """Why this request must run in the client instead ("" when the factory may run it)."""
-        from qvisor.cli import _verb_of
         if uid != 0:
             return "the caller is not root"
-        if _verb_of(argv) not in SERVED:
+        program = PROGRAMS.get(prog)
+        if program is None:
+            return f"not a program the factory runs: {prog!r}"
+        if not program["serves"](argv):
             return "not a verb the factory serves"
         if any(a.startswith("--preserve-fds") for a in argv):
             return "--preserve-fds: the fds are the client's to hand on"
@@ -488,7 +499,7 @@ class Factory:
         return ""
 
     def _work(self, conn: socket.socket, fds: list[int], argv: list[str], env: dict[str, str],
-              umask: int, caller: int) -> None:
+              umask: int, caller: int, prog: str = "quark") -> None:
         """The forked worker: become the caller's `quark` process and run the verb."""
         code = 1
         # what the verb forks (a create's supervisor, the shim's server) must not hold the
@@ -498,13 +509,12 @@ class Factory:
         try:
             conn.settimeout(None)
             try:
-                self._adopt(caller, fds, env, umask, argv)
+                self._adopt(caller, fds, env, umask, argv, prog)
             except OSError as e:
                 self._decline(conn, f"cannot take on the caller's context: {e}")
                 os._exit(0)
-            from qvisor import cli
             try:
-                code = cli.main(argv, in_factory=True)
+                code = PROGRAMS[prog]["main"](argv)
             except SystemExit as e:   # argparse's usage errors, --help, --version
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             except BaseException:
@@ -524,7 +534,7 @@ class Factory:
             os._exit(code & 0xFF)
 
     @staticmethod
-    def _adopt(caller: int, fds: list[int], env: dict[str, str], umask: int, argv: list[str]) -> None:
+    def _adopt(caller: int, fds: list[int], env: dict[str, str], umask: int, argv: list[str], prog: str) -> None:
         for i in range(3):
             os.dup2(fds[i], i)   # inheritable: these are the process's stdio from now on
         os.fchdir(fds[3])
@@ -541,12 +551,11 @@ class Factory:
             adj = f.read().strip()
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write(adj)
-        from qvisor.cli import _verb_of
-        if _verb_of(argv) == "create":   # the supervisor lives where the caller's processes live
-            _join_cgroups_of(caller)
+        if PROGRAMS[prog]["adopts_cgroups"](argv):   # a create's supervisor (the shim's server)
+            _join_cgroups_of(caller)                 # lives where the caller's processes live
         try:
             from qlib import linux as L
-            L.set_cmdline(["quark", *argv], env)
+            L.set_cmdline([prog, *argv], env)
         except OSError as e:   # cosmetic (ps); a kernel without PR_SET_MM_MAP
             log.debug("cmdline not set: %s", e)
 
@@ -581,10 +590,32 @@ def _join_cgroups_of(pid: int) -> None:
                 break
 
 
+def _quark_program() -> dict:
+    from qvisor import cli
+    return {"main": lambda argv: cli.main(argv, in_factory=True),
+            "serves": lambda argv: cli._verb_of(argv) in SERVED,
+            "adopts_cgroups": lambda argv: cli._verb_of(argv) == "create",
+            "preload": ()}
+
+
+# name -> program, filled by _preload in the factory (quark's own, and PROGRAM_GROUP's entry points)
+PROGRAMS: dict[str, dict] = {}
+
+
 def _preload() -> None:
     """Import what the served verbs and a supervisor use, so forks start with it loaded."""
     import importlib
+    from importlib.metadata import entry_points
     from qvisor import cli
+    PROGRAMS["quark"] = _quark_program()
+    for ep in entry_points(group=PROGRAM_GROUP):
+        try:
+            PROGRAMS[ep.name] = ep.load()
+            for name in PROGRAMS[ep.name].get("preload", ()):
+                importlib.import_module(name)
+        except Exception as e:   # noqa: BLE001 — a broken plugin: its program runs without the factory
+            PROGRAMS.pop(ep.name, None)
+            log.warning("program %s not served: %s", ep.name, e)
     for verb in SERVED:
         importlib.import_module(f"qvisor.commands.{cli.COMMANDS[verb][0]}")
     for name in ("qvisor.container", "qvisor.validate", "qvisor.spec", "qvisor.supervisor", "qvisor.hooks",

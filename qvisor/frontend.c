@@ -1,4 +1,4 @@
-/* quark's front end: the `quark` on PATH.
+/* quark's front end: the `quark` and `containerd-shim-quark-v1` on PATH.
  *
  * Why it is C: a runc-compatible manager runs `quark create`, `start`, `state`, `kill` and
  * `delete` for every container, and CPython needs ~20 ms to start before it runs a line, which is
@@ -9,6 +9,10 @@
  * verbs the factory does not serve, and every call when no factory answers or it declines, exec
  * the Python CLI (QUARK_PY, fixed at build time) with the same argv, which behaves exactly as
  * before (and starts a factory on its first create).
+ *
+ * Run as containerd-shim-quark-v1 (a link to this program), it hands containerd's `... start` to
+ * the factory the same way (the shim's server is then forked from a pre-imported worker), and execs
+ * the Python shim (QUARK_SHIM_PY) for everything else.
  *
  * The wire format is qvisor/factory.py's encode_request/decode_request; keep the two in step.
  */
@@ -23,11 +27,12 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#ifndef QUARK_PY
-#error "build with -DQUARK_PY=\"/path/to/venv/bin/quark\" (make frontend)"
+#if !defined(QUARK_PY) || !defined(QUARK_SHIM_PY)
+#error "build with -DQUARK_PY=... -DQUARK_SHIM_PY=... (the venv's console scripts; make frontend)"
 #endif
 
-#define MAGIC "quark-factory/1"
+#define MAGIC "quark-factory/2"
+#define SHIM "containerd-shim-quark-v1"
 #define MAX_REQUEST (1 << 20)   /* factory.MAX_REQUEST */
 
 extern char **environ;
@@ -37,10 +42,12 @@ static const char *served[] = {"create", "start", "state", "kill", "delete", "pa
 static const char *value_flags[] = {"--root", "--log", "--log-format", "--platform", "--rootless",
                                     NULL};                                   /* cli._VALUE_FLAGS */
 
+static const char *python_program = QUARK_PY;
+
 static void run_python(char **argv)
 {
-    execv(QUARK_PY, argv);
-    fprintf(stderr, "quark: cannot run %s: %s\n", QUARK_PY, strerror(errno));
+    execv(python_program, argv);
+    fprintf(stderr, "quark: cannot run %s: %s\n", python_program, strerror(errno));
     _exit(127);
 }
 
@@ -87,8 +94,19 @@ static int put_count(long n)
 int main(int argc, char **argv)
 {
     const char *off = getenv("QUARK_FACTORY");
-    const char *verb = verb_of(argc, argv);
-    if ((off && strcmp(off, "0") == 0) || !verb || !in(verb, served))
+    const char *base = strrchr(argv[0], '/');
+    int is_shim = strcmp(base ? base + 1 : argv[0], SHIM) == 0;
+    const char *prog = is_shim ? SHIM : "quark";
+    const char *verb;
+    if (is_shim) {
+        python_program = QUARK_SHIM_PY;
+        verb = argc > 1 && strcmp(argv[argc - 1], "start") == 0 ? "start" : NULL;   /* factory._served */
+    } else {
+        verb = verb_of(argc, argv);
+        if (verb && !in(verb, served))
+            verb = NULL;
+    }
+    if ((off && strcmp(off, "0") == 0) || !verb)
         run_python(argv);
 
     const char *dir = getenv("QUARK_FACTORY_DIR");
@@ -104,7 +122,7 @@ int main(int argc, char **argv)
     for (char **e = environ; *e; e++)
         if (strchr(*e, '='))
             envc++;
-    int bad = put(MAGIC) || put_count(argc - 1);
+    int bad = put(MAGIC) || put(prog) || put_count(argc - 1);
     for (int i = 1; i < argc && !bad; i++)
         bad = put(argv[i]);
     bad = bad || put_count(envc);
@@ -158,6 +176,6 @@ int main(int argc, char **argv)
         return atoi(reply + 1) & 0xff;
     }
     /* the worker ran (part of) the verb and died: running it again could do it twice */
-    fprintf(stderr, "quark: %s: the factory's worker ended without an exit status\n", verb);
+    fprintf(stderr, "%s: %s: the factory's worker ended without an exit status\n", prog, verb);
     return 1;
 }

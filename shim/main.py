@@ -55,6 +55,19 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _served_by_factory(argv: list[str]) -> bool:
+    return bool(argv) and argv[-1] == "start"   # containerd's `... -id ID start`
+
+
+# The sandbox factory (qvisor/factory.py) runs containerd's `start` in a pre-imported worker (the
+# front end, qvisor/frontend.c, installed as this command, sends it there): the shim's server is
+# then forked with its modules loaded and shares their pages. Registered as an entry point of the
+# "quark.factory" group (pyproject.toml), so qvisor never imports the shim.
+FACTORY_PROGRAM = {"main": lambda argv: main(argv), "serves": _served_by_factory,
+                   "adopts_cgroups": _served_by_factory,
+                   "preload": ("shim.serve", "shim.service", "shim.ttrpc", "shim.runtime")}
+
+
 def _answers(path: str) -> bool:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -1,7 +1,8 @@
 """A private containerd for tests: own config, root, state and sockets under one short tmp dir.
 
-The quark shim is found through PATH (the venv's bin dir first), the way an installed package
-puts it there; runc's shim is Debian's. `busybox_image_tar` builds a one-layer OCI image from
+The quark shim is found through PATH, the way `make links` puts it there: the C front end
+(build/bin, qvisor/frontend.c: containerd's `start` goes to the sandbox factory) when it is built,
+else the venv's console script; runc's shim is Debian's. `busybox_image_tar` builds a one-layer OCI image from
 busybox-static, to be imported with `ctr images import`.
 """
 from __future__ import annotations
@@ -24,7 +25,9 @@ CONTAINERD = shutil.which("containerd")
 CTR = shutil.which("ctr")
 BUSYBOX = "/bin/busybox"
 VENV_BIN = os.path.dirname(sys.executable)
-SHIM = os.path.join(VENV_BIN, "containerd-shim-quark-v1")
+FRONT_BIN = str(Path(__file__).resolve().parents[2] / "build" / "bin")   # `make frontend`
+_BIN = FRONT_BIN if os.access(os.path.join(FRONT_BIN, "containerd-shim-quark-v1"), os.X_OK) else VENV_BIN
+SHIM = os.path.join(_BIN, "containerd-shim-quark-v1")
 RUNTIME = "io.containerd.quark.v1"
 IMAGE = "docker.io/library/quark-busybox:test"
 DEPLOY_FRAGMENT = Path(__file__).resolve().parents[2] / "deploy" / "containerd" / "quark.toml"
@@ -66,7 +69,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
 [debug]
   level = "debug"
 """)
-        self.env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}")
+        self.env = dict(os.environ, PATH=f"{_BIN}:{VENV_BIN}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}")
 
     def start(self) -> None:
         log = open(self.log_path, "ab")

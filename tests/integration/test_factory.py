@@ -240,6 +240,12 @@ def test_only_root_may_connect(served):
     # and a request from a non-root uid (SO_PEERCRED) is declined, whatever the socket's mode
     f = factory.Factory(where, 1)
     assert f._refusal(os.getpid(), 1000, ["state", "x"], {}) == "the caller is not root"
+    # and only the programs it knows (quark's, and the "quark.factory" entry points: the shim's)
+    factory._preload()
+    assert set(factory.PROGRAMS) == {"quark", "containerd-shim-quark-v1"}
+    assert f._refusal(os.getpid(), 0, ["state", "x"], {}, "sh").startswith("not a program the factory runs")
+    assert f._refusal(os.getpid(), 0, ["-id", "x", "delete"], {}, "containerd-shim-quark-v1") == \
+        "not a verb the factory serves"
 
 
 def test_a_factory_whose_code_changed_declines_and_exits(served, quark, bundle, tmp_path):
@@ -301,7 +307,9 @@ def test_quark_factory_0_never_starts_one(quark, bundle, tmp_path):
 def test_the_wire_format_round_trips_and_rejects_garbage():
     argv, env = ["--root", "/r", "state", "a=b"], {"A": "1", "EMPTY": "", "EQ": "x=y"}
     data = factory.encode_request(argv, env, 0o027)
-    assert factory.decode_request(data) == (argv, env, 0o027)
+    assert factory.decode_request(data) == (argv, env, 0o027, "quark")
+    shim = factory.encode_request(["-id", "x", "start"], {}, 0o022, "containerd-shim-quark-v1")
+    assert factory.decode_request(shim) == (["-id", "x", "start"], {}, 0o022, "containerd-shim-quark-v1")
     for bad in (b"", b"nope\0" + data, data[:-6], data + b"\0extra"):
         with pytest.raises(ValueError):
             factory.decode_request(bad)
@@ -330,3 +338,31 @@ def test_the_shim_creates_through_the_factory_without_a_cli_process(served, quar
     finally:
         os.close(null)
         quark("delete", "--force", "sh1", check=False)
+
+
+def test_containerds_shim_start_goes_through_the_factory(served, tmp_path, monkeypatch):
+    """containerd runs `containerd-shim-quark-v1 ... start` (the front end, by that name): the
+    shim's server is forked from a pre-imported worker, and the container runs as before."""
+    from tests.integration import containerd_env as ce
+    if ce.skip_reason() is not None:
+        pytest.skip(ce.skip_reason())
+    assert ce.SHIM.startswith(str(REPO / "build" / "bin")), "make frontend links build/bin"
+    where, _, _ = served
+    monkeypatch.setenv("QUARK_FACTORY_DIR", where)   # containerd, and the shims it runs, inherit it
+    cd = ce.Containerd()
+    try:
+        cd.start()
+        cd.ctr("images", "import", str(ce.busybox_image_tar(tmp_path / "busybox.tar")))
+        cd.ctr("run", "-d", "--runtime", ce.RUNTIME, ce.IMAGE, "fshim", "sleep", "100")
+        deadline = time.monotonic() + 30
+        while not cd.shim_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        [shim] = cd.shim_pids()
+        with open(f"/proc/{shim}/cmdline", "rb") as f:
+            assert f.read().split(b"\0")[0] == b"containerd-shim-quark-v1"   # named, as ps shows it
+        assert _smaps(shim)["Shared_Dirty"] > 2048   # forked from the factory
+        out = cd.ctr("tasks", "exec", "--exec-id", "e1", "fshim", "echo", "through-the-factory").stdout.decode()
+        assert out.strip() == "through-the-factory"
+        assert "declined" not in _log(tmp_path)
+    finally:
+        cd.close()
