@@ -40,18 +40,26 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def lifecycle(argv: list[str], bundle: str, cid: str, env: dict | None = None) -> dict[str, float]:
-    """create, start, wait (pidfd poll on the init, the same for all), delete: seconds each."""
+def lifecycle(argv: list[str], bundle: str, cid: str, env: dict | None = None,
+              marks: dict | None = None) -> dict[str, float]:
+    """create, start, wait (pidfd poll on the init, the same for all), delete: seconds each.
+    `marks` gets the CLOCK_MONOTONIC times at which create and start were called and returned."""
     t = {}
     t0 = time.perf_counter()
+    m0 = time.monotonic()
     subprocess.run(argv + ["create", "--bundle", bundle, cid], check=True,
                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
     t["create"] = time.perf_counter() - t0
+    if marks is not None:
+        marks.update(create_called=m0, create_returned=time.monotonic())
     pid = json.loads(subprocess.run(argv + ["state", cid], check=True, capture_output=True, env=env).stdout)["pid"]
     pidfd = os.pidfd_open(pid)   # before start: /bin/true may be gone before we look
     t0 = time.perf_counter()
+    m0 = time.monotonic()
     subprocess.run(argv + ["start", cid], check=True, env=env)
     t["start"] = time.perf_counter() - t0
+    if marks is not None:
+        marks.update(start_called=m0, start_returned=time.monotonic())
     t0 = time.perf_counter()
     select.select([pidfd], [], [], 10)
     t["wait"] = time.perf_counter() - t0
@@ -72,6 +80,40 @@ def _reap_orphans() -> None:
             return
         if pid == 0:
             return
+
+
+# (name, from, to): the steps of create and start, from the supervisor's QUARK_PHASES record
+# (qvisor/phases.py) and the times the benchmark called and got back from `quark create`/`start`
+BREAKDOWN = [
+    ("create: client to verb (front end, factory checks, worker; or interpreter + imports)", "create_called", "verb"),
+    ("create: verb to supervisor (spec, state dir, two forks)", "verb", "supervisor"),
+    ("create: cgroup set-up, stage 1 fork, unshare, init fork", "supervisor", "namespaces"),
+    ("create: rootfs (mounts, /proc view, pivot_root, hooks)", "namespaces", "rootfs"),
+    ("create: state saved, control socket, supervisor confined", "rootfs", "created"),
+    ("create: report back to the caller", "created", "create_returned"),
+    ("start: client to supervisor", "start_called", "start"),
+    ("start: capabilities, user, seccomp filters", "start", "filter"),
+    ("start: close fds, exec, the supervisor sees it", "filter", "exec"),
+    ("start: report back to the caller", "exec", "start_returned"),
+]
+
+
+def breakdown(records: list[dict]) -> list[dict]:
+    rows = []
+    for name, a, b in BREAKDOWN:
+        xs = [r[b] - r[a] for r in records if a in r and b in r]
+        if xs:
+            rows.append({"phase": name, "runs": len(xs), "median_ms": round(statistics.median(xs) * 1000, 2),
+                         "p95_ms": round(_pct(xs, 0.95) * 1000, 2)})
+    return rows
+
+
+def _phases(where: str, cid: str, marks: dict) -> dict:
+    try:
+        with open(os.path.join(where, f"{cid}.json")) as f:
+            return json.load(f) | marks
+    except (OSError, ValueError):
+        return marks
 
 
 def phase_rows(q: list[dict], nf: list[dict], r: list[dict]) -> list[dict]:
@@ -156,8 +198,11 @@ def main() -> int:
     result: dict = {"command": "python bench/startup.py " + " ".join(sys.argv[1:])}
     cgroups_before = quark_cgroup_dirs()
     # a factory of the benchmark's own (its directory, started by the first create, stopped at the end)
-    with_factory = dict(os.environ, QUARK_FACTORY_DIR=os.path.join(work, "factory"), QUARK_FACTORY="1")
-    no_factory = dict(os.environ, QUARK_FACTORY="0")
+    phases_dir = os.path.join(work, "phases")
+    os.makedirs(phases_dir)
+    with_factory = dict(os.environ, QUARK_FACTORY_DIR=os.path.join(work, "factory"), QUARK_FACTORY="1",
+                        QUARK_PHASES=phases_dir)
+    no_factory = dict(os.environ, QUARK_FACTORY="0", QUARK_PHASES=phases_dir)
     front = FRONT_END if os.access(FRONT_END, os.X_OK) else QUARK_PY
     result["front_end"] = front
     try:
@@ -171,11 +216,18 @@ def main() -> int:
         lifecycle(slow, bundle, "warm", no_factory)
         lifecycle(runc, bundle, "warm")
         q, nf, r = [], [], []
+        qp, nfp = [], []
         for i in range(a.runs):   # interleaved, so drift hits all alike
-            q.append(lifecycle(quark, bundle, f"b{i}", with_factory))
-            nf.append(lifecycle(slow, bundle, f"b{i}", no_factory))
+            marks: dict = {}
+            q.append(lifecycle(quark, bundle, f"b{i}", with_factory, marks))
+            qp.append(_phases(phases_dir, f"b{i}", marks))
+            marks = {}
+            nf.append(lifecycle(slow, bundle, f"nf{i}", no_factory, marks))
+            nfp.append(_phases(phases_dir, f"nf{i}", marks))
             r.append(lifecycle(runc, bundle, f"b{i}"))
         result["lifecycle"] = phase_rows(q, nf, r)
+        result["breakdown"] = breakdown(qp)
+        result["breakdown_no_factory"] = breakdown(nfp)
         sleeper = os.path.join(work, "sleeper")
         make_bundle(sleeper, ["sleep", "1000"])
         result["supervisor_memory"] = supervisor_memory(
@@ -206,6 +258,12 @@ def main() -> int:
         print(f"| ctr run --rm (quark shim vs io.containerd.runc.v2) | {c['runs']} | {c['quark_median_ms']} ms "
               f"| {c['quark_p95_ms']} ms | {n['quark_median_ms']} ms | {c['runc_median_ms']} ms "
               f"| {c['runc_p95_ms']} ms | {c['ratio']:.2f}x | {n['ratio']:.2f}x |")
+    print("\n| step (quark with the factory) | median | p95 | without the factory: median |")
+    print("|---|---|---|---|")
+    slow_steps = {x["phase"]: x for x in result["breakdown_no_factory"]}
+    for x in result["breakdown"]:
+        other = slow_steps.get(x["phase"], {}).get("median_ms", "")
+        print(f"| {x['phase']} | {x['median_ms']} ms | {x['p95_ms']} ms | {other} ms |")
     for key, what in (("supervisor_memory", "with the factory"), ("supervisor_memory_no_factory", "without")):
         m = result[key]
         print(f"\nsupervisor memory {what} ({m['sandboxes']} sandboxes): RSS median {m['rss_median_mib']} MiB, "

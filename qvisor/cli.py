@@ -96,6 +96,8 @@ def setup_logging(log: str, log_format: str, debug: bool) -> None:
 
 def main(argv: list[str] | None = None, in_factory: bool = False) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from qvisor import phases
+    phases.verb_started = time.monotonic()
     verb = _verb_of(argv)
     if verb == "create" and not in_factory:
         # the sandbox factory (qvisor/factory.py) has the supervisor's imports loaded already and

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import termios
+import time
 import traceback
 from typing import Callable, Iterable, NoReturn
 
@@ -133,7 +134,7 @@ def _fork_reported(sock: socket.socket) -> tuple[int, int]:
 
 
 def _report_pid(sock: socket.socket, pid: int, w: int) -> None:
-    channel.send(sock, {"type": "pid", "pid": pid})
+    channel.send(sock, {"type": "pid", "pid": pid, "t": time.monotonic()})
     os.write(w, b"s")
     os.close(w)
 
@@ -270,7 +271,7 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preser
     process.set_rlimits(spec.process)
     if spec.process.terminal:
         _terminal(sock, spec.process)
-    channel.send(sock, {"type": "created"})
+    channel.send(sock, {"type": "created", "t": time.monotonic()})
     start = _expect(sock, "start")
     hooks.run_hooks("startContainer", spec.hooks.start_container, start["state"])
     _exec(sock, spec, spec.process, start["platform"], preserve_fds, start.get("sockets", False))
@@ -299,7 +300,7 @@ def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserv
     def install_filter(no_new_privs: bool) -> None:
         fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs, sockets)
         if fd is not None:
-            channel.send(sock, {"type": "listener"}, [fd])
+            channel.send(sock, {"type": "listener", "t": time.monotonic()}, [fd])
             os.close(fd)
 
     process.finish_and_exec(proc, install_filter=install_filter,

@@ -96,6 +96,7 @@ class ControlMixin:
         if self.state.status != CREATED or self.pending_start is not None:
             return self._fail(conn, InvalidState(f"cannot start a container in state {self.state.status}"))
         self.pending_start = conn
+        self.phases.mark("start")
         self.state.status = RUNNING  # the hooks' state says running from startContainer on
         channel.send(self.init.sock, {"type": "start", "state": self._hook_state(), "platform": self.platform,
                                        "sockets": self._sockets_trapped()})

@@ -12,7 +12,7 @@ import socket
 from typing import Any, NoReturn
 
 from qlib.eventloop import Loop
-from qvisor import cgroups, channel
+from qvisor import cgroups, channel, phases
 from qvisor.spec import Spec
 from qvisor.state import SOCK_NAME, STOPPED, ContainerState, StateStore
 from qvisor.supervisor.child import ChildMixin, _Child
@@ -44,10 +44,13 @@ class Supervisor(CreateMixin, ControlMixin, ExecMixin, ReaperMixin, ChildMixin):
         self.caller_reaps = False              # see _choose_reaper
         self.exit_statuses = True              # caller reaps: statuses come from pidfds (6.15+)
         self.killing = False                   # the cgroup's processes are being killed (_kill_rest)
+        self.phases = phases.Phases(state.id)  # QUARK_PHASES: when each step of create and start happened
+        self.phases.mark("verb", phases.verb_started)
 
     # ---- life cycle -------------------------------------------------------------------------
 
     def main(self) -> NoReturn:
+        self.phases.mark("supervisor")
         try:
             self._setup_process()
             self._create()

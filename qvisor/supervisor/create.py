@@ -58,6 +58,7 @@ class CreateMixin:
             self._write_id_maps(child.stage1_pid)
             channel.send(child.sock, {"type": "userns-ok"})
         elif kind == "pid":
+            self.phases.mark("namespaces", msg.get("t"))   # stage 1 unshared them and forked the init
             child.pid = msg["pid"]
             self.state.pid = child.pid
             self.state.pid_start_time = procfs.start_time(child.pid) or 0
@@ -75,6 +76,7 @@ class CreateMixin:
         elif kind == "procview":
             self._serve_procview(child)
         elif kind == "created":
+            self.phases.mark("rootfs", msg.get("t"))   # the init's mounts, pivot, ... are done
             self.state.status = CREATED
             self.store.save(self.state)
             self._open_control()
@@ -82,8 +84,11 @@ class CreateMixin:
             # the report: if this fails, create fails and leaves nothing; it costs ~1.3 ms)
             confine.confine_supervisor(self.platform, self.spec.process.capabilities,
                                        allow_chroot=not self.spec.linux.new_namespace("mount"))
+            self.phases.mark("created")
+            self.phases.write()
             self._report({"ok": True, "pid": child.pid})
         elif kind == "listener":
+            self.phases.mark("filter", msg.get("t"))   # the init installed its seccomp filters
             self.kernel.serve_listener(fds[0])
         elif kind == "error":
             if self.ready_fd >= 0:
@@ -93,6 +98,8 @@ class CreateMixin:
             if self.ready_fd >= 0:
                 raise RuntimeError("container init exited during set-up")
             if self.pending_start is not None:
+                self.phases.mark("exec")   # the channel closed on exec
+                self.phases.write()
                 self._start_done(None)
 
     def _send_prepare(self, child: _Child) -> None:

@@ -366,3 +366,22 @@ def test_containerds_shim_start_goes_through_the_factory(served, tmp_path, monke
         assert "declined" not in _log(tmp_path)
     finally:
         cd.close()
+
+
+def test_quark_phases_records_when_each_step_of_create_and_start_happened(served, quark, bundle, tmp_path):
+    """bench/startup.py's breakdown (qvisor/phases.py): one CLOCK_MONOTONIC time per step, in order."""
+    where, _, env = served
+    record = tmp_path / "phases"
+    record.mkdir()
+    b = bundle(["sleep", "100"])
+    before = time.monotonic()
+    r = _run(dict(env, QUARK_PHASES=str(record)), "--root", quark.root, "run", "-d", "--bundle", b, "ph1")
+    assert r.returncode == 0, r.stderr
+    times = json.loads((record / "ph1.json").read_text())
+    order = ["verb", "supervisor", "namespaces", "rootfs", "created", "start", "filter", "exec"]
+    assert list(sorted(times, key=times.get)) == order, times
+    assert before < times["verb"] and times["exec"] < time.monotonic()
+    assert _run(env, "--root", quark.root, "run", "-d", "--bundle", b, "ph2").returncode == 0   # without: nothing
+    assert sorted(os.listdir(record)) == ["ph1.json"]
+    for cid in ("ph1", "ph2"):
+        quark("delete", "--force", cid)
