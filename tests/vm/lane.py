@@ -41,7 +41,8 @@ QEMU = "qemu-system-x86_64"
 DEFAULT_TESTS = ["tests/cgroup2", "tests/integration/test_cgroups.py", "tests/integration/test_cgroup2_devices.py",
                  "tests/integration/test_events.py", "tests/integration/test_caller_reaps.py",
                  "tests/integration/test_procview.py", "tests/unit/test_seccomp_platform.py",
-                 "tests/integration/test_factory.py",
+                 "tests/integration/test_factory.py::test_the_worker_takes_on_the_callers_cwd_env_umask_rlimits_and_cgroup",
+                 "tests/integration/test_factory.py::test_a_create_runs_in_a_worker_and_its_supervisor_shares_the_factorys_pages",
                  "tests/integration/test_config.py::test_cgroup_resources_and_path"]
 # --timeout (pytest-timeout, per test): the emulated CPU runs container tests 5-20x slower than the
 # host, so pyproject's 120 s would fail slow tests that pass (a later --timeout in ARGS wins)
