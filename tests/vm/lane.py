@@ -38,11 +38,12 @@ QEMU = "qemu-system-x86_64"
 # what cgroup v2 (and the guest's 6.1 kernel) changes: v2-only tests, and the version-neutral tests of
 # cgroups, device programs, events/OOM, the /proc view, the caller-reaps fallback and the sandbox
 # factory (it joins the caller's v2 cgroup; PR_SET_MM_MAP on 6.1)
+_FACTORY = "tests/integration/test_factory.py::"
 DEFAULT_TESTS = ["tests/cgroup2", "tests/integration/test_cgroups.py", "tests/integration/test_cgroup2_devices.py",
                  "tests/integration/test_events.py", "tests/integration/test_caller_reaps.py",
                  "tests/integration/test_procview.py", "tests/unit/test_seccomp_platform.py",
-                 "tests/integration/test_factory.py::test_the_worker_takes_on_the_callers_cwd_env_umask_rlimits_and_cgroup",
-                 "tests/integration/test_factory.py::test_a_create_runs_in_a_worker_and_its_supervisor_shares_the_factorys_pages",
+                 _FACTORY + "test_the_worker_takes_on_the_callers_cwd_env_umask_rlimits_and_cgroup",
+                 _FACTORY + "test_a_create_runs_in_a_worker_and_its_supervisor_shares_the_factorys_pages",
                  "tests/integration/test_config.py::test_cgroup_resources_and_path"]
 # --timeout (pytest-timeout, per test): the emulated CPU runs container tests 5-20x slower than the
 # host, so pyproject's 120 s would fail slow tests that pass (a later --timeout in ARGS wins)
