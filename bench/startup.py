@@ -186,6 +186,36 @@ def time_ctr(runs: int, work: str, env: dict[str, str]) -> dict | None:
             "ratio": round(statistics.median(qs) / statistics.median(rs), 2)}
 
 
+HOT_VERBS = ("start", "state", "kill", "delete", "pause", "resume", "ps")
+
+
+def import_times(runs: int = 3) -> list[dict]:
+    """The Python CLI's import time per hot verb (`python -X importtime`, the sum of the top-level
+    imports' cumulative times; the median of `runs`): what each verb costs without the factory
+    before it does any work. The verb runs against a root that does not exist, so it fails at once."""
+    rows = []
+    for verb in HOT_VERBS:
+        totals, spec, seccomp = [], False, False
+        for _ in range(runs):
+            err = subprocess.run([sys.executable, "-X", "importtime", QUARK_PY, "--root", "/nonexistent/quark-bench",
+                                  verb, "x"], capture_output=True, text=True, env=dict(os.environ, QUARK_FACTORY="0")
+                                 ).stderr
+            total = 0
+            for line in err.splitlines():
+                if line.startswith("import time:") and "|" in line:
+                    _, cumulative, name = line.split("|")
+                    if not cumulative.strip().isdigit():
+                        continue   # the header line
+                    if name.strip() and not name.startswith("  "):   # a top-level import
+                        total += int(cumulative)
+                    spec = spec or name.strip() == "qvisor.spec.model"
+                    seccomp = seccomp or name.strip() == "seccomp"
+            totals.append(total / 1000)
+        rows.append({"verb": verb, "imports_ms": round(statistics.median(totals), 1),
+                     "spec_model": spec, "libseccomp": seccomp})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=50)
@@ -226,6 +256,7 @@ def main() -> int:
             nfp.append(_phases(phases_dir, f"nf{i}", marks))
             r.append(lifecycle(runc, bundle, f"b{i}"))
         result["lifecycle"] = phase_rows(q, nf, r)
+        result["imports"] = import_times()
         result["breakdown"] = breakdown(qp)
         result["breakdown_no_factory"] = breakdown(nfp)
         sleeper = os.path.join(work, "sleeper")
@@ -264,6 +295,11 @@ def main() -> int:
     for x in result["breakdown"]:
         other = slow_steps.get(x["phase"], {}).get("median_ms", "")
         print(f"| {x['phase']} | {x['median_ms']} ms | {x['p95_ms']} ms | {other} ms |")
+    print("\n| verb (Python CLI, no factory) | imports | imports the spec model | imports libseccomp |")
+    print("|---|---|---|---|")
+    for x in result["imports"]:
+        print(f"| {x['verb']} | {x['imports_ms']} ms | {'yes' if x['spec_model'] else 'no'} "
+              f"| {'yes' if x['libseccomp'] else 'no'} |")
     for key, what in (("supervisor_memory", "with the factory"), ("supervisor_memory_no_factory", "without")):
         m = result[key]
         print(f"\nsupervisor memory {what} ({m['sandboxes']} sandboxes): RSS median {m['rss_median_mib']} MiB, "
