@@ -431,6 +431,7 @@ class Factory:
         if pid == 0:
             ours.close()
             self._detach()
+            _rehearse()
             try:
                 data, fds, _flags, _ = socket.recv_fds(theirs, MAX_REQUEST + 4, 5)
             except OSError:
@@ -558,6 +559,28 @@ class Factory:
             L.set_cmdline([prog, *argv], env)
         except OSError as e:   # cosmetic (ps); a kernel without PR_SET_MM_MAP
             log.debug("cmdline not set: %s", e)
+
+
+def _rehearse() -> None:
+    """In a spare worker, while no request waits: run `quark state` of a container under a root
+    that does not exist (it fails at once, writes nothing; its output goes to /dev/null). A forked
+    process pays a copy-on-write fault for each page it first writes, and running Python writes
+    to every object it touches (reference counts): a verb took ~575 such faults, ~1.5 ms here. The
+    rehearsal takes more than half of them before the request comes (measured: `quark state`
+    through the factory 9.0 -> 7.7 ms median)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    saved = [os.dup(fd) for fd in (0, 1, 2)]
+    try:
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        PROGRAMS["quark"]["main"](["--root", "/nonexistent/quark-factory-rehearsal", "state", "rehearsal"])
+    except BaseException:   # noqa: BLE001 — a rehearsal's outcome is no one's concern
+        pass
+    finally:
+        for fd, old in zip((0, 1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+        os.close(null)
 
 
 def _join_cgroups_of(pid: int) -> None:
