@@ -64,22 +64,12 @@ def lifecycle(argv: list[str], bundle: str, cid: str, env: dict | None = None,
     select.select([pidfd], [], [], 10)
     t["wait"] = time.perf_counter() - t0
     os.close(pidfd)
-    _reap_orphans()   # runc's init is re-parented to us (a subreaper): collect it
+    L.reap_exited()   # runc's init is re-parented to us (a subreaper): collect it
     t0 = time.perf_counter()
     subprocess.run(argv + ["delete", cid], check=True, env=env)
     t["delete"] = time.perf_counter() - t0
     t["total"] = sum(t.values())
     return t
-
-
-def _reap_orphans() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
 
 
 # (name, from, to): the steps of create and start, from the supervisor's QUARK_PHASES record

@@ -317,6 +317,17 @@ def close_fds_except(keep: set[int] | frozenset[int], first: int = 3) -> None:
                     pass   # the directory's own fd, already gone
 
 
+def reap_exited() -> None:
+    """Collect every child that has exited (a zombie each otherwise), without waiting."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 # --- inotify ---
 
 IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8

@@ -326,7 +326,8 @@ class Factory:
                 ready, _, _ = select.select([self.listener, stop_r], [], [], max(0.0, idle_until - time.monotonic()))
                 if stop_r in ready:
                     sigs = os.read(stop_r, 64)
-                    self._reap()
+                    from qlib import linux as L   # here, not at the top: clients import this module
+                    L.reap_exited()   # workers (spares included)
                     if set(sigs) - {signal.SIGCHLD}:
                         break   # SIGTERM, SIGINT or SIGHUP
                 if self.listener in ready:
@@ -354,16 +355,6 @@ class Factory:
         if self.spare is not None:
             self.spare.close()   # the spare worker reads EOF and exits
         os.close(self.lock_fd)
-
-    @staticmethod
-    def _reap() -> None:
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
 
     @staticmethod
     def _identity(pid: int) -> tuple:
