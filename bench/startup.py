@@ -76,7 +76,8 @@ def lifecycle(argv: list[str], bundle: str, cid: str, env: dict | None = None,
 # (qvisor/phases.py) and the times the benchmark called and got back from `quark create`/`start`
 BREAKDOWN = [
     ("create: client to verb (front end, factory checks, worker; or interpreter + imports)", "create_called", "verb"),
-    ("create: verb to supervisor (spec, state dir, two forks)", "verb", "supervisor"),
+    ("create: verb to supervisor (spec, state dir, fork: one in a factory worker, two from the CLI)", "verb",
+     "supervisor"),
     ("create: cgroup set-up, stage 1 fork, unshare, init fork", "supervisor", "namespaces"),
     ("create: rootfs (mounts, /proc view, pivot_root, hooks)", "namespaces", "rootfs"),
     ("create: state saved, control socket, supervisor confined", "rootfs", "created"),

@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None, in_factory: bool = False) -> int:
         if args.verb in ("create", "run", "syscalls"):
             import qkernel
             args.platform = qkernel.load_platform(args.platform)
+        args.in_factory = in_factory
         return module.run(args)
     except BrokenPipeError:  # `quark syscalls | head`: the reader left, which is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

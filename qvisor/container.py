@@ -50,12 +50,17 @@ def preserved_fds(count: int) -> list[int]:
 
 
 def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", console_socket: str = "",
-           platform: str = "seccomp", log_file: str = "", preserve_fds: int = 0) -> ContainerState:
+           platform: str = "seccomp", log_file: str = "", preserve_fds: int = 0,
+           in_factory: bool = False) -> ContainerState:
     """Build the sandbox; its init waits for start. The caller's fds 3..2+preserve_fds are the
-    init's too (the supervisor inherits them at those numbers and hands them on)."""
+    init's too (the supervisor inherits them at those numbers and hands them on).
+
+    The supervisor is forked twice (a grandchild), so that its parent exits at once and it learns
+    who adopts it (see Supervisor._choose_reaper). In a sandbox factory's worker (`in_factory`)
+    the answer is known — the factory declines every caller whose manager reaps the init itself —
+    so one fork does, and the supervisor reaps its container's processes."""
     from qvisor import validate
     from qvisor.spec import load_spec
-    from qvisor.supervisor import Supervisor
     preserved_fds(preserve_fds)   # first: loading the spec must not take one of those numbers
     store = StateStore(root)
     bundle = os.path.abspath(bundle)
@@ -72,19 +77,20 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
                                                             cgroups.default_path(container_id)).path)
         r, w = os.pipe2(os.O_CLOEXEC)
         pid = os.fork()
-        if pid == 0:  # detach: a new session, and the supervisor is the grandchild
+        if pid == 0:
             try:
                 os.close(r)
-                os.setsid()
+                os.setsid()   # detach: a new session
+                if in_factory:
+                    _supervise(store, st, spec, platform, console_socket, w, 0, preserve_fds, log_file)
                 launcher = os.getpid()
-                if os.fork() == 0:
-                    _log_to(log_file or store.path(container_id, "supervisor.log"))
-                    st.supervisor_pid = os.getpid()
-                    Supervisor(store, st, spec, platform, console_socket, w, launcher, preserve_fds).main()
+                if os.fork() == 0:   # the supervisor is the grandchild
+                    _supervise(store, st, spec, platform, console_socket, w, launcher, preserve_fds, log_file)
             finally:
                 os._exit(0)
         os.close(w)
-        os.waitpid(pid, 0)
+        if not in_factory:
+            os.waitpid(pid, 0)   # (in a factory worker the supervisor is our child: it outlives us)
         reply = _read_line(r)
         os.close(r)
     except BaseException:
@@ -97,6 +103,15 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     if pid_file:
         write_pid_file(pid_file, reply["pid"])
     return store.load(container_id)
+
+
+def _supervise(store: StateStore, st: ContainerState, spec, platform: str, console_socket: str, ready_fd: int,
+               launcher: int, preserve_fds: int, log_file: str) -> None:
+    from qvisor.supervisor import Supervisor
+    _log_to(log_file or store.path(st.id, "supervisor.log"))
+    st.supervisor_pid = os.getpid()
+    Supervisor(store, st, spec, platform, console_socket, ready_fd, launcher, preserve_fds,
+               caller_may_reap=launcher != 0).main()
 
 
 def _log_to(path: str) -> None:

@@ -26,7 +26,8 @@ log = logging.getLogger("quark.supervisor")
 
 class Supervisor(CreateMixin, ControlMixin, ExecMixin, ReaperMixin, ChildMixin):
     def __init__(self, store: StateStore, state: ContainerState, spec: Spec, platform: str,
-                 console_socket: str, ready_fd: int, launcher_pid: int = 0, preserve_fds: int = 0) -> None:
+                 console_socket: str, ready_fd: int, launcher_pid: int = 0, preserve_fds: int = 0,
+                 caller_may_reap: bool = True) -> None:
         self.store, self.state, self.spec = store, state, spec
         self.preserve_fds = preserve_fds       # the caller's fds 3.. that go to the init (--preserve-fds)
         self.platform, self.console_socket, self.ready_fd = platform, console_socket, ready_fd
@@ -41,6 +42,7 @@ class Supervisor(CreateMixin, ControlMixin, ExecMixin, ReaperMixin, ChildMixin):
         self.control: socket.socket | None = None
         self.clients: dict[int, tuple[socket.socket, channel.LineReader]] = {}
         self.launcher_pid = launcher_pid       # the process that forked us and exits at once
+        self.caller_may_reap = caller_may_reap  # False: we reap, whoever adopts us (a factory's create)
         self.caller_reaps = False              # see _choose_reaper
         self.exit_statuses = True              # caller reaps: statuses come from pidfds (6.15+)
         self.killing = False                   # the cgroup's processes are being killed (_kill_rest)

@@ -53,7 +53,10 @@ class ReaperMixin:
         with runc: then the container's processes go to it (the supervisor is no subreaper, so
         they are re-parented past it when their first stage exits), and the supervisor learns
         their exit statuses from their pidfds once the manager has reaped them (PIDFD_GET_INFO, qlib/linux.py).
-        QUARK_INIT_REAPER=caller|supervisor overrides the choice."""
+        QUARK_INIT_REAPER=caller|supervisor overrides the choice. A supervisor a sandbox factory's
+        worker forked always reaps (caller_may_reap False): the factory sends those callers to the CLI."""
+        if not self.caller_may_reap:
+            return False
         deadline = time.monotonic() + 1.0
         while self.launcher_pid and os.getppid() == self.launcher_pid and time.monotonic() < deadline:
             time.sleep(0.0002)   # the launcher exits right after forking us
