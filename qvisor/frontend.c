@@ -10,9 +10,9 @@
  * the Python CLI (QUARK_PY, fixed at build time) with the same argv, which behaves exactly as
  * before (and starts a factory on its first create).
  *
- * Run as containerd-shim-quark-v1 (a link to this program), it hands containerd's `... start` to
- * the factory the same way (the shim's server is then forked from a pre-imported worker), and execs
- * the Python shim (QUARK_SHIM_PY) for everything else.
+ * Run as containerd-shim-quark-v1 (a link to this program), it hands containerd's `... start` and
+ * `... delete` to the factory the same way (the shim's server is then forked from a pre-imported
+ * worker), and execs the Python shim (QUARK_SHIM_PY) for everything else.
  *
  * The wire format is qvisor/factory.py's encode_request/decode_request; keep the two in step.
  */
@@ -100,7 +100,9 @@ int main(int argc, char **argv)
     const char *verb;
     if (is_shim) {
         python_program = QUARK_SHIM_PY;
-        verb = argc > 1 && strcmp(argv[argc - 1], "start") == 0 ? "start" : NULL;   /* factory._served */
+        /* shim.main._served_by_factory */
+        verb = argc > 1 && (strcmp(argv[argc - 1], "start") == 0 || strcmp(argv[argc - 1], "delete") == 0)
+               ? argv[argc - 1] : NULL;
     } else {
         verb = verb_of(argc, argv);
         if (verb && !in(verb, served))

@@ -56,15 +56,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _served_by_factory(argv: list[str]) -> bool:
-    return bool(argv) and argv[-1] == "start"   # containerd's `... -id ID start`
+    # containerd's `... -id ID start`, and `... -id ID delete`, which containerd 1.6 runs after
+    # every shim exit, clean ones too, and waits for before a task's Delete returns
+    return bool(argv) and argv[-1] in ("start", "delete")
 
 
-# The sandbox factory (qvisor/factory.py) runs containerd's `start` in a pre-imported worker (the
-# front end, qvisor/frontend.c, installed as this command, sends it there): the shim's server is
-# then forked with its modules loaded and shares their pages. Registered as an entry point of the
-# "quark.factory" group (pyproject.toml), so qvisor never imports the shim.
+# The sandbox factory (qvisor/factory.py) runs containerd's `start` and `delete` in a pre-imported
+# worker (the front end, qvisor/frontend.c, installed as this command, sends them there): the
+# shim's server is then forked with its modules loaded and shares their pages, and the clean-up
+# costs no Python start. Registered as an entry point of the "quark.factory" group
+# (pyproject.toml), so qvisor never imports the shim.
 FACTORY_PROGRAM = {"main": lambda argv: main(argv), "serves": _served_by_factory,
-                   "adopts_cgroups": _served_by_factory,
+                   "adopts_cgroups": lambda argv: bool(argv) and argv[-1] == "start",
                    "preload": ("shim.serve", "shim.service", "shim.ttrpc", "shim.runtime")}
 
 

@@ -244,7 +244,7 @@ def test_only_root_may_connect(served):
     factory._preload()
     assert set(factory.PROGRAMS) == {"quark", "containerd-shim-quark-v1"}
     assert f._refusal(os.getpid(), 0, ["state", "x"], {}, "sh").startswith("not a program the factory runs")
-    assert f._refusal(os.getpid(), 0, ["-id", "x", "delete"], {}, "containerd-shim-quark-v1") == \
+    assert f._refusal(os.getpid(), 0, ["-id", "x"], {}, "containerd-shim-quark-v1") == \
         "not a verb the factory serves"
 
 
@@ -385,3 +385,31 @@ def test_quark_phases_records_when_each_step_of_create_and_start_happened(served
     assert sorted(os.listdir(record)) == ["ph1.json"]
     for cid in ("ph1", "ph2"):
         quark("delete", "--force", cid)
+
+
+def test_containerds_shim_delete_runs_in_the_factory(served, tmp_path):
+    """containerd 1.6 runs `containerd-shim-quark-v1 ... delete` after every shim exit and waits
+    for it: the front end hands it to a factory worker (a new spare replaces the one that served)."""
+    from shim.pb import shim_pb2
+    where, proc, env = served
+    spares_before = _children(proc.pid)
+    bundle = tmp_path / "shimbundle"
+    (bundle / "rootfs").mkdir(parents=True)
+    with tempfile.TemporaryFile() as out:
+        r = subprocess.run([str(REPO / "build" / "bin" / "containerd-shim-quark-v1"), "-namespace", "ns1",
+                            "-id", "gone1", "delete"], cwd=bundle, env=env, stdout=out, stderr=subprocess.PIPE,
+                           timeout=60)
+        out.seek(0)
+        resp = shim_pb2.DeleteResponse.FromString(out.read())
+    assert r.returncode == 0, r.stderr
+    assert resp.exit_status == 128 + 9 and resp.exited_at.seconds > 0
+    deadline = time.monotonic() + 10
+    while _children(proc.pid) in (spares_before, []) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _children(proc.pid) and _children(proc.pid) != spares_before   # its spare served the call
+    assert "declined" not in _log(tmp_path)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return sorted(int(x) for x in f.read().split())
