@@ -241,11 +241,6 @@ def _code_changed(fd: int) -> bool:
     return any(name != "__pycache__" for name in L.inotify_names(fd))
 
 
-def _status(pid: int | str) -> dict[str, str]:
-    with open(f"/proc/{pid}/status") as f:
-        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
-
-
 def _namespaces(pid: int | str) -> tuple:
     out = []
     for ns in _NAMESPACES:
@@ -265,13 +260,14 @@ def _lsm(pid: int | str) -> bytes:
 
 
 def _ancestors(pid: int) -> list[str]:
+    from qlib import procfs
     names = []
     while pid > 1:
         try:
             names.append(os.path.basename(os.readlink(f"/proc/{pid}/exe")))
-            pid = int(_status(pid)["PPid"])
-        except (OSError, KeyError, ValueError):
+        except OSError:
             break
+        pid = procfs.parent_pid(pid) or 0
     return names
 
 
@@ -358,7 +354,8 @@ class Factory:
 
     @staticmethod
     def _identity(pid: int) -> tuple:
-        st = _status(pid)
+        from qlib import procfs
+        st = procfs.status(pid)
         root = os.stat(f"/proc/{pid}/root")
         return (_namespaces(pid), (root.st_dev, root.st_ino), tuple(st.get(k) for k in _SAME_STATUS), _lsm(pid))
 
@@ -576,25 +573,17 @@ def _rehearse() -> None:
 
 def _join_cgroups_of(pid: int) -> None:
     """Move this process into the cgroups `pid` is in, in every hierarchy (v1 and v2)."""
-    mounts: list[tuple[set[str], str]] = []   # (controllers or name=, or {""} for v2) -> mount point
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            pre, _, post = line.partition(" - ")
-            fields, after = pre.split(), post.split()
-            if len(after) < 3 or fields[3] != "/":
-                continue
-            if after[0] == "cgroup2":
-                mounts.append(({""}, fields[4]))
-            elif after[0] == "cgroup":
-                mounts.append((set(after[2].split(",")), fields[4]))
+    from qlib import procfs
     with open(f"/proc/{pid}/cgroup") as f:
         theirs = f.read()
     with open("/proc/self/cgroup") as f:
         if f.read() == theirs:
             return   # where the caller is already (the usual case): a move would cost ~10 ms on v1
-    lines = theirs.splitlines()
+    # (controllers or name=, or {""} for v2) and mount point of each hierarchy mounted at its root
+    mounts = [({""} if m.fstype == "cgroup2" else set(m.super_options.split(",")), m.mount_point)
+              for m in procfs.mountinfo() if m.fstype in ("cgroup", "cgroup2") and m.root == "/"]
     me = str(os.getpid())
-    for line in lines:
+    for line in theirs.splitlines():
         _hid, ctrls, path = line.split(":", 2)
         want = set(ctrls.split(",")) if ctrls else {""}
         for opts, mnt in mounts:
