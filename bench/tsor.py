@@ -34,7 +34,7 @@ sys.path.insert(0, REPO)
 
 from tests.cleanup import quark_cgroup_dirs, remove_empty_since
 from tests.support.nginx import ensure_nginx, prepare_bundle
-from tests.support.testbed import Testbed
+from tests.support.testbed import Testbed, python_succeeds, wait_file
 
 GOALS = {"iperf3_gbps": (">=", 2.0), "rtt_p50_us": ("<=", 0.75), "redis_c50_rps": (">=", 1.5),
          "redis_c1_rps": (">=", 1.05), "two_node_iperf3_gbps": (">=", 0.95),
@@ -59,13 +59,8 @@ WRK = "wrk -t1 -c16 -d10s"
 
 def wait_port(bed: Testbed, pod, port: int, timeout: float = 15) -> None:
     code = f"import socket; socket.create_connection(('{pod.ip}', {port}), timeout=1).close()"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if subprocess.run(["ip", "netns", "exec", pod.node.netns, sys.executable, "-c", code],
-                          check=False, capture_output=True).returncode == 0:
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"nothing listens on {pod.ip}:{port}")
+    if not python_succeeds(pod.node.netns, code, timeout):
+        raise RuntimeError(f"nothing listens on {pod.ip}:{port}")
 
 
 def client(bed: Testbed, runtime: str, name: str, pod, shell: str, timeout: float = 180) -> str:
@@ -109,14 +104,6 @@ def supervisors(bed: Testbed) -> list[int]:
             except OSError:
                 pass
     return found
-
-
-def wait_file(path: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {path}")
-        time.sleep(0.05)
 
 
 def wrk(bed: Testbed, runtime: str, name: str, pod, node, url: str, extra: str) -> dict:

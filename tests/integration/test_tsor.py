@@ -13,9 +13,11 @@ import time
 
 import pytest
 
+from qlib import procfs
 from tests.integration.conftest import needs_root
+from tests.support.testbed import local_connections, wait_file
 from tsor import protocol
-from tsor.metrics import fetch, parse
+from tsor.metrics import fetch
 
 PROG = ["python3", "/repo/tests/progs/tsor_semantics.py"]
 PORT = 7000
@@ -32,17 +34,6 @@ def needs_tsor_in_qkernel() -> None:
     import qkernel.request
     if not hasattr(qkernel.request, "InstallFd"):
         pytest.skip("QKernel's TSoR wiring (fd installation, sys_socket handlers) is not in this tree yet")
-
-
-def wait_file(path: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"timed out waiting for {path}"
-        time.sleep(0.05)
-
-
-def local_count(node) -> float:
-    return parse(fetch(node.metrics))['tsor_connections_total{path="local"}']
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +82,12 @@ def test_plain_tcp_peer_reaches_the_quark_listener_alongside_quark_peers(bed):
     r = subprocess.run(["ip", "netns", "exec", bed.node_a.netns, sys.executable, "-c", code],
                        capture_output=True, text=True, timeout=30)
     assert r.stdout.strip() == "plain", r.stderr
-    before = local_count(bed.node_a)
+    before = local_connections(bed.node_a)
     pod = bed.node_a.pod("cli2")
     r = bed.run("quark", "cli2", bed.bundle("cli2", PROG + ["client", bed.srv.ip, bed.srv.ip6, str(PORT),
                                                            "/out/client2.json"], pod))
     assert r.returncode == 0
-    assert local_count(bed.node_a) > before
+    assert local_connections(bed.node_a) > before
 
 
 def test_tsord_down_falls_back_and_restart_accelerates_again(bed):
@@ -167,7 +158,7 @@ def test_busybox_nc_httpd_wget(bed):
     bed.start("quark", "httpd", bed.bundle("httpd", ["busybox", "httpd", "-f", "-p", "8080", "-h", "/etc"], pod_s))
     bed.start("quark", "ncl", bed.bundle("ncl", ["sh", "-c", "busybox nc -l -p 9000 > /out/nc.txt"], pod_s))
     time.sleep(1)
-    before = local_count(bed.node_a)
+    before = local_connections(bed.node_a)
     r = bed.run("quark", "wget", bed.bundle("wget", ["sh", "-c",
                 f"busybox wget -q -O /out/wget.txt http://{pod_s.ip}:8080/hostname && "
                 f"echo hello-nc | busybox nc {pod_s.ip} 9000"], pod_c))
@@ -179,7 +170,7 @@ def test_busybox_nc_httpd_wget(bed):
     while open(bed.out("nc.txt")).read() != "hello-nc\n" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert open(bed.out("nc.txt")).read() == "hello-nc\n"
-    assert local_count(bed.node_a) >= before + 2
+    assert local_connections(bed.node_a) >= before + 2
     bed.stop("quark", "httpd")
     bed.stop("quark", "ncl")
 
@@ -190,7 +181,7 @@ def test_iperf3_and_redis(bed):
     bed.start("quark", "redis", bed.bundle("redis", ["redis-server", "--port", "6379", "--save", "",
                                                      "--appendonly", "no", "--protected-mode", "no"], pod_s))
     time.sleep(1)
-    before = local_count(bed.node_a)
+    before = local_connections(bed.node_a)
     r = bed.run("quark", "iperf-c", bed.bundle("iperf-c", ["sh", "-c",
                 f"iperf3 -c {pod_s.ip} -p 5201 -t 1 -J > /out/iperf.json && "
                 f"redis-cli -h {pod_s.ip} set k tsor > /out/redis.txt && "
@@ -202,7 +193,7 @@ def test_iperf3_and_redis(bed):
     assert res["end"]["sum_received"]["bytes"] > 0
     with open(bed.out("redis.txt")) as f:
         assert f.read().split() == ["OK", "tsor"]
-    assert local_count(bed.node_a) >= before + 4    # iperf3 opens two, redis-cli one each
+    assert local_connections(bed.node_a) >= before + 4    # iperf3 opens two, redis-cli one each
     bed.stop("quark", "iperf-s")
     bed.stop("quark", "redis")
 
@@ -226,9 +217,7 @@ open(f"/out/{tag}-done", "w").close()
 
 
 def _supervisor_of(bed, cid: str) -> int:
-    init = json.loads(bed.quark("state", cid).stdout)["pid"]
-    with open(f"/proc/{init}/status") as f:
-        return int(next(line.split()[1] for line in f if line.startswith("PPid:")))
+    return procfs.parent_pid(json.loads(bed.quark("state", cid).stdout)["pid"])
 
 
 def _socket_calls_with_supervisor_stopped(bed, tag: str, tsor: bool, wait: float) -> bool:

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
-import time
 
 import pytest
 
 from tests.integration.conftest import needs_root
-from tsor.metrics import fetch, parse
+from tests.support.testbed import local_connections, python_succeeds
 
 WRK_SECONDS = 2
 CONNECTIONS = 4
@@ -38,21 +35,12 @@ end
 """
 
 
-def local_count(node) -> float:
-    return parse(fetch(node.metrics)).get('tsor_connections_total{path="local"}', 0.0)
-
-
 def wait_http(pod, timeout: float = 30) -> None:
     """Until nginx answers on port 80 (a plain TCP connection from the node, not through TSoR)."""
     code = (f"import socket; s = socket.create_connection(('{pod.ip}', 80), timeout=1);"
             "s.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n'); assert s.recv(12).startswith(b'HTTP/1.1 200')")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if subprocess.run(["ip", "netns", "exec", pod.node.netns, sys.executable, "-c", code],
-                          check=False, capture_output=True).returncode == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"nginx did not answer on {pod.ip}:80 within {timeout}s")
+    assert python_succeeds(pod.node.netns, code, timeout, interval=0.2), \
+        f"nginx did not answer on {pod.ip}:80 within {timeout}s"
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +102,9 @@ def run_wrk(bed, name: str, extra: str) -> tuple[str, int]:
 
 @pytest.mark.timeout(180)
 def test_keepalive_requests_over_the_local_path(bed):
-    before = local_count(bed.node_a)
+    before = local_connections(bed.node_a)
     text, requests = run_wrk(bed, "wrk-ka", "")
-    after = local_count(bed.node_a)
+    after = local_connections(bed.node_a)
     # each of wrk's connections was made through tsord's local path (and none more were needed)
     assert after - before >= CONNECTIONS, f"local-path connections {before} -> {after}: {text}"
     assert requests > 2 * CONNECTIONS, f"keep-alive: several requests per connection expected: {text}"
@@ -125,9 +113,9 @@ def test_keepalive_requests_over_the_local_path(bed):
 
 @pytest.mark.timeout(180)
 def test_connection_per_request_over_the_local_path(bed):
-    before = local_count(bed.node_a)
+    before = local_connections(bed.node_a)
     text, requests = run_wrk(bed, "wrk-close", "-H 'Connection: close'")
-    after = local_count(bed.node_a)
+    after = local_connections(bed.node_a)
     # one connection per request, every one on the local path
     assert after - before >= requests, f"{requests} requests, local-path connections {before} -> {after}: {text}"
     print(text)

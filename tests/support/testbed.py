@@ -34,6 +34,29 @@ def sh(*args: str, check: bool = True, netns: str | None = None, **kw) -> subpro
     return subprocess.run(cmd, check=check, capture_output=True, text=True, **kw)
 
 
+def python_succeeds(netns: str, code: str, timeout: float, interval: float = 0.1) -> bool:
+    """Run `python -c code` in `netns` until it exits 0 (True), or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sh(sys.executable, "-c", code, check=False, netns=netns).returncode == 0:
+            return True
+        time.sleep(interval)
+    return False
+
+
+def wait_file(path: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"timed out waiting for {path}"
+        time.sleep(0.05)
+
+
+def local_connections(node: Node) -> float:
+    """tsord's count of connections that took the local path on `node` (0 before the first)."""
+    from tsor.metrics import fetch, parse
+    return parse(fetch(node.metrics)).get('tsor_connections_total{path="local"}', 0.0)
+
+
 @dataclass
 class Pod:
     name: str
