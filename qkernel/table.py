@@ -16,6 +16,8 @@ from typing import Callable
 
 import seccomp
 
+import tsor
+
 from qkernel.syscalls import sys_personality, sys_socket, sys_sysinfo
 
 CLONE_NEWUSER = 0x10000000
@@ -81,16 +83,12 @@ _MOUNT = "the mount table is fixed once the runtime has set up the rootfs"
 _KEYS = "the kernel keyring is not namespaced; it widens the host attack surface"
 _TIME = "the clock is the host's, shared by every container"
 _NEWUSER = ArgMask(0, CLONE_NEWUSER, "flags has CLONE_NEWUSER")
-# The socket options TSoR answers for a redirected socket (tsor/intercept.py's _emulated): every
-# IP-, IPv6- and TCP-level option (an AF_UNIX local-path end has none), and the SOL_SOCKET ones
-# AF_UNIX answers differently from TCP. Every other option (SO_SNDBUF, SO_RCVTIMEO, SO_ERROR, ...)
-# runs natively on every socket, without a trap.
-_SOL_SOCKET, _IPPROTO_IP, _IPPROTO_TCP, _IPPROTO_IPV6 = 1, 0, 6, 41
-_SO_TYPE, _SO_REUSEPORT, _SO_PROTOCOL, _SO_DOMAIN, _SO_ZEROCOPY, _SO_TXTIME = 3, 15, 38, 39, 60, 61
+# The socket options TSoR answers for a redirected socket (tsor/__init__.py says which). Every other
+# option (SO_SNDBUF, SO_RCVTIMEO, SO_ERROR, ...) runs natively on every socket, without a trap.
+_SOL_SOCKET = 1
 _SOCKOPTS = ArgMatch(
-    tuple(((1, level),) for level in (_IPPROTO_IP, _IPPROTO_TCP, _IPPROTO_IPV6))
-    + tuple(((1, _SOL_SOCKET), (2, opt)) for opt in (_SO_TYPE, _SO_REUSEPORT, _SO_PROTOCOL, _SO_DOMAIN,
-                                                     _SO_ZEROCOPY, _SO_TXTIME)),
+    tuple(((1, level),) for level in tsor.EMULATED_LEVELS)
+    + tuple(((1, _SOL_SOCKET), (2, opt)) for opt in tsor.RECORDED_SOCKET_OPTS + tsor.UNIX_REFUSED_SOCKET_OPTS),
     "level is IPPROTO_IP/TCP/IPV6, or SOL_SOCKET with SO_TYPE/PROTOCOL/DOMAIN/REUSEPORT/ZEROCOPY/TXTIME")
 _TSOR = ("handled by TSoR: TCP to quark pods is carried by tsord's local/tcp paths (seccomp platform, "
          "sandboxes served by TSoR only); anything else runs natively")

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qlib.linux import accept4, pidfd_getfd, pidfd_open_thread
-from tsor import _sys
+from tsor import EMULATED_LEVELS, RECORDED_SOCKET_OPTS, UNIX_REFUSED_SOCKET_OPTS, _sys
 from tsor.addr import is_loopback, is_unspecified, parse_sockaddr, sockaddr, unmapped
 from tsor.sandbox import Listener, Redirected, SandboxNet
 
@@ -58,7 +58,7 @@ _MAX_OPT = 512   # as much of an option as is ever read (the handlers read at mo
 # application that sets SO_SNDBUF itself (before or after connect) gets its own value.
 LOCAL_SNDBUF = 1 << 20
 # SOL_SOCKET options Linux refuses on AF_UNIX (EOPNOTSUPP) but accepts on TCP.
-_UNIX_REFUSES = {socket.SO_REUSEPORT, 60, 61}            # SO_REUSEPORT, SO_ZEROCOPY, SO_TXTIME
+_UNIX_REFUSES = set(UNIX_REFUSED_SOCKET_OPTS)
 # Options set before connect() that travel to the socket that replaces the TCP one.
 _CARRY = [(SOL_TCP, socket.TCP_NODELAY), (SOL_TCP, socket.TCP_KEEPIDLE), (SOL_TCP, socket.TCP_KEEPINTVL),
           (SOL_TCP, socket.TCP_KEEPCNT), (SOL_TCP, 18), (SOL_TCP, 25), (SOL_TCP, 13),
@@ -424,8 +424,7 @@ def _set_nonblock(fd: int, on: bool) -> None:
 def _emulated(st: Redirected, level: int, opt: int) -> bool:
     """Is (level, opt) answered from the record rather than by the socket underneath?"""
     if level == SOL_SOCKET:
-        return opt in (SO_DOMAIN, SO_TYPE, SO_PROTOCOL) or (
-            st.real_family == socket.AF_UNIX and opt in _UNIX_REFUSES)
+        return opt in RECORDED_SOCKET_OPTS or (st.real_family == socket.AF_UNIX and opt in _UNIX_REFUSES)
     if st.real_family == socket.AF_UNIX:
-        return level in (SOL_TCP, SOL_IP, SOL_IPV6)
+        return level in EMULATED_LEVELS
     return level == SOL_IPV6 and st.family == socket.AF_INET6 and st.real_family != socket.AF_INET6
