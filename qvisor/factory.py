@@ -49,8 +49,6 @@ SOCK_NAME, LOCK_NAME, PID_NAME, LOG_NAME = "factory.sock", "factory.lock", "fact
 # verbs that end promptly and need no terminal or signal forwarding; the others run in the client
 SERVED = frozenset({"create", "start", "state", "kill", "delete", "pause", "resume", "ps", "list"})
 MAX_REQUEST = 1 << 20          # argv + environment; a bigger request falls back
-# runc-compatible managers that reap the init themselves (qvisor.supervisor.reaper.RUNC_MANAGERS)
-_CALLER_REAPS = ("containerd-shim-runc", "conmon")
 _NAMESPACES = ("mnt", "pid", "net", "ipc", "uts", "user", "cgroup", "time")
 _SAME_STATUS = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")
 _RLIMITS = {getattr(resource, n): n for n in sorted(dir(resource), reverse=True) if n.startswith("RLIMIT_")}
@@ -70,10 +68,10 @@ def socket_path(where: str | None = None) -> str:
 
 
 # ---- the wire: one SOCK_SEQPACKET message each way ------------------------------------------
-# request: MAGIC, program ("quark", or one of PROGRAM_GROUP), argc, argv..., envc, env..., umask (octal),
-# NUL-separated; SCM_RIGHTS carries
-# stdin, stdout, stderr and an O_PATH fd of the working directory. Reply: b"F" + reason (the
-# client runs the verb itself), or b"X" + the exit status once the verb is done.
+# request: MAGIC, program ("quark", or one of PROGRAM_GROUP), argc, argv..., envc, env..., umask
+# (octal), NUL-separated; SCM_RIGHTS carries stdin, stdout, stderr and an O_PATH fd of the working
+# directory. Reply: b"F" + reason (the client runs the verb itself), or b"X" + the exit status once
+# the verb is done.
 
 def encode_request(argv: list[str], env: dict[str, str], umask: int, prog: str = "quark") -> bytes:
     fields = [MAGIC, prog.encode(), str(len(argv)).encode(), *(os.fsencode(a) for a in argv), str(len(env)).encode(),
@@ -84,17 +82,18 @@ def encode_request(argv: list[str], env: dict[str, str], umask: int, prog: str =
 def decode_request(data: bytes) -> tuple[list[str], dict[str, str], int, str]:
     """(argv, env, umask, program); ValueError for anything malformed."""
     f = data.split(b"\0")
-    if f[0] != MAGIC or len(f) < 2:
+    if f[0] != MAGIC or len(f) < 3:
         raise ValueError("not a quark-factory/2 request")
     prog = os.fsdecode(f[1])
     if not prog:
         raise ValueError("no program named")
-    f = f[1:]   # the rest is laid out as before the program field
-    argc = int(f[1])
-    argv = [os.fsdecode(a) for a in f[2:2 + argc]]
-    envc = int(f[2 + argc])
-    pairs = f[3 + argc:3 + argc + envc]
-    if len(argv) != argc or len(pairs) != envc or len(f) != 4 + argc + envc:
+    argc = int(f[2])
+    if argc < 0 or len(f) < 5 + argc:
+        raise ValueError("truncated request")
+    argv = [os.fsdecode(a) for a in f[3:3 + argc]]
+    envc = int(f[3 + argc])
+    pairs = f[4 + argc:4 + argc + envc]
+    if envc < 0 or len(pairs) != envc or len(f) != 5 + argc + envc:
         raise ValueError("truncated request")
     env = {}
     for p in pairs:
@@ -142,7 +141,7 @@ def request(argv: list[str], stdio: tuple[int, int, int] = (0, 1, 2), env: dict[
         return None   # declined before anything ran
     # the worker ran (part of) the verb and died: running it again could do it twice
     from qlib.errors import QuarkError
-    raise QuarkError(f"{argv[0] if argv else 'quark'}: the factory's worker ended without an exit status")
+    raise QuarkError(f"{prog}: the factory's worker ended without an exit status")
 
 
 def _umask() -> int:
@@ -481,7 +480,8 @@ class Factory:
                 caller, mine = resource.prlimit(pid, r)[1], resource.getrlimit(r)[1]
                 if mine != resource.RLIM_INFINITY and (caller == resource.RLIM_INFINITY or caller > mine):
                     return f"the caller's hard {_RLIMITS[r]} is above the factory's"
-            if any(name.startswith(_CALLER_REAPS) for name in _ancestors(pid)):
+            from qvisor.supervisor.reaper import RUNC_MANAGERS   # they reap the init themselves
+            if any(name.startswith(RUNC_MANAGERS) for name in _ancestors(pid)):
                 return "a runc-compatible manager above the caller reaps the container's init"
         except (OSError, KeyError):
             return "the caller went away"

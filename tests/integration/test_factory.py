@@ -310,7 +310,8 @@ def test_the_wire_format_round_trips_and_rejects_garbage():
     assert factory.decode_request(data) == (argv, env, 0o027, "quark")
     shim = factory.encode_request(["-id", "x", "start"], {}, 0o022, "containerd-shim-quark-v1")
     assert factory.decode_request(shim) == (["-id", "x", "start"], {}, 0o022, "containerd-shim-quark-v1")
-    for bad in (b"", b"nope\0" + data, data[:-6], data + b"\0extra"):
+    for bad in (b"", b"nope\0" + data, data[:-6], data + b"\0extra", factory.MAGIC + b"\0quark\0999",
+                factory.MAGIC + b"\0quark\0-1\0x\00\0022"):
         with pytest.raises(ValueError):
             factory.decode_request(bad)
 
