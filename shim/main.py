@@ -66,7 +66,7 @@ def _served_by_factory(argv: list[str]) -> bool:
 # shim's server is then forked with its modules loaded and shares their pages, and the clean-up
 # costs no Python start. Registered as an entry point of the "quark.factory" group
 # (pyproject.toml), so qvisor never imports the shim.
-FACTORY_PROGRAM = {"main": lambda argv: main(argv), "serves": _served_by_factory,
+FACTORY_PROGRAM = {"main": main, "serves": _served_by_factory,
                    "adopts_cgroups": lambda argv: bool(argv) and argv[-1] == "start",
                    "preload": ("shim.serve", "shim.service", "shim.ttrpc", "shim.runtime")}
 

@@ -126,12 +126,9 @@ class Quark:
             if factory.enabled():
                 with _quark_errors(args[0]):
                     code = factory.request(argv[1:], (stdio.stdin, stdio.stdout, stdio.stderr))
-        if code is None and stdio is None:
-            code = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, close_fds=True).returncode
-        elif code is None:
-            code = subprocess.run(argv, stdin=stdio.stdin, stdout=stdio.stdout, stderr=stdio.stderr,
-                                  close_fds=True).returncode
+        if code is None:
+            fds = (subprocess.DEVNULL,) * 3 if stdio is None else (stdio.stdin, stdio.stdout, stdio.stderr)
+            code = subprocess.run(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], close_fds=True).returncode
         if code != 0:
             msg, kind = _last_error(log_path)
             raise RpcError(code_of(kind), f"quark {args[0]}: {msg or f'exit status {code}'}")

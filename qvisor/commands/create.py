@@ -20,5 +20,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     container.create(args.root, args.id, args.bundle, pid_file=args.pid_file, console_socket=args.console_socket,
                      platform=args.platform, log_file=args.log, preserve_fds=args.preserve_fds,
-                     in_factory=getattr(args, "in_factory", False))
+                     in_factory=args.in_factory)
     return 0
