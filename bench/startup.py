@@ -151,13 +151,8 @@ def time_ctr(runs: int, work: str, env: dict[str, str]) -> dict | None:
     from tests.integration import containerd_env as ce
     if ce.skip_reason() is not None:
         return None
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        cd = ce.Containerd()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    cd = ce.Containerd()
+    cd.env.update(env)   # containerd's environment, before it starts
     try:
         cd.start()
         tar = ce.busybox_image_tar(Path(work) / "busybox.tar")
