@@ -1,0 +1,30 @@
+"""The C front end (qvisor/frontend.c) keeps its own copies of three Python facts, because it runs
+before any Python: the verbs the factory serves, the global flags that take a value (to find the
+verb), and the wire format's magic. They must agree, or a verb would go to the factory that
+declines it (a wasted round trip) or never go there at all."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from qvisor import cli, factory
+
+SOURCE = (Path(__file__).resolve().parents[2] / "qvisor" / "frontend.c").read_text()
+
+
+def _c_list(name: str) -> set[str]:
+    body = re.search(rf"static const char \*{name}\[\] = \{{(.*?)\}};", SOURCE, re.S)
+    assert body, name
+    return set(re.findall(r'"([^"]+)"', body[1]))
+
+
+def test_served_verbs_agree():
+    assert _c_list("served") == set(factory.SERVED)
+
+
+def test_value_flags_agree():
+    assert _c_list("value_flags") == set(cli._VALUE_FLAGS)
+
+
+def test_wire_magic_agrees():
+    assert f'#define MAGIC "{factory.MAGIC.decode()}"' in SOURCE
