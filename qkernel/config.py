@@ -17,9 +17,15 @@ def check_platform(value: str, source: str = "platform") -> str:
     return value
 
 
-def load_platform(cli_value: str | None, config_path: str = CONFIG_PATH) -> str:
+def host_config_path() -> str:
+    """quark's host configuration file: $QUARK_CONFIG, else /etc/quark/config.yaml."""
+    return os.environ.get("QUARK_CONFIG") or CONFIG_PATH
+
+
+def load_platform(cli_value: str | None, config_path: str | None = None) -> str:
     if cli_value:
         return check_platform(cli_value, "--platform")
+    config_path = config_path or host_config_path()
     value = _config_value(config_path, "platform")
     if value is not None:
         return check_platform(value, f"{config_path}: platform")
@@ -28,6 +34,12 @@ def load_platform(cli_value: str | None, config_path: str = CONFIG_PATH) -> str:
 
 def _config_value(path: str, key: str) -> str | None:
     """A top-level `key: value` from the config file (YAML; an absent file or key is None)."""
+    value = config_entry(path, key)
+    return None if value is None else str(value)
+
+
+def config_entry(path: str, key: str) -> object:
+    """A top-level entry of the config file as YAML gives it (None: no file, or no such key)."""
     if not os.path.exists(path):
         return None
     # imported here, not at the top: the CLI's create path imports this module and reads the file
@@ -44,5 +56,4 @@ def _config_value(path: str, key: str) -> str | None:
         return None   # an empty file (or only comments)
     if not isinstance(raw, dict):
         raise ConfigError(path, "", "expected a mapping at the top level")
-    value = raw.get(key)
-    return None if value is None else str(value)
+    return raw.get(key)

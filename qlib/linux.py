@@ -109,6 +109,7 @@ _SYS_OPEN_TREE = syscalls.number("open_tree")
 _SYS_MOVE_MOUNT = syscalls.number("move_mount")
 _SYS_OPENAT2 = syscalls.number("openat2")
 _SYS_BRK = syscalls.number("brk")
+_SYS_PROCESS_MADVISE = syscalls.number("process_madvise")
 CLOSE_RANGE_CLOEXEC = 4
 PIDFD_THREAD = os.O_EXCL   # pidfd of a thread, not only of a thread-group leader (Linux 6.9)
 
@@ -240,6 +241,30 @@ def process_vm_readv(pid: int, addr: int, size: int) -> bytes:
                                       ctypes.byref(remote), ctypes.c_ulong(1), ctypes.c_ulong(0)),
                "process_vm_readv")
     return buf.raw[:n]
+
+
+# process_madvise advice (asm-generic/mman-common.h): the ones the kernel takes for another process
+MADV_WILLNEED = 3
+MADV_COLD = 20
+MADV_PAGEOUT = 21
+IOV_MAX = 1024
+
+
+def process_madvise(pidfd: int, ranges: list[tuple[int, int]], advice: int) -> int:
+    """madvise(`advice`) on the (address, length) ranges of the process behind `pidfd` (at most
+    IOV_MAX of them); returns the bytes advised, which stop short at the first range the kernel
+    refuses. Another process needs CAP_SYS_NICE and ptrace read access to it."""
+    iov = (_Iovec * len(ranges))(*(_Iovec(a, n) for a, n in ranges))
+    return _check(_libc.syscall(_SYS_PROCESS_MADVISE, ctypes.c_int(pidfd), iov, ctypes.c_size_t(len(ranges)),
+                                ctypes.c_int(advice), ctypes.c_uint(0)), "process_madvise")
+
+
+def swapon(path: str, flags: int = 0) -> None:
+    _check(_libc.swapon(os.fsencode(path), ctypes.c_int(flags)), "swapon", path)
+
+
+def swapoff(path: str) -> None:
+    _check(_libc.swapoff(os.fsencode(path)), "swapoff", path)
 
 
 def pidfd_getfd(pidfd: int, fd: int) -> int:

@@ -120,3 +120,20 @@ def start_time(pid: Pid) -> int | None:
 def permitted_caps(pid: Pid = "self") -> int:
     """The permitted capability set of `pid`, as a mask (capset may not add to it)."""
     return int(status(pid).get("CapPrm", "0"), 16)
+
+
+def tcp_listeners(pid: Pid) -> list[tuple[int, int]]:
+    """(port, socket inode) of every TCP socket listening in `pid`'s network namespace
+    (/proc/PID/net/tcp and tcp6, state 0A)."""
+    found = []
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{name}") as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[3] == "0A":
+                        found.append((int(cols[1].rsplit(":", 1)[1], 16), int(cols[9])))
+        except FileNotFoundError:
+            pass
+    return found

@@ -32,12 +32,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "syscalls": ("syscalls", "print the syscall table"),
     "wait": ("wait", "wait for the container's init or an exec'd process to exit (quark extension)"),
     "tsor": ("tsor", "TSoR status"),
+    "snapshot": ("snapshot", "hibernate, wake and list hibernated containers (quark extension)"),
 }
 
 DEFAULT_ROOT = "/run/quark"
 
 
 _VALUE_FLAGS = {"--root", "--log", "--log-format", "--platform", "--rootless"}
+_DETACH_FLAGS = {"-d", "--detach"}   # `run` with one of these is served by the sandbox factory
+
+
+def detached(argv: list[str]) -> bool:
+    return any(a in _DETACH_FLAGS for a in argv)
 
 
 def _verb_of(argv: list[str]) -> str | None:
@@ -99,14 +105,15 @@ def main(argv: list[str] | None = None, in_factory: bool = False) -> int:
     from qvisor import phases
     phases.verb_started = time.monotonic()
     verb = _verb_of(argv)
-    if verb == "create" and not in_factory:
+    if verb in ("create", "run") and not in_factory:
         # the sandbox factory (qvisor/factory.py) has the supervisor's imports loaded already and
         # its forks share them; without one, this create runs here and starts one for the next
         from qvisor import factory
         if factory.enabled():
-            code = factory.request(argv)
-            if code is not None:
-                return code
+            if factory.served(argv):   # create, and a detached run
+                code = factory.request(argv)
+                if code is not None:
+                    return code
             factory.ensure_running()
     parser = build_parser(verb if verb in COMMANDS else None)
     args = parser.parse_args(argv)

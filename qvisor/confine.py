@@ -13,6 +13,8 @@ What it keeps, and why (everything else is dropped from its bounding, permitted 
 * CAP_SETUID, CAP_SETGID, CAP_SETPCAP, CAP_SYS_RESOURCE
                   an exec'd process switches user, shrinks its bounding set, raises rlimits and sets
                   its oom score in a child forked from the supervisor
+* CAP_SYS_NICE    hibernation pages the container's memory out and reads its working set back in
+                  (process_madvise on another process needs it)
 * the capabilities the container's process is configured with (any of its five sets), because
   exec'd processes are forked from the supervisor and cannot get more than it has. An exec whose
   process.json asks for a capability outside that union fails with a clear error.
@@ -40,7 +42,7 @@ from qvisor.spec import CAPABILITIES, Capabilities
 log = logging.getLogger("quark.confine")
 
 SUPERVISOR_CAPS = ("CAP_SYS_ADMIN", "CAP_SYS_CHROOT", "CAP_SYS_PTRACE", "CAP_KILL", "CAP_SETUID", "CAP_SETGID",
-                   "CAP_SETPCAP", "CAP_SYS_RESOURCE")
+                   "CAP_SETPCAP", "CAP_SYS_RESOURCE", "CAP_SYS_NICE")
 
 DENIED = (
     "mount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount",

@@ -196,6 +196,19 @@ def kill(root: str, container_id: str, sig: int, all_processes: bool = False) ->
     st = state(root, container_id)
     if st.status not in (CREATED, RUNNING, PAUSED):
         raise InvalidState(f"container {container_id!r} is not running (status {st.status})")
+    if st.status == PAUSED and StateStore(root).hibernation(container_id) is not None:
+        # hibernated is asleep, not paused: the signal is sent, then the container woken to take
+        # it (a frozen task does not even die of SIGKILL on cgroup v1); nothing is read back ahead
+        _signal(st, sig, all_processes)
+        try:
+            wake(root, container_id, prefetch=False)
+        except (InvalidState, SupervisorGone):
+            pass   # it woke or stopped meanwhile
+        return
+    _signal(st, sig, all_processes)
+
+
+def _signal(st: ContainerState, sig: int, all_processes: bool) -> None:
     if all_processes:
         cgroups.open_cgroup(st.cgroup_path).kill_all(sig)
         return
@@ -203,7 +216,7 @@ def kill(root: str, container_id: str, sig: int, all_processes: bool = False) ->
     fd = L.pidfd_open(st.pid)
     try:
         if not init_alive(st):
-            raise InvalidState(f"container {container_id!r} is not running")
+            raise InvalidState(f"container {st.id!r} is not running")
         L.pidfd_send_signal(fd, sig)
     finally:
         os.close(fd)
@@ -309,7 +322,39 @@ def resume(root: str, container_id: str) -> None:
     st = state(root, container_id)
     if st.status != PAUSED:
         raise InvalidState(f"container {container_id!r} is not paused (status {st.status})")
+    if StateStore(root).hibernation(container_id) is not None:
+        wake(root, container_id)   # the supervisor wakes it: its working set, its listeners
+        return
     cgroups.open_cgroup(st.cgroup_path).thaw()
+
+
+# ---- hibernation (quark snapshot; qvisor/supervisor/snapshot.py does the work) -----------------
+
+def hibernate(root: str, container_id: str, reason: str = "request") -> dict:
+    """Freeze the container and page its memory out; returns the supervisor's account of it."""
+    store = StateStore(root)
+    st = store.load(container_id)
+    if store.hibernation(container_id) is not None or st.status == RUNNING:
+        with Connection(store.dir(container_id)) as c:
+            return c.call({"op": "hibernate", "reason": reason})[0]
+    raise InvalidState(f"cannot hibernate container {container_id!r}: it is {st.status} (only a running "
+                       "container can be)")
+
+
+def wake(root: str, container_id: str, prefetch: bool = True) -> dict:
+    store = StateStore(root)
+    store.load(container_id)   # an unknown id says so
+    if store.hibernation(container_id) is None:
+        raise InvalidState(f"container {container_id!r} is not hibernated")
+    with Connection(store.dir(container_id)) as c:
+        return c.call({"op": "wake", "prefetch": prefetch})[0]
+
+
+def snapshot_info(root: str, container_id: str) -> dict:
+    store = StateStore(root)
+    store.load(container_id)
+    with Connection(store.dir(container_id)) as c:
+        return c.call({"op": "snapshot"})[0]
 
 
 def pids(root: str, container_id: str) -> list[int]:
@@ -327,6 +372,9 @@ def exec_process(root: str, container_id: str, process: dict, fds: list[int],
     if len(fds) + len(preserved) > channel.MAX_FDS:
         raise InvalidArgument(f"--preserve-fds {preserve_fds}: exec passes at most {channel.MAX_FDS - len(fds)} fds")
     st = state(root, container_id)
+    if st.status == PAUSED and StateStore(root).hibernation(container_id) is not None:
+        wake(root, container_id)   # a hibernated container wakes for an exec
+        st = state(root, container_id)
     if st.status != RUNNING:
         raise InvalidState(f"cannot exec in container {container_id!r}: it is {st.status}")
     with Connection(StateStore(root).dir(container_id)) as c:

@@ -47,7 +47,7 @@ MAGIC = b"quark-factory/2"
 PROGRAM_GROUP = "quark.factory"
 SOCK_NAME, LOCK_NAME, PID_NAME, LOG_NAME = "factory.sock", "factory.lock", "factory.pid", "factory.log"
 # verbs that end promptly and need no terminal or signal forwarding; the others run in the client
-SERVED = frozenset({"create", "start", "state", "kill", "delete", "pause", "resume", "ps", "list"})
+SERVED = frozenset({"create", "start", "state", "kill", "delete", "pause", "resume", "ps", "list", "snapshot"})
 MAX_REQUEST = 1 << 20          # argv + environment; a bigger request falls back
 _NAMESPACES = ("mnt", "pid", "net", "ipc", "uts", "user", "cgroup", "time")
 _SAME_STATUS = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")
@@ -368,6 +368,8 @@ class Factory:
             conn.settimeout(5)   # a client that connects and sends nothing must not block the factory
             data, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST, 4)
             pid, uid, _gid = array.array("i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if not data and not fds:
+                return   # a probe (ensure_running): it connected to see that we answer, and left
             if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) != 4:
                 return self._decline(conn, "malformed request")
             try:
@@ -597,11 +599,19 @@ def _join_cgroups_of(pid: int) -> None:
                 break
 
 
+def served(argv: list[str]) -> bool:
+    """Whether the factory runs this quark command line: the SERVED verbs, and `run -d` (a run in
+    the foreground waits for its container and forwards signals, which only the CLI can)."""
+    from qvisor import cli
+    verb = cli._verb_of(argv)
+    return verb in SERVED or (verb == "run" and cli.detached(argv))
+
+
 def _quark_program() -> dict:
     from qvisor import cli
     return {"main": lambda argv: cli.main(argv, in_factory=True),
-            "serves": lambda argv: cli._verb_of(argv) in SERVED,
-            "adopts_cgroups": lambda argv: cli._verb_of(argv) == "create",
+            "serves": served,
+            "adopts_cgroups": lambda argv: cli._verb_of(argv) in ("create", "run"),
             "preload": ()}
 
 
@@ -623,16 +633,17 @@ def _preload() -> None:
         except Exception as e:   # noqa: BLE001 — a broken plugin: its program runs without the factory
             PROGRAMS.pop(ep.name, None)
             log.warning("program %s not served: %s", ep.name, e)
-    for verb in SERVED:
+    for verb in SERVED | {"run"}:
         importlib.import_module(f"qvisor.commands.{cli.COMMANDS[verb][0]}")
     for name in ("qvisor.container", "qvisor.validate", "qvisor.spec", "qvisor.supervisor", "qvisor.hooks",
+                 "qvisor.procview", "qvisor.hibernate", "qvisor.readiness", "qvisor.swap",
                  "qkernel", "qkernel.seccomp_platform", "qkernel.policy", "tsor.intercept", "tsor.sandbox",
                  "qvisor.cgroups.v1", "qvisor.cgroups.v2", "yaml", "seccomp"):
         try:
             importlib.import_module(name)
         except ImportError as e:   # optional parts (libseccomp's bindings): the worker imports on use
             log.info("not preloaded: %s (%s)", name, e)
-    for verb in SERVED:
+    for verb in SERVED | {"run"}:
         cli.build_parser(verb)   # cached: a worker only parses
     # a supervisor's first filter build pays libseccomp's and the table's set-up: pay it here once
     try:

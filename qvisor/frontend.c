@@ -38,7 +38,8 @@
 extern char **environ;
 
 static const char *served[] = {"create", "start", "state", "kill", "delete", "pause", "resume", "ps",
-                               "list", NULL};                                /* factory.SERVED */
+                               "list", "snapshot", NULL};                    /* factory.SERVED */
+static const char *detach_flags[] = {"-d", "--detach", NULL};               /* cli._DETACH_FLAGS */
 static const char *value_flags[] = {"--root", "--log", "--log-format", "--platform", "--rootless",
                                     NULL};                                   /* cli._VALUE_FLAGS */
 
@@ -91,6 +92,14 @@ static int put_count(long n)
     return put(tmp);
 }
 
+static int detached(int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++)
+        if (in(argv[i], detach_flags))
+            return 1;
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *off = getenv("QUARK_FACTORY");
@@ -105,7 +114,8 @@ int main(int argc, char **argv)
                ? argv[argc - 1] : NULL;
     } else {
         verb = verb_of(argc, argv);
-        if (verb && !in(verb, served))
+        /* factory.served: `run -d` too (a foreground run waits and forwards signals: the CLI's) */
+        if (verb && !in(verb, served) && !(strcmp(verb, "run") == 0 && detached(argc, argv)))
             verb = NULL;
     }
     if ((off && strcmp(off, "0") == 0) || !verb)

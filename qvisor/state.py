@@ -21,6 +21,8 @@ OCI_VERSION = "1.0.2"
 _VALID_ID = re.compile(r"^[\w+\-.]+$")
 
 SOCK_NAME = "sv.sock"  # the supervisor's control socket, in the container's state directory
+HIBERNATION_RECORD = "hibernation.json"   # while the container is hibernated (qvisor/supervisor/snapshot.py)
+HIBERNATED_ANNOTATION = "io.quark.hibernated"   # `state` and `list` show hibernation so (status: paused)
 CREATING, CREATED, RUNNING, PAUSED, STOPPED = "creating", "created", "running", "paused", "stopped"
 
 
@@ -102,7 +104,19 @@ class StateStore:
         """The state with status derived from the live system."""
         st = self.load_raw(container_id)
         st.status = derive_status(st)
+        if st.status == PAUSED:
+            record = self.hibernation(container_id)
+            if record is not None:
+                st.annotations = dict(st.annotations) | {HIBERNATED_ANNOTATION: record.get("since", "true")}
         return st
+
+    def hibernation(self, container_id: str) -> dict | None:
+        """The hibernation record of a hibernated container (None: not hibernated)."""
+        try:
+            with open(self.path(container_id, HIBERNATION_RECORD)) as f:
+                return json.load(f)
+        except (FileNotFoundError, ValueError):
+            return None
 
     def list(self) -> list[str]:
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Callable, NoReturn
 
-from qlib.errors import ConfigError
+from qlib.errors import ConfigError, QuarkError
 from qvisor.spec import PROC_NS_NAMES, Spec, sysctl_key
 
 # sysctls that belong to a namespace (runc's list): anything else would change the host
@@ -83,3 +83,10 @@ def check_supported(spec: Spec) -> None:
     if spec.linux.seccomp is not None and spec.linux.seccomp.listener_path:
         fail("linux.seccomp.listenerPath", "seccomp agents are not supported "
                                            "(quark's own kernel services the notifications)")
+    idle = spec.annotations.get("io.quark.hibernate.idle-after")
+    if idle is not None:
+        from qvisor.supervisor.snapshot import parse_duration
+        try:
+            parse_duration(idle)
+        except QuarkError as e:
+            fail("annotations.io.quark.hibernate.idle-after", str(e).split(": ", 1)[1])

@@ -189,6 +189,9 @@ class Cgroup(ABC):
     def memory_limit(self) -> int | None: ...
     @abstractmethod
     def memory_usage(self) -> int: ...
+    @abstractmethod
+    def reclaim(self) -> None:
+        """Reclaim what the cgroup's memory holds that no process pins (hibernation)."""
 
     # Shared operations.
     def add_pid(self, pid: int) -> None:

@@ -228,6 +228,12 @@ class V1Cgroup(Cgroup):
     def memory_usage(self) -> int:
         return self._int("memory", "memory.usage_in_bytes") or 0
 
+    def reclaim(self) -> None:
+        # v1's only whole-cgroup reclaim: with tasks inside it reclaims what it can (page cache;
+        # anonymous pages too where there is swap) and leaves the rest
+        if "memory" in self.mounts:
+            write(self._dir("memory"), "memory.force_empty", 0)
+
     def stats(self) -> dict:
         return stats.v1_stats({c: self._dir(c) for c in self.mounts})
 

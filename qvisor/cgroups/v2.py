@@ -6,6 +6,7 @@ converts them (shares to weight, quota/period to cpu.max, memory+swap to swap al
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from typing import TYPE_CHECKING, Iterator
@@ -245,6 +246,19 @@ class V2Cgroup(Cgroup):
 
     def memory_usage(self) -> int:
         return read_int(self.dir, "memory.current") or 0
+
+    def reclaim(self) -> None:
+        usage = self.memory_usage()
+        if not usage:
+            return
+        fd = os.open(os.path.join(self.dir, "memory.reclaim"), os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, str(usage).encode())
+        except OSError as e:   # EAGAIN: less than asked could be reclaimed, which is expected
+            if e.errno != errno.EAGAIN:
+                raise
+        finally:
+            os.close(fd)
 
     def stats(self) -> dict:
         return stats.v2_stats(self.dir)

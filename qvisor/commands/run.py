@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import os
 import signal
+import sys
 
 from qvisor import container
 from qvisor.spec import load_spec
@@ -24,21 +25,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-new-keyring", action="store_true", help="accepted for runc compatibility")
     p.add_argument("--preserve-fds", type=int, default=0, metavar="N",
                    help="pass the caller's fds 3 .. 2+N on to the container's process")
+    p.add_argument("--snapshot-when", default="", metavar="COND",
+                   help="hibernate the container once COND holds: tcp:PORT (a socket listens), file:PATH "
+                        "(exists in the container) or exec:CMD (exits 0 in the container)")
+    p.add_argument("--snapshot-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long --snapshot-when waits before it fails (and removes the container)")
     p.add_argument("id")
 
 
 def run(args: argparse.Namespace) -> int:
     from qvisor import console
     container.preserved_fds(args.preserve_fds)   # checked before quark opens fds of its own
+    ready_when = None
+    if args.snapshot_when:
+        from qvisor import readiness
+        ready_when = readiness.parse(args.snapshot_when)   # a bad COND creates nothing
     terminal = bool(load_spec(os.path.abspath(args.bundle)).process and
                     load_spec(os.path.abspath(args.bundle)).process.terminal)
     own_console = terminal and not args.console_socket and not args.detach
     with (console.console_socket() if own_console else contextlib.nullcontext((args.console_socket, None))) as (path, listener):
         st = container.create(args.root, args.id, args.bundle, pid_file=args.pid_file, console_socket=path,
-                              platform=args.platform, log_file=args.log, preserve_fds=args.preserve_fds)
+                              platform=args.platform, log_file=args.log, preserve_fds=args.preserve_fds,
+                              in_factory=getattr(args, "in_factory", False))
         master = console.receive_master(listener) if listener is not None else -1
     try:
         container.start(args.root, args.id)
+        if ready_when is not None:
+            _hibernate_when_ready(args, ready_when)
     except BaseException:
         container.delete(args.root, args.id, force=True)
         raise
@@ -53,6 +66,15 @@ def run(args: argparse.Namespace) -> int:
     if not args.keep:
         container.delete(args.root, args.id, force=True)
     return result["exit_status"]
+
+
+def _hibernate_when_ready(args: argparse.Namespace, cond) -> None:
+    from qvisor import readiness, swap
+    took = readiness.wait_ready(args.root, args.id, cond, args.snapshot_timeout)
+    swap.ensure_swap()
+    info = container.hibernate(args.root, args.id, reason="ready")
+    print(f"{args.id}: ready after {took:.2f}s, hibernated: memory {info['warm_bytes'] / 2**20:.1f} MiB -> "
+          f"{info['held_bytes'] / 2**20:.1f} MiB", file=sys.stderr)
 
 
 def _forward(root: str, cid: str, sig: int) -> None:

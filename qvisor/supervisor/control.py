@@ -79,6 +79,12 @@ class ControlMixin:
                 self._exec(conn, msg, fds)
             elif op == "signal":
                 self._signal(conn, msg.get("pid"), msg.get("signal"))
+            elif op == "hibernate":
+                self._op_hibernate(conn, msg)
+            elif op == "wake":
+                self._op_wake(conn, msg)
+            elif op == "snapshot":
+                self._op_snapshot_info(conn)
             elif op == "tables":   # read-only: how much the supervisor holds (tests check it stays bounded)
                 self._reply(conn, {"execs": len(self.execs), "exits": len(self.exits),
                                    "waiters": sum(map(len, self.waiters.values()))})
@@ -105,6 +111,7 @@ class ControlMixin:
         conn, self.pending_start = self.pending_start, None
         if error is None:
             self.store.save(self.state)
+            self._schedule_idle_check()
         if conn is None:
             return
         if error is None:

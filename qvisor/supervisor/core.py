@@ -20,11 +20,12 @@ from qvisor.supervisor.control import ControlMixin
 from qvisor.supervisor.create import CreateMixin
 from qvisor.supervisor.exec import ExecMixin
 from qvisor.supervisor.reaper import ReaperMixin
+from qvisor.supervisor.snapshot import IDLE_ANNOTATION, SnapshotMixin, parse_duration
 
 log = logging.getLogger("quark.supervisor")
 
 
-class Supervisor(CreateMixin, ControlMixin, ExecMixin, ReaperMixin, ChildMixin):
+class Supervisor(CreateMixin, ControlMixin, ExecMixin, ReaperMixin, SnapshotMixin, ChildMixin):
     def __init__(self, store: StateStore, state: ContainerState, spec: Spec, platform: str,
                  console_socket: str, ready_fd: int, launcher_pid: int = 0, preserve_fds: int = 0,
                  caller_may_reap: bool = True) -> None:
@@ -48,6 +49,9 @@ class Supervisor(CreateMixin, ControlMixin, ExecMixin, ReaperMixin, ChildMixin):
         self.killing = False                   # the cgroup's processes are being killed (_kill_rest)
         self.phases = phases.Phases(state.id)  # QUARK_PHASES: when each step of create and start happened
         self.phases.mark("verb", phases.verb_started)
+        self._init_snapshot()
+        if spec.annotations.get(IDLE_ANNOTATION):   # checked by validate at create: it parses
+            self.idle_after = parse_duration(spec.annotations[IDLE_ANNOTATION])
 
     # ---- life cycle -------------------------------------------------------------------------
 

@@ -188,6 +188,7 @@ class ReaperMixin:
             self.state.status = STOPPED
             self.state.exit_status, self.state.exited_at = code, at
             self.store.save(self.state)
+            self._hibernation_over()
             if self.pending_start is not None:
                 self._start_done(QuarkError(f"container process exited with status {code} before it started"))
             # processes left in a container that shares the host pid namespace die with its init

@@ -166,3 +166,23 @@ def test_update_rewrites_limits_and_device_program(quark, bundle, tmp_path) -> N
               check=False)
     assert "null-ok" in r.stdout and "Operation not permitted" in r.stderr
     assert r.stdout.split()[0] == "0"
+
+
+def test_hibernate_freezes_through_cgroup_freeze_and_a_connection_wakes_it(quark, bundle) -> None:
+    """Hibernation on v2 (qvisor/supervisor/snapshot.py): cgroup.freeze, memory.reclaim, a wake on
+    connect, SIGKILL while hibernated. The guest has no swap: the memory stays and it says so."""
+    from tests.support.snapshot import http_get, wait_listening
+    cid = _cid("hib")
+    quark("run", "-d", "--bundle", bundle(["httpd", "-f", "-p", "8080", "-h", "/etc"]), cid)
+    pid = quark.state(cid)["pid"]
+    wait_listening(pid, 8080)
+    out = quark("snapshot", "create", cid).stdout
+    assert "frozen only" in out or "MiB ->" in out
+    assert _read(cid, "cgroup.freeze") == "1" and _events(cid)["frozen"] == 1
+    assert http_get(pid, 8080, "/group").startswith(b"root:x:0:")
+    assert _read(cid, "cgroup.freeze") == "0" and quark.state(cid)["status"] == "running"
+    quark("snapshot", "create", cid)
+    quark("kill", cid, "KILL")
+    _wait_stopped(quark, cid)
+    quark("delete", cid)
+    assert not os.path.exists(_dir(cid))

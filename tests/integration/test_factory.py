@@ -414,3 +414,20 @@ def test_containerds_shim_delete_runs_in_the_factory(served, tmp_path):
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return sorted(int(x) for x in f.read().split())
+
+
+def test_a_detached_run_is_served_and_a_foreground_run_is_not(served, quark, bundle, tmp_path):
+    """`run -d` is create + start in one worker (its supervisor forked from the factory, in the
+    caller's place); a foreground run waits and forwards signals, so the CLI keeps it."""
+    where, proc, env = served
+    b = bundle(["sleep", "100"])
+    r = _run(env, "--root", quark.root, "run", "-d", "--bundle", b, "rd")
+    assert r.returncode == 0, r.stderr + _log(tmp_path)
+    assert quark.state("rd")["status"] == "running"
+    assert _smaps(_supervisor(quark.root, "rd"))["Shared_Dirty"] > 2048   # forked from the factory
+    with open(f"/proc/{_supervisor(quark.root, 'rd')}/cmdline", "rb") as f:
+        assert f.read().split(b"\0")[:4] == [b"quark", b"--root", quark.root.encode(), b"run"]
+    r = _run(env, "--root", quark.root, "run", "--bundle", bundle(["sh", "-c", "exit 3"]), "fg")
+    assert r.returncode == 3
+    assert "fg" not in quark.ids()
+    assert "declined" not in _log(tmp_path)

@@ -175,6 +175,26 @@ def test_busybox_nc_httpd_wget(bed):
     bed.stop("quark", "ncl")
 
 
+def test_a_tsor_peer_wakes_a_hibernated_server(bed):
+    """Wake-on-connect through TSoR's local path: the connection is held while the server is
+    frozen (its doorbell waits in the listener's accept queue) and completes once it runs."""
+    pod_s, pod_c = bed.node_a.pod("hbs"), bed.node_a.pod("hbc")
+    bed.start("quark", "hb-httpd", bed.bundle("hb-httpd", ["busybox", "httpd", "-f", "-p", "8080", "-h", "/etc"],
+                                              pod_s))
+    time.sleep(1)
+    bed.quark("snapshot", "create", "hb-httpd")   # with or without swap: frozen either way
+    assert json.loads(bed.quark("state", "hb-httpd").stdout)["status"] == "paused"
+    before = local_connections(bed.node_a)
+    r = bed.run("quark", "hb-wget", timeout=60, bundle=bed.bundle("hb-wget", ["sh", "-c",
+                f"busybox wget -q -O /out/hb-wget.txt http://{pod_s.ip}:8080/hostname"], pod_c))
+    assert r.returncode == 0, r.stderr
+    with open("/etc/hostname") as f, open(bed.out("hb-wget.txt")) as g:
+        assert g.read() == f.read()
+    assert local_connections(bed.node_a) >= before + 1   # it went through TSoR, not around it
+    assert json.loads(bed.quark("state", "hb-httpd").stdout)["status"] == "running"
+    bed.stop("quark", "hb-httpd")
+
+
 def test_iperf3_and_redis(bed):
     pod_s, pod_c = bed.node_a.pod("ips"), bed.node_a.pod("ipc")
     bed.start("quark", "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], pod_s))

@@ -83,3 +83,23 @@ def test_runc_and_quark_pods_mix(two):
         assert f.read().strip() == "runc-here"
     assert counters(two.a)['tsor_connections_total{path="fallback"}'] == before + 1
     two.stop("runc", "rsrv")
+
+
+def test_a_peer_on_another_node_wakes_a_hibernated_server(two):
+    """Wake-on-connect over the tcp path: a quark client on node a connects to a hibernated
+    quark server on node b; the connection waits in the frozen listener's queue and completes."""
+    pod_s, pod_c = two.b.pod("hsrv"), two.a.pod("hcli")
+    two.start("quark", "hsrv", two.bundle("hsrv", ["busybox", "httpd", "-f", "-p", "8080", "-h", "/etc"], pod_s))
+    from tests.support.snapshot import wait_listening
+    wait_listening(json.loads(two.quark("state", "hsrv").stdout)["pid"], 8080)
+    two.quark("snapshot", "create", "hsrv")
+    assert json.loads(two.quark("state", "hsrv").stdout)["status"] == "paused"
+    before = counters(two.a)['tsor_connections_total{path="tcp"}']
+    r = two.run("quark", "hcli", two.bundle("hcli", ["sh", "-c",
+                f"busybox wget -q -O /out/hcli.txt http://{pod_s.ip}:8080/hostname"], pod_c), timeout=60)
+    assert r.returncode == 0, r.stderr
+    with open("/etc/hostname") as f, open(two.out("hcli.txt")) as g:
+        assert g.read() == f.read()
+    assert counters(two.a)['tsor_connections_total{path="tcp"}'] == before + 1
+    assert json.loads(two.quark("state", "hsrv").stdout)["status"] == "running"
+    two.stop("quark", "hsrv")

@@ -26,5 +26,9 @@ def test_value_flags_agree():
     assert _c_list("value_flags") == set(cli._VALUE_FLAGS)
 
 
+def test_detach_flags_agree():
+    assert _c_list("detach_flags") == set(cli._DETACH_FLAGS)
+
+
 def test_wire_magic_agrees():
     assert f'#define MAGIC "{factory.MAGIC.decode()}"' in SOURCE
