@@ -35,6 +35,7 @@ class Supervisor(CreateMixin, ControlMixin, ExecMixin, ReaperMixin, SnapshotMixi
         self.loop = Loop()
         self.cgroup = cgroups.open_cgroup(state.cgroup_path)
         self.kernel: Any = None
+        self.procview_mnt: int | None = None   # the /proc view made for the init (-1: could not be)
         self.init: _Child | None = None
         self.pending_start: socket.socket | None = None
         self.waiters: dict[int, list[socket.socket]] = {}

@@ -64,8 +64,11 @@ class CreateMixin:
             self.state.pid_start_time = procfs.start_time(child.pid) or 0
             if self.caller_reaps:
                 self._watch_exit(child.pid)
-            self._start_kernel(child.pid)
+            # the init builds its rootfs from here on: what we set up meanwhile (QKernel, the /proc
+            # view it will ask for) runs beside it, not before it (~5 ms of every create)
             self._send_prepare(child)
+            self._start_kernel(child.pid)
+            self._make_procview(child)
         elif kind == "create-runtime":
             st = self._hook_state()
             hooks.run_hooks("prestart", self.spec.hooks.prestart, st)
@@ -115,15 +118,26 @@ class CreateMixin:
             for fd in fds.values():
                 os.close(fd)
 
-    def _serve_procview(self, child: _Child) -> None:
-        """The init asks for the container's /proc view (qvisor/procview.py): serve it on our loop
-        and send the filesystem for the init to bind in, or nothing, and the container goes without."""
+    def _make_procview(self, child: _Child) -> None:
+        """Make the container's /proc view (qvisor/procview.py) before the init asks for it, when it
+        will (the init's own test: rootfs.procview_wanted in a new mount namespace)."""
+        if not (self.spec.linux.new_namespace("mount") and rootfs.procview_wanted(self.spec)):
+            return
         from qvisor import procview
         try:
-            mnt = procview.serve(self.loop, self.cgroup, child.pid, self.state.pid_start_time)
+            self.procview_mnt = procview.serve(self.loop, self.cgroup, child.pid, self.state.pid_start_time)
         except OSError as e:
             log.warning("the container's /proc view is off: it sees the host's /proc/meminfo, cpuinfo, ... (%s; "
                         "annotation %s=false skips the view)", e, procview.ANNOTATION)
+            self.procview_mnt = -1   # tried and failed: the init's request gets nothing
+
+    def _serve_procview(self, child: _Child) -> None:
+        """The init asks for the container's /proc view: send the filesystem made for it (served on
+        our loop) for the init to bind in, or nothing, and the container goes without."""
+        if self.procview_mnt is None:   # not made ahead (cannot be: our test is the init's)
+            self._make_procview(child)
+        mnt, self.procview_mnt = self.procview_mnt, None
+        if mnt is None or mnt < 0:
             return channel.send(child.sock, {"type": "procview-ok"})
         try:
             channel.send(child.sock, {"type": "procview-ok"}, [mnt])
