@@ -7,6 +7,13 @@
     routes: /etc/quark/tsor-routes.yaml   # static route file (routes.py), reloaded when it changes
     cluster_secret_file: /etc/quark/tsor-secret   # shared by every node's tsord (mode 0600)
     insecure_no_auth: false         # true: node-to-node without the secret (a trusted lab network)
+    transport: auto                 # node to node: auto|rdma|tcp|softverbs, or per peer node:
+                                    #   {node-b: softverbs, "*": auto}   ("*": every other node)
+
+`transport`: `rdma` carries connections over an RC queue pair on this host's RDMA device (pyverbs),
+`softverbs` over the software provider (a TCP connection between the tsords is its cable: for hosts
+without an RNIC, both ends must say softverbs), `tcp` over one TCP connection each, and `auto` takes
+rdma where both nodes have an active RDMA port, else tcp (transport/rdma_link.py).
 
 Node to node, each tsord proves to the other that it knows the cluster secret (transport/tcp.py).
 Without a secret there is no node-to-node TSoR (connections to other nodes' pods run natively, and
@@ -24,7 +31,8 @@ import yaml
 from tsor import DEFAULT_SOCKET
 from tsor.errors import ConfigError
 
-_KEYS = {"node", "socket", "listen", "metrics", "routes", "cluster_secret_file", "insecure_no_auth"}
+_KEYS = {"node", "socket", "listen", "metrics", "routes", "cluster_secret_file", "insecure_no_auth", "transport"}
+TRANSPORTS = ("auto", "rdma", "tcp", "softverbs")
 MIN_SECRET = 16   # bytes: a guessable secret would be no authentication
 
 
@@ -46,6 +54,12 @@ class Config:
     routes: str | None = None
     cluster_secret: bytes | None = None
     insecure_no_auth: bool = False
+    transport: tuple[tuple[str, str], ...] = (("*", "auto"),)   # (node name or "*", transport)
+
+    def transport_for(self, node: str) -> str:
+        """The node-to-node transport configured for peer `node`."""
+        chosen = dict(self.transport)
+        return chosen.get(node, chosen.get("*", "auto"))
 
     @property
     def node_key(self) -> bytes | None:
@@ -110,7 +124,21 @@ def load(path: str) -> Config:
         raise ConfigError(path, "listen", "node-to-node set-up needs the cluster's shared secret: set "
                                           "cluster_secret_file (or insecure_no_auth: true on a trusted network)")
     return Config(node=node, socket=sock, listen=listen, metrics=metrics, routes=routes,
-                  cluster_secret=secret, insecure_no_auth=insecure)
+                  cluster_secret=secret, insecure_no_auth=insecure,
+                  transport=_transport(raw.get("transport", "auto"), path))
+
+
+def _transport(value: object, path: str) -> tuple[tuple[str, str], ...]:
+    pairs = value.items() if isinstance(value, dict) else [("*", value)]
+    out = []
+    for node, t in pairs:
+        if not isinstance(node, str) or not node:
+            raise ConfigError(path, "transport", f"expected node names as keys, got {node!r}")
+        if t not in TRANSPORTS:
+            field = "transport" if node == "*" and not isinstance(value, dict) else f"transport.{node}"
+            raise ConfigError(path, field, f"expected one of {', '.join(TRANSPORTS)}, got {t!r}")
+        out.append((node, t))
+    return tuple(out)
 
 
 def _secret(value: object, path: str) -> bytes | None:

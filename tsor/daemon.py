@@ -5,9 +5,10 @@
 One thread reads each registered sandbox's socket (at most MAX_SESSIONS); until its hello is
 verified a connection gets no thread of its own: one gate thread holds them all, at most
 MAX_UNREGISTERED for HELLO_TIMEOUT each (tsor/gate.py). Connects are served from a thread pool,
-because a local connect waits for the server sandbox to take its end. tsord holds no connection once it is set up:
-killing or restarting it never breaks an established connection, and while it is down sandboxes
-connect natively.
+because a local connect waits for the server sandbox to take its end. On the local and tcp paths
+tsord holds no connection once it is set up: killing or restarting it never breaks an established
+connection, and while it is down sandboxes connect natively. The rdma path's pump runs in tsord
+(transport/rdma.py): its connections end, reset, with it.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from tsor.gate import Gate, Pending
 from tsor.identity import Identity, ProcVerifier, Verifier
 from tsor.metrics import Metrics, MetricsServer
 from tsor.transport.local import LocalTransport
+from tsor.transport.rdma_link import RdmaTransport
 from tsor.transport.tcp import TcpTransport
 
 log = logging.getLogger("tsor.daemon")
@@ -104,6 +106,7 @@ class Daemon:
         self._stopped = threading.Event()
         self.local = LocalTransport(self.deliver)
         self.remote = None
+        self.rdma: RdmaTransport | None = None
         self.server: socket.socket | None = None
         self.gate: Gate | None = None
         self.metrics_server: MetricsServer | None = None
@@ -116,7 +119,8 @@ class Daemon:
         if self.route_source is not None:
             self.route_source.start(self.routes)
         self.bytes.start()
-        self.remote = TcpTransport(self.deliver, self.routes, self.cfg.listen, self.cfg.node_key)
+        self.rdma = RdmaTransport(self.cfg.node, self.deliver, self.cfg.node_key, self.cfg.transport_for)
+        self.remote = TcpTransport(self.deliver, self.routes, self.cfg.listen, self.cfg.node_key, self.rdma.serve)
         os.makedirs(os.path.dirname(self.cfg.socket), exist_ok=True)
         try:
             os.unlink(self.cfg.socket)
@@ -146,6 +150,8 @@ class Daemon:
             self.server.close()
         if self.remote is not None:
             self.remote.close()
+        if self.rdma is not None:
+            self.rdma.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.bytes.close()
@@ -304,7 +310,10 @@ class Daemon:
                 else:
                     node = self.routes.lookup(dst[0])
                     if node is not None and node.name != self.cfg.node:
-                        path, sock = "tcp", self.remote.connect(node, src, dst)
+                        if self.rdma.usable(node):
+                            path, sock = "rdma", self.rdma.connect(node, src, dst)
+                        else:
+                            path, sock = "tcp", self.remote.connect(node, src, dst)
             except OSError as e:
                 log.warning("connect %s -> %s failed: %s", sess.name, dst, e)
                 sock = None

@@ -180,7 +180,7 @@ class SocketIntercept:
         try:
             if d.done:   # the task was interrupted or died meanwhile
                 return
-            if (not reply or reply.get("path") not in ("local", "tcp") or new is None
+            if (not reply or reply.get("path") not in ("local", "tcp", "rdma") or new is None
                     or _sys.socket_inode(call.pid, fd) != ino):   # fd closed or reused meanwhile
                 return d.native()
             _set_nonblock(new, nonblock)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
 log = logging.getLogger("tsor.metrics")
-PATHS = ("local", "tcp", "fallback")
+PATHS = ("local", "tcp", "rdma", "fallback")
 GAUGE_HELP = {"sandboxes": "Sandboxes registered with this node's tsord.",
               "listeners": "Listening sockets sandboxes on this node have announced."}
 CLIENT_TIMEOUT = 2.0   # a scraper that connects and says nothing holds its thread this long
@@ -41,7 +41,7 @@ class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.connections = dict.fromkeys(PATHS, 0)       # outgoing, by the path they took
-        self.incoming = dict.fromkeys(PATHS[:2], 0)      # delivered to a listener here
+        self.incoming = dict.fromkeys(PATHS[:3], 0)      # delivered to a listener here
         self.setup_seconds = dict.fromkeys(PATHS, 0.0)
         self.protocol_errors = 0
         self.refused_claims = 0

@@ -7,7 +7,7 @@ requests: the sandbox asks to connect and announces listeners; tsord offers inco
     sandbox -> tsord  hello     {sandbox, pid, addrs}           -> {ok, node} | {error}
                       listen    {token, addr, port, v6only}     -> {ok} | {error}
                       unlisten  {token}                         -> {ok}
-                      connect   {dst: [ip, port], src_port}     -> {path: local|tcp, src, fd} | {path: fallback}
+                      connect   {dst: [ip, port], src_port}     -> {path: local|tcp|rdma, src, fd} | {path: fallback}
     tsord -> sandbox  incoming  {token, peer, local, path, greet} + fd -> {ok}
 
 `decode` checks every field; a malformed message raises ProtocolError for that message only.
@@ -26,7 +26,7 @@ from tsor.errors import ProtocolError
 
 MAX_MSG = 64 * 1024
 MAX_FDS = 4
-PATHS = ("local", "tcp", "fallback")
+PATHS = ("local", "tcp", "rdma", "fallback")
 
 
 @dataclass(frozen=True)

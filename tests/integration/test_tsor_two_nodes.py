@@ -16,17 +16,18 @@ def counters(node) -> dict[str, float]:
     return parse(fetch(node.metrics))
 
 
-@pytest.fixture(scope="module")
-def two():
+def two_nodes(prefix: str, octet: int, transport: str | None = None):
+    """Two linked nodes with a tsord each (`transport`: tsor.yaml's node-to-node setting) and the
+    semantics program's server in a quark pod on node b; a generator for module fixtures."""
     needs_root()
     needs_tsor_in_qkernel()
     from tests.support.testbed import Testbed
-    b = Testbed(prefix="qt2", octet=214)
+    b = Testbed(prefix=prefix, octet=octet)
     try:
         a, bn = b.node("a"), b.node("b")
         b.link(a, bn)
-        a.start_tsord()
-        bn.start_tsord()
+        a.start_tsord(transport=transport)
+        bn.start_tsord(transport=transport)
         srv = bn.pod("srv")
         b.start("quark", "srv", b.bundle("srv", PROG + ["server", str(PORT)], srv))
         wait_file(b.out("server-ready"))
@@ -36,14 +37,24 @@ def two():
         b.close()
 
 
-@pytest.fixture(scope="module")
-def semantics(two):
+def client_semantics(two) -> dict:
+    """The semantics program's client in a quark pod on node a, against the server on node b."""
     pod = two.a.pod("cli")
     r = two.run("quark", "cli", two.bundle("cli", PROG + ["client", two.srv.ip, two.srv.ip6, str(PORT),
                                                          "/out/client.json"], pod))
     assert r.returncode == 0, r.stderr
     with open(two.out("client.json")) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def two():
+    yield from two_nodes("qt2", 214)
+
+
+@pytest.fixture(scope="module")
+def semantics(two):
+    return client_semantics(two)
 
 
 @pytest.mark.parametrize("check", [c for c in CHECKS if c != "loopback_stays_in_the_pod"])

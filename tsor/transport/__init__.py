@@ -1,8 +1,10 @@
 """How a TSoR connection is carried. Each transport hands the client sandbox one end and delivers
-the other to the server sandbox's listener; none stays in the data path.
+the other to the server sandbox's listener; local and tcp stay out of the data path, rdma pumps
+each connection's bytes between its socketpair and the queue pair (transport/rdma.py).
 
 A transport is chosen per connection by the daemon: `local` when the listener is on this node,
-otherwise the transport configured for node-to-node traffic (`tcp`; `rdma` plugs in here).
+otherwise the transport configured for the peer node (tsor.yaml `transport`): `rdma` (over an
+RDMA device or softverbs, transport/rdma_link.py) where it is set up, else `tcp`.
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 from tsor.addr import Endpoint, unmapped, valid_ip
 from tsor.config import HostPort
@@ -60,8 +61,37 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return buf
 
 
+# rdma_setup(sock, node, request): a peer tsord asked, on an authenticated connection, for an rdma link
+RdmaSetup = Callable[[socket.socket, Node, object], None]
+
+
 def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, label + b"".join(parts), hashlib.sha256).digest()
+
+
+def dial(node: Node, key: bytes, request: dict) -> socket.socket | None:
+    """A connection to `node`'s tsord on which both sides proved the cluster secret, `request`
+    (JSON) being the client's header; None if the node is unreachable or failed its proof."""
+    try:
+        s = socket.create_connection((node.address.host, node.address.port), timeout=SETUP_TIMEOUT)
+    except OSError as e:
+        log.info("node %s (%s) unreachable: %s", node.name, node.address, e)
+        return None
+    try:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        theirs, ours = _recv_exact(s, NONCE), os.urandom(NONCE)
+        header = json.dumps({**request, "nonce": ours.hex()}).encode()
+        s.sendall(struct.pack("!I", len(header)) + header + _mac(key, CLIENT, theirs, header))
+        proof = _recv_exact(s, MAC)
+    except OSError as e:
+        log.info("set-up with node %s failed: %s", node.name, e)
+        s.close()
+        return None
+    if not hmac.compare_digest(proof, _mac(key, SERVER, ours, theirs)):
+        log.warning("node %s (%s) did not prove the cluster secret", node.name, node.address)
+        s.close()
+        return None
+    return s
 
 
 class _Setup:
@@ -76,9 +106,10 @@ class TcpTransport:
     name = "tcp"
 
     def __init__(self, deliver: Deliver, routes: RouteTable, listen: HostPort | None,
-                 key: bytes | None) -> None:
-        """`key`: the cluster secret (b"": insecure_no_auth); None: no node-to-node set-up at all."""
-        self.deliver, self.routes, self.key = deliver, routes, key
+                 key: bytes | None, rdma_setup: RdmaSetup | None = None) -> None:
+        """`key`: the cluster secret (b"": insecure_no_auth); None: no node-to-node set-up at all.
+        `rdma_setup`: takes over connections whose header asks for an rdma link (transport/rdma_link.py)."""
+        self.deliver, self.routes, self.key, self.rdma_setup = deliver, routes, key, rdma_setup
         self._server: socket.socket | None = None
         self._gate: Gate | None = None
         self._setups = threading.BoundedSemaphore(MAX_SETUPS)
@@ -97,22 +128,10 @@ class TcpTransport:
     def connect(self, node: Node, src: Endpoint, dst: Endpoint) -> socket.socket | None:
         if node.address is None or self.key is None:
             return None
-        try:
-            s = socket.create_connection((node.address.host, node.address.port), timeout=SETUP_TIMEOUT)
-        except OSError as e:
-            log.info("node %s (%s) unreachable: %s", node.name, node.address, e)
+        s = dial(node, self.key, {"src": list(src), "dst": list(dst)})
+        if s is None:
             return None
         try:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            theirs, ours = _recv_exact(s, NONCE), os.urandom(NONCE)
-            header = json.dumps({"src": list(src), "dst": list(dst), "nonce": ours.hex()}).encode()
-            s.sendall(struct.pack("!I", len(header)) + header + _mac(self.key, CLIENT, theirs, header))
-            proof = _recv_exact(s, MAC)
-            if not hmac.compare_digest(proof, _mac(self.key, SERVER, ours, theirs)):
-                log.warning("node %s (%s) did not prove the cluster secret; connecting natively",
-                            node.name, node.address)
-                s.close()
-                return None
             status = _recv_exact(s, 1)
         except OSError as e:
             log.info("set-up with node %s failed: %s", node.name, e)
@@ -175,6 +194,8 @@ class TcpTransport:
         if not hmac.compare_digest(proof, _mac(self.key, CLIENT, setup.nonce, raw)):
             raise PermissionError("no valid proof of the cluster secret")
         h = json.loads(raw)
+        if "rdma" in h:
+            return self._check_rdma(h, setup, peer_ip)
         src, dst, nonce = h["src"], h["dst"], bytes.fromhex(h["nonce"])
         if not (valid_ip(src[0]) and valid_ip(dst[0]) and 0 <= src[1] < 65536 and 0 < dst[1] < 65536
                 and len(nonce) == NONCE):
@@ -185,7 +206,28 @@ class TcpTransport:
             raise PermissionError(f"{peer_ip} is not the node of pod {src[0]}")
         return {"src": (src[0], src[1]), "dst": (dst[0], dst[1]), "proof": _mac(self.key, SERVER, nonce, setup.nonce)}
 
+    def _check_rdma(self, h: dict, setup: _Setup, peer_ip: str) -> dict:
+        """A peer tsord asks for an rdma link: it must be the node it names, from that node's address."""
+        nonce = bytes.fromhex(h["nonce"])
+        node = self.routes.nodes.get(h["node"])
+        if self.rdma_setup is None or len(nonce) != NONCE:
+            raise ValueError("no rdma set-up here")
+        if node is None or node.address is None or unmapped(node.address.host) != unmapped(peer_ip):
+            raise PermissionError(f"{peer_ip} is not the address of node {h['node']!r}")
+        return {"rdma": h["rdma"], "node": node, "proof": _mac(self.key, SERVER, nonce, setup.nonce)}
+
     def _serve(self, s: socket.socket, header: dict, peer_ip: str) -> None:
+        if "rdma" in header:
+            try:
+                s.settimeout(SETUP_TIMEOUT)
+                s.sendall(header["proof"])
+                self.rdma_setup(s, header["node"], header["rdma"])   # the socket is its own now
+            except OSError as e:
+                log.warning("rdma set-up from %s failed: %s", peer_ip, e)
+                s.close()
+            finally:
+                self._setups.release()
+            return
         try:
             s.settimeout(SETUP_TIMEOUT)
             s.sendall(header["proof"])

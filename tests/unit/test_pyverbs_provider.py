@@ -1,0 +1,172 @@
+"""The pyverbs provider: its decisions (constants from both pyverbs layouts, QP transition attributes
+and masks, GIDs, immediate byte order) without a device; a real write where a device exists."""
+from __future__ import annotations
+
+import enum
+import socket
+import sys
+import time
+import types
+
+import pytest
+
+from tsor.verbs import (
+    Access,
+    NoDevice,
+    QpInfo,
+    RecvWr,
+    SendWr,
+    Sge,
+    WcOpcode,
+    WcStatus,
+    WrOpcode,
+)
+from tsor.verbs import pyverbs_provider as pv
+
+ALL = [(ctype, name) for ctype, names in pv._NEEDED.items() for name in names]
+# values no libibverbs constant has, so a result can only have come from the injected module
+FAKE = {name: 1 << i for i, (_, name) in enumerate(ALL)}
+
+
+def new_layout() -> types.ModuleType:
+    """PyPI pyverbs (rdma-core 5x): pyverbs.libibverbs_enums, one IntEnum class per C enum."""
+    mod = types.ModuleType("pyverbs.libibverbs_enums")
+    for ctype in pv._NEEDED:
+        setattr(mod, ctype, enum.IntEnum(ctype, {n: FAKE[n] for n in pv._NEEDED[ctype]}))
+    return mod
+
+
+def old_layout() -> types.ModuleType:
+    """Debian's python3-pyverbs (rdma-core 44): pyverbs.enums, flat module constants."""
+    mod = types.ModuleType("pyverbs.enums")
+    for name, value in FAKE.items():
+        setattr(mod, name, value + 1)
+    return mod
+
+
+def test_constants_from_the_pypi_layout(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyverbs.libibverbs_enums", new_layout())
+    monkeypatch.setitem(sys.modules, "pyverbs.enums", old_layout())   # present too, but second choice
+    assert pv.constants() == FAKE
+
+
+def test_constants_from_the_debian_layout(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyverbs.libibverbs_enums", None)   # None in sys.modules: ImportError
+    monkeypatch.setitem(sys.modules, "pyverbs.enums", old_layout())
+    assert pv.constants() == {n: v + 1 for n, v in FAKE.items()}
+
+
+def test_a_layout_missing_a_constant_is_passed_over(monkeypatch):
+    partial = new_layout()
+    delattr(partial, "ibv_wr_opcode")
+    monkeypatch.setitem(sys.modules, "pyverbs.libibverbs_enums", partial)
+    monkeypatch.setitem(sys.modules, "pyverbs.enums", old_layout())
+    assert pv.constants()["IBV_WR_RDMA_WRITE_WITH_IMM"] == FAKE["IBV_WR_RDMA_WRITE_WITH_IMM"] + 1
+
+
+def test_no_pyverbs_at_all_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyverbs.libibverbs_enums", None)
+    monkeypatch.setitem(sys.modules, "pyverbs.enums", None)
+    with pytest.raises(NoDevice) as e:
+        pv.open_device()
+    assert str(e.value).startswith("no RDMA device (pyverbs is not usable")
+
+
+def test_installed_pyverbs_has_libibverbs_values():
+    pytest.importorskip("pyverbs", reason="python3-pyverbs not installed")
+    c = pv.constants()
+    assert (c["IBV_QPS_RTS"], c["IBV_QPS_ERR"], c["IBV_WR_RDMA_WRITE_WITH_IMM"], c["IBV_ACCESS_REMOTE_WRITE"],
+            c["IBV_WC_RECV_RDMA_WITH_IMM"], c["IBV_QP_AV"]) == (3, 6, 1, 2, 129, 1 << 7)
+
+
+def test_init_transition():
+    t = pv.init_transition(FAKE, Access.LOCAL_WRITE | Access.REMOTE_WRITE, 2)
+    assert t.fields == {"qp_state": FAKE["IBV_QPS_INIT"], "pkey_index": 0, "port_num": 2,
+                        "qp_access_flags": FAKE["IBV_ACCESS_LOCAL_WRITE"] | FAKE["IBV_ACCESS_REMOTE_WRITE"]}
+    assert t.mask == (FAKE["IBV_QP_STATE"] | FAKE["IBV_QP_PKEY_INDEX"] | FAKE["IBV_QP_PORT"]
+                      | FAKE["IBV_QP_ACCESS_FLAGS"])
+
+
+def test_rtr_transition_over_roce_uses_a_grh():
+    gid = bytes(10) + b"\xff\xff" + bytes([10, 99, 0, 2])
+    t = pv.rtr_transition(FAKE, QpInfo(qpn=0x1234, psn=0x1ABCDEF, gid=gid, lid=0), 1, 5, 3)
+    assert t.fields["dest_qp_num"] == 0x1234
+    assert t.fields["rq_psn"] == 0xABCDEF          # PSNs are 24 bits
+    assert t.fields["path_mtu"] == 5 and t.fields["qp_state"] == FAKE["IBV_QPS_RTR"]
+    assert t.ah["is_global"] == 1 and t.ah["sgid_index"] == 3 and t.gid == gid
+    for m in ("STATE", "AV", "PATH_MTU", "DEST_QPN", "RQ_PSN", "MAX_DEST_RD_ATOMIC", "MIN_RNR_TIMER"):
+        assert t.mask & FAKE["IBV_QP_" + m], m
+    assert not t.mask & FAKE["IBV_QP_SQ_PSN"]
+
+
+def test_rtr_transition_over_infiniband_routes_by_lid():
+    t = pv.rtr_transition(FAKE, QpInfo(qpn=7, psn=1, gid=bytes(16), lid=0x21), 1, 5, 0)
+    assert t.ah == {"port_num": 1, "dlid": 0x21, "is_global": 0, "sl": 0} and t.gid is None
+
+
+def test_rts_and_error_transitions():
+    t = pv.rts_transition(FAKE, 0x2000001)
+    assert t.fields["sq_psn"] == 1 and t.fields["rnr_retry"] == 7
+    assert t.mask == sum(FAKE["IBV_QP_" + m] for m in ("STATE", "SQ_PSN", "TIMEOUT", "RETRY_CNT", "RNR_RETRY",
+                                                       "MAX_QP_RD_ATOMIC"))
+    e = pv.error_transition(FAKE)
+    assert (e.fields, e.mask) == ({"qp_state": FAKE["IBV_QPS_ERR"]}, FAKE["IBV_QP_STATE"])
+
+
+def test_transition_becomes_a_pyverbs_qp_attr():
+    pytest.importorskip("pyverbs", reason="python3-pyverbs not installed")
+    c = pv.constants()
+    gid = bytes(10) + b"\xff\xff" + bytes([10, 0, 0, 1])
+    attr = pv.qp_attr(pv.rtr_transition(c, QpInfo(77, 5, gid, 0), 1, 3, 2))
+    assert (attr.qp_state, attr.dest_qp_num, attr.rq_psn, attr.path_mtu) == (c["IBV_QPS_RTR"], 77, 5, 3)
+    assert attr.ah_attr.dgid == "0000:0000:0000:0000:0000:ffff:0a00:0001"
+    assert (attr.ah_attr.is_global, attr.ah_attr.sgid_index, attr.ah_attr.port_num) == (1, 2, 1)
+
+
+def test_gid_text_round_trip():
+    gid = bytes(range(16))
+    assert pv.gid_text(gid) == "0001:0203:0405:0607:0809:0a0b:0c0d:0e0f"
+    assert pv.gid_bytes(pv.gid_text(gid)) == gid
+    with pytest.raises(ValueError):
+        pv.gid_text(b"short")
+
+
+def test_immediate_data_is_big_endian_on_the_wire():
+    assert pv.imm_to_wire(0x80000001).to_bytes(4, sys.byteorder) == b"\x80\x00\x00\x01"
+    assert pv.imm_from_wire(pv.imm_to_wire(0x80000007)) == 0x80000007
+    assert socket.ntohl(pv.imm_to_wire(5)) == 5
+
+
+def test_write_with_imm_on_a_device():
+    """Two RC QPs on the host's first RDMA port, connected to each other (needs an RNIC)."""
+    try:
+        dev = pv.open_device()
+    except NoDevice as e:
+        pytest.skip(str(e))
+    rw = Access.LOCAL_WRITE | Access.REMOTE_WRITE
+    try:
+        pd = dev.alloc_pd()
+        chan = dev.create_comp_channel()
+        cq = dev.create_cq(64, chan)
+        a, b = pd.create_qp(cq, cq, 16, 16), pd.create_qp(cq, cq, 16, 16)
+        src, dst = bytearray(b"rdma!" + bytes(59)), bytearray(64)
+        smr, dmr = pd.reg_mr(src, rw), pd.reg_mr(dst, rw)
+        port = dev.port()
+        for qp in (a, b):
+            qp.to_init(rw)
+        a.to_rtr(QpInfo(b.qp_num, 1, port.gid, port.lid))
+        b.to_rtr(QpInfo(a.qp_num, 1, port.gid, port.lid))
+        a.to_rts(1)
+        b.to_rts(1)
+        b.post_recv(RecvWr(9))
+        a.post_send(SendWr(4, WrOpcode.RDMA_WRITE_WITH_IMM, [Sge(smr.addr, 5, smr.lkey)],
+                           remote_addr=dmr.addr, rkey=dmr.rkey, imm_data=0x80000003))
+        wcs, deadline = [], time.monotonic() + 5
+        while len(wcs) < 2 and time.monotonic() < deadline:
+            wcs += cq.poll(2)
+        byop = {w.opcode: w for w in wcs}
+        assert byop[WcOpcode.RECV_RDMA_WITH_IMM].imm_data == 0x80000003
+        assert byop[WcOpcode.RDMA_WRITE].status == WcStatus.SUCCESS
+        assert bytes(dst[:5]) == b"rdma!"
+    finally:
+        dev.close()

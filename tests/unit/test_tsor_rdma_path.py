@@ -1,0 +1,191 @@
+"""tsord's rdma path between two tsords in-process, over softverbs (the tsords' own authenticated TCP
+connection is the cable), with sandboxes played by TsordClient as in test_tsor_daemon; the
+`transport` setting; fallback to tcp where a peer does not take rdma."""
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from qlib.eventloop import Loop
+from tests.unit.test_tsor_daemon import (
+    SECRET,
+    FakeVerifier,
+    Sandbox,
+    StaticRoutes,
+    free_port,
+)
+from tsor import protocol
+from tsor.config import Config, HostPort, load
+from tsor.daemon import Daemon
+from tsor.errors import ConfigError
+from tsor.metrics import parse
+from tsor.routes import Node
+
+
+@pytest.fixture
+def node(tmp_path):
+    started = []
+
+    def make(name, owned, nodes, listen, transport):
+        d = Daemon(Config(node=name, socket=str(tmp_path / f"{name}.sock"), listen=listen, cluster_secret=SECRET,
+                          transport=transport),
+                   verifier=FakeVerifier(owned), route_source=StaticRoutes(list(nodes)))
+        d.start()
+        started.append(d)
+        return d
+    yield make
+    for d in started:
+        d.stop()
+
+
+def two_nodes(node, transport_a, transport_b):
+    pa, pb = free_port(), free_port()
+    nodes = [Node("node-a", HostPort("127.0.0.1", pa), (ipaddress.ip_network("10.1.0.0/24"),)),
+             Node("node-b", HostPort("127.0.0.1", pb), (ipaddress.ip_network("10.2.0.0/24"),))]
+    a = node("node-a", {"cli": {"10.1.0.5"}}, nodes, HostPort("127.0.0.1", pa), transport_a)
+    b = node("node-b", {"srv": {"10.2.0.7"}}, nodes, HostPort("127.0.0.1", pb), transport_b)
+    loop = Loop()
+    srv = Sandbox(loop, b.cfg.socket, "srv", ["10.2.0.7"])
+    cli = Sandbox(loop, a.cfg.socket, "cli", ["10.1.0.5"])
+    assert srv.register() and cli.register()
+    srv.call(protocol.Listen(9, "0.0.0.0", 5201))
+    return a, b, srv, cli
+
+
+def connect(cli, srv, port: int):
+    r, fds = cli.call(protocol.Connect(("10.2.0.7", 5201), port))
+    if not fds:
+        return r, None, None
+    c = socket.socket(fileno=fds[0])
+    s, inc = srv.accepted[-1]
+    assert inc.peer == ("10.1.0.5", port)
+    c.settimeout(10)
+    s.settimeout(10)
+    return r, c, (s, inc)
+
+
+SOFT = (("*", "softverbs"),)
+
+
+def test_rdma_path_over_softverbs_between_two_tsords(node):
+    a, b, srv, cli = two_nodes(node, SOFT, SOFT)
+    r, c, (s, inc) = connect(cli, srv, 40001)
+    assert r["path"] == "rdma" and inc.path == "rdma", r
+    assert c.family == socket.AF_UNIX     # the application's end of the pump
+    data = os.urandom(3 << 20)
+    t = threading.Thread(target=lambda: (c.sendall(data), c.shutdown(socket.SHUT_WR)), daemon=True)
+    t.start()
+    got = bytearray()
+    while chunk := s.recv(1 << 20):
+        got += chunk
+    t.join()
+    assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+    s.sendall(b"bye")
+    s.close()
+    assert c.recv(3) == b"bye" and c.recv(1) == b""
+    # one link carries every connection between the two nodes
+    r2, c2, (s2, _) = connect(cli, srv, 40002)
+    assert r2["path"] == "rdma"
+    assert a.rdma.status()["node-b"]["connections"] >= 1 and list(b.rdma.status()) == ["node-a"]
+    assert a.rdma.status()["node-b"]["provider"] == "softverbs"
+    c2.close()
+    s2.close()
+    ma, mb = parse(a.metrics.render()), parse(b.metrics.render())
+    assert ma['tsor_connections_total{path="rdma"}'] == 2 and mb['tsor_incoming_total{path="rdma"}'] == 2
+    # no listener on node b: the peer refuses, the client connects natively
+    r, fds = cli.call(protocol.Connect(("10.2.0.7", 9999), 40003))
+    assert r["path"] == "fallback" and not fds
+
+
+def test_a_peer_that_does_not_take_softverbs_gets_tcp(node):
+    a, b, srv, cli = two_nodes(node, SOFT, (("*", "tcp"),))
+    r, c, (s, inc) = connect(cli, srv, 40011)
+    assert r["path"] == "tcp" and inc.path == "tcp"
+    assert c.family == socket.AF_INET
+    c.close()
+    s.close()
+    assert a.rdma.status() == {} == b.rdma.status()
+
+
+def test_auto_without_an_rdma_device_is_tcp(node):
+    a, _, srv, cli = two_nodes(node, (("*", "auto"),), (("*", "auto"),))
+    r, c, (s, _) = connect(cli, srv, 40021)
+    assert r["path"] == "tcp"
+    assert a.rdma.rdma_device() is None      # this host has no RNIC
+    c.close()
+    s.close()
+
+
+def test_a_restarted_peer_tsord_resets_the_links_connections_and_new_ones_work(node):
+    a, b, srv, cli = two_nodes(node, SOFT, SOFT)
+    r, c, (s, _) = connect(cli, srv, 40031)
+    assert r["path"] == "rdma"
+    c.setblocking(False)          # fill the path: the server reads nothing
+    stalled_since = None
+    while stalled_since is None or time.monotonic() - stalled_since < 0.5:
+        try:
+            c.send(b"x" * 65536)
+            stalled_since = None
+        except BlockingIOError:
+            stalled_since = stalled_since or time.monotonic()
+            time.sleep(0.01)
+    c.settimeout(5)
+    b.rdma.close()                # node b's tsord loses its links (as when it dies)
+    deadline = time.monotonic() + 5
+    while "node-b" in a.rdma.status() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "node-b" not in a.rdma.status()
+    with pytest.raises(ConnectionResetError):   # the pump's end went with data still queued
+        c.recv(1)
+    # node b comes back (a fresh rdma transport in the same tsord); node a sets up a new link
+    from tsor.transport.rdma_link import RdmaTransport
+    b.rdma = RdmaTransport("node-b", b.deliver, b.cfg.node_key, b.cfg.transport_for)
+    b.remote.rdma_setup = b.rdma.serve
+    a.rdma._failed.clear()
+    r, c2, (s2, _) = connect(cli, srv, 40032)
+    assert r["path"] == "rdma"
+    c2.sendall(b"again")
+    assert s2.recv(5) == b"again"
+    for x in (c, s, c2, s2):
+        x.close()
+
+
+def test_transport_setting(tmp_path):
+    f = tmp_path / "tsor.yaml"
+    f.write_text("node: a\nsocket: /run/x.sock\ntransport: softverbs\n")
+    assert load(str(f)).transport_for("any") == "softverbs"
+    f.write_text("node: a\nsocket: /run/x.sock\ntransport: {node-b: softverbs, '*': tcp}\n")
+    cfg = load(str(f))
+    assert (cfg.transport_for("node-b"), cfg.transport_for("node-c")) == ("softverbs", "tcp")
+    f.write_text("node: a\nsocket: /run/x.sock\n")
+    assert load(str(f)).transport_for("node-b") == "auto"
+    f.write_text("node: a\nsocket: /run/x.sock\ntransport: {node-b: infiniband}\n")
+    with pytest.raises(ConfigError) as e:
+        load(str(f))
+    assert "transport.node-b" in str(e.value) and "auto, rdma, tcp, softverbs" in str(e.value)
+    f.write_text("node: a\nsocket: /run/x.sock\ntransport: fast\n")
+    with pytest.raises(ConfigError) as e:
+        load(str(f))
+    assert ": transport:" in str(e.value)
+
+
+def test_rdma_set_up_only_from_the_named_nodes_address(node):
+    """A peer must name a node of the route table whose address it connects from, and prove the
+    cluster secret, before it gets a QP."""
+    from tsor.transport import tcp
+    _, b, _, _ = two_nodes(node, SOFT, SOFT)
+    to_b = Node("node-b", b.cfg.listen, ())
+    assert tcp.dial(to_b, SECRET, {"rdma": "softverbs", "node": "node-c"}) is None     # not a node
+    b.routes.replace(list(b.routes.nodes.values()) + [Node("node-c", HostPort("10.9.9.9", 1), ())])
+    assert tcp.dial(to_b, SECRET, {"rdma": "softverbs", "node": "node-c"}) is None     # not from there
+    assert tcp.dial(to_b, b"another cluster's secret", {"rdma": "softverbs", "node": "node-a"}) is None
+    s = tcp.dial(to_b, SECRET, {"rdma": "softverbs", "node": "node-a"})
+    assert s is not None    # the real node: its set-up goes on
+    s.close()
+    assert b.rdma.status() == {}

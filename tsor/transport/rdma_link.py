@@ -1,0 +1,275 @@
+"""tsord's rdma transport: which peer nodes get an rdma link, the link's set-up over the
+authenticated tsord-to-tsord connection, and connections over it (transport/rdma.py moves the bytes).
+
+The node that first has a connection for a peer sets the link up (tcp.py's dial: both tsords prove
+the cluster secret first):
+
+    client -> server   header {"rdma": "rdma" | "softverbs", "node": its name}, the proofs (transport/tcp.py:
+                       the named node's route-table address must be where the connection comes from)
+    client -> server   4-byte length + JSON SetupInfo: QP number, PSN, GID, LID, ring region, sizes
+    server -> client   4-byte length + JSON SetupInfo, or {"error": why} (then the client uses tcp)
+
+Each side brings its QP to RTR before the other may write: the server before its answer, the
+client before it signals readiness. With `softverbs` that same TCP connection then becomes the
+cable (readiness: each device's hello, sent once its QP is in RTR); with `rdma` the client sends
+b"R" and the connection stays open as the link's lifeline: when it ends, the link is retired.
+A new set-up from a peer replaces its old link (its connections are reset: the peer restarted).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+from tsor.addr import Endpoint
+from tsor.errors import ProtocolError
+from tsor.routes import Node
+from tsor.transport import Deliver
+from tsor.transport.rdma import Link, RdmaEngine, RingConfig, SetupInfo
+from tsor.transport.tcp import SETUP_TIMEOUT, dial
+from tsor.verbs import Device, NoDevice, VerbsError, softverbs
+
+log = logging.getLogger("tsor.rdma")
+OPEN_TIMEOUT = 5.0       # the peer's sandbox takes a connection within this
+RETRY_AFTER = 10.0       # a peer whose set-up failed is tried again after this (tcp meanwhile)
+_MAX_INFO = 4096
+
+
+def send_json(s: socket.socket, obj: object) -> None:
+    data = json.dumps(obj).encode()
+    s.sendall(struct.pack("!I", len(data)) + data)
+
+
+def recv_json(s: socket.socket) -> object:
+    head = s.recv(4, socket.MSG_WAITALL)
+    if len(head) != 4:
+        raise ConnectionError("peer closed during the rdma set-up")
+    n, = struct.unpack("!I", head)
+    if n > _MAX_INFO:
+        raise ProtocolError(f"rdma set-up message of {n} bytes")
+    data = s.recv(n, socket.MSG_WAITALL)
+    if len(data) != n:
+        raise ConnectionError("peer closed during the rdma set-up")
+    return json.loads(data)
+
+
+class RdmaTransport:
+    name = "rdma"
+
+    def __init__(self, node: str, deliver: Deliver, key: bytes | None, transport_for: Callable[[str], str],
+                 ring: RingConfig | None = None, open_rdma: Callable[[], Device] | None = None) -> None:
+        """node: this node's name; transport_for(peer node) -> auto|rdma|tcp|softverbs (tsor/config.py);
+        open_rdma() -> the host's RDMA device or NoDevice (default: the pyverbs provider's first)."""
+        self.node, self.deliver, self.key, self.transport_for = node, deliver, key, transport_for
+        self.engine = RdmaEngine(self._accept, ring or RingConfig(), self._down)
+        self.links: dict[str, Link] = {}
+        self._lifelines: dict[Link, socket.socket] = {}
+        self._retired: weakref.WeakSet[Link] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._node_locks: dict[str, threading.Lock] = {}
+        self._failed: dict[str, float] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="rdma-deliver")
+        self._open_rdma = open_rdma or _open_pyverbs
+        self._device: Device | None = None
+        self._no_device: str | None = None
+
+    # ---- which provider for which peer ---------------------------------------------------------
+    def rdma_device(self) -> Device | None:
+        with self._lock:
+            if self._device is None and self._no_device is None:
+                try:
+                    self._device = self._open_rdma()
+                    if not self._device.port().active:
+                        raise NoDevice(f"{self._device.name}: port not active")
+                except (NoDevice, VerbsError) as e:
+                    self._no_device = str(e)
+                    log.info("%s: node-to-node connections use tcp where rdma was asked for", e)
+            return self._device
+
+    def kind(self, node: str) -> str | None:
+        """The provider this node's side wants for peer `node`: "rdma", "softverbs", or None (tcp)."""
+        t = self.transport_for(node)
+        if t == "softverbs":
+            return t
+        if t in ("rdma", "auto") and self.rdma_device() is not None:
+            return "rdma"
+        return None
+
+    # ---- client side ---------------------------------------------------------------------------
+    def usable(self, node: Node) -> bool:
+        """Whether connections to `node` go over rdma: a link is up, or could be set up now."""
+        return self._link(node) is not None
+
+    def connect(self, node: Node, src: Endpoint, dst: Endpoint) -> socket.socket | None:
+        link = self._link(node)
+        return None if link is None else self.engine.open(link, src, dst, OPEN_TIMEOUT)
+
+    def _link(self, node: Node) -> Link | None:
+        kind = self.kind(node.name) if node.address is not None and self.key is not None else None
+        if kind is None:
+            return None
+        with self._lock:
+            lock = self._node_locks.setdefault(node.name, threading.Lock())
+        with lock:
+            link = self.links.get(node.name)
+            if link is not None and link.up:
+                return link
+            if time.monotonic() - self._failed.get(node.name, -RETRY_AFTER) < RETRY_AFTER:
+                return None
+            try:
+                link = self._dial(node, kind)
+            except (OSError, ProtocolError, ValueError) as e:
+                log.warning("rdma link to node %s (%s) not set up: %s; using tcp", node.name, kind, e)
+                link = None
+            if link is None:
+                self._failed[node.name] = time.monotonic()
+            return link
+
+    def _dial(self, node: Node, kind: str) -> Link | None:
+        s = dial(node, self.key, {"rdma": kind, "node": self.node})
+        if s is None:
+            return None
+        s.settimeout(SETUP_TIMEOUT)
+        dev = softverbs.open_device(s, f"softverbs-{node.name}", start=False) if kind == "softverbs" \
+            else self.rdma_device()
+        link = self.engine.add_link(node.name, dev)
+        try:
+            send_json(s, link.info.to_dict())
+            answer = recv_json(s)
+            if isinstance(answer, dict) and "error" in answer:
+                raise ProtocolError(f"node {node.name} said: {answer['error']}")
+            self.engine.connect(link, SetupInfo.from_dict(answer))
+            self._ready(link, dev, s, kind, client=True)
+        except BaseException:
+            self._retire(link)
+            if kind == "softverbs":
+                dev.close()
+            else:
+                s.close()
+            raise
+        self._install(node.name, link, s if kind == "rdma" else None)
+        return link
+
+    def _ready(self, link: Link, dev: Device, s: socket.socket, kind: str, client: bool) -> None:
+        """Both QPs are in RTR once this returns: the link may carry connections."""
+        if kind == "softverbs":
+            dev.start()
+            deadline = time.monotonic() + SETUP_TIMEOUT
+            while not dev.port().active:
+                if time.monotonic() > deadline or dev.down:
+                    raise ConnectionError("no softverbs hello from the peer")
+                time.sleep(0.001)
+        elif client:
+            s.sendall(b"R")
+        elif s.recv(1, socket.MSG_WAITALL) != b"R":
+            raise ConnectionError("the peer did not finish the rdma set-up")
+
+    # ---- server side (called by tcp.py once the peer proved the cluster secret) -----------------
+    def serve(self, s: socket.socket, node: Node, request: object) -> None:
+        kind = self.kind(node.name)
+        dev: Device | None = None
+        link: Link | None = None
+        try:
+            if request != kind:
+                mine = self.transport_for(node.name)
+                why = "no RDMA device here" if kind is None and mine in ("rdma", "auto") else \
+                    f"this node uses {mine} with {node.name}, not {request}"
+                send_json(s, {"error": why})
+                s.close()
+                return
+            remote = SetupInfo.from_dict(recv_json(s))
+            dev = softverbs.open_device(s, f"softverbs-{node.name}", start=False) if kind == "softverbs" \
+                else self.rdma_device()
+            link = self.engine.add_link(node.name, dev)
+            self.engine.connect(link, remote)
+            send_json(s, link.info.to_dict())
+            self._ready(link, dev, s, kind, client=False)
+        except (OSError, ProtocolError, ValueError) as e:
+            log.warning("rdma set-up from node %s failed: %s", node.name, e)
+            if link is not None:
+                self._retire(link)
+            if kind == "softverbs" and dev is not None:
+                dev.close()
+            else:
+                s.close()
+            return
+        self._install(node.name, link, s if kind == "rdma" else None)
+
+    def _install(self, node: str, link: Link, lifeline: socket.socket | None) -> None:
+        with self._lock:
+            old = self.links.get(node)
+            self.links[node] = link
+            self._failed.pop(node, None)
+            if lifeline is not None:
+                self._lifelines[link] = lifeline
+                threading.Thread(target=self._watch, args=(link, lifeline), name="rdma-lifeline", daemon=True).start()
+        if old is not None and old is not link:
+            self._retire(old)
+
+    def _watch(self, link: Link, lifeline: socket.socket) -> None:
+        lifeline.settimeout(None)
+        try:
+            lifeline.recv(1)
+        except OSError:
+            pass
+        self._retire(link)
+
+    # ---- connections from the peer -------------------------------------------------------------
+    def _accept(self, link: Link, src: Endpoint, dst: Endpoint, app: socket.socket, answer) -> None:
+        def deliver() -> None:
+            try:
+                ok = self.deliver(dst, src, app, self.name, False)
+            finally:
+                app.close()
+            answer(ok)
+        self._pool.submit(deliver)
+
+    # ---- the end of links ----------------------------------------------------------------------
+    def _down(self, link: Link) -> None:
+        """The link's QP failed (in the engine's thread): new connections set up a new one."""
+        threading.Thread(target=self._retire, args=(link,), name="rdma-retire", daemon=True).start()
+
+    def _retire(self, link: Link) -> None:
+        with self._lock:
+            if self.links.get(link.name) is link:
+                del self.links[link.name]
+            lifeline = self._lifelines.pop(link, None)
+            if link in self._retired:
+                return
+            self._retired.add(link)
+        try:
+            self.engine.close_link(link)
+        except (OSError, concurrent.futures.TimeoutError):
+            pass
+        if link.device.provider == "softverbs":
+            link.device.close()
+        if lifeline is not None:
+            lifeline.close()
+
+    def status(self) -> dict[str, dict]:
+        """Per peer node: provider, device, QP number and open connections."""
+        with self._lock:
+            links = dict(self.links)
+        return {n: {"provider": link.device.provider, "device": link.device.name, "qpn": link.info.qpn,
+                    "connections": len(link.channels), "up": link.up} for n, link in links.items()}
+
+    def close(self) -> None:
+        with self._lock:
+            links = list(self.links.values())
+        for link in links:
+            self._retire(link)
+        self.engine.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._device is not None:
+            self._device.close()
+
+
+def _open_pyverbs() -> Device:
+    from tsor.verbs import pyverbs_provider
+    return pyverbs_provider.open_device()
