@@ -170,6 +170,47 @@ def test_detached_exec_ps_pause_metrics_kill_delete(cd):
     exercise_a_running_task(cd, R, "detached1")
 
 
+def test_idle_hibernation_through_the_shim(cd):
+    """The idle annotation travels from `ctr run --annotation` (a pod's annotations, through CRI) to
+    quark; a task that hibernated itself wakes for `ctr task exec` and `ctr task resume`, and a
+    `ctr task pause` of it is refused as runc refuses pausing a paused container."""
+    cid = "idle1"
+    root = str(cd.state / "quark" / cd.namespace)   # shim/paths.py: a private containerd's quark root
+
+    def hibernated() -> bool:
+        p = subprocess.run(["quark", "--root", root, "state", cid], capture_output=True)
+        return p.returncode == 0 and "io.quark.hibernated" in (json.loads(p.stdout).get("annotations") or {})
+
+    def wait_hibernated() -> None:
+        deadline = time.monotonic() + 20
+        while not hibernated():
+            assert time.monotonic() < deadline, f"{cid} did not hibernate itself\n{cd.log_tail()}"
+            time.sleep(0.1)
+
+    def wakes() -> int:
+        out = subprocess.run(["quark", "--root", root, "snapshot", "list", "-f", "json"],
+                             capture_output=True, check=True).stdout
+        return sum(r["wakes"] for r in json.loads(out) if r["id"] == cid)
+
+    cd.ctr("run", "-d", *R, "--annotation", "io.quark.hibernate.idle-after=1s", ce.IMAGE, cid, "sleep", "1000")
+    try:
+        wait_status(cd, cid, "RUNNING")
+        wait_hibernated()
+        assert cd.ctr("tasks", "exec", "--exec-id", "w1", cid, "echo", "awake").stdout == b"awake\n"
+        wait_hibernated()
+        p = cd.ctr("tasks", "pause", cid, check=False)
+        assert p.returncode != 0 and b"not running" in p.stderr, p.stderr
+        before = wakes()   # `snapshot list` lists hibernated containers: count again once it sleeps again
+        cd.ctr("tasks", "resume", cid)
+        wait_status(cd, cid, "RUNNING")
+        wait_hibernated()
+        assert wakes() == before + 1
+        cd.ctr("tasks", "kill", "-s", "SIGKILL", cid)
+        wait_status(cd, cid, "STOPPED")
+    finally:
+        remove(cd, cid)
+
+
 def _quark_has(verb: str) -> bool:
     quark = os.path.join(os.path.dirname(ce.SHIM), "quark")
     return subprocess.run([quark, verb, "--help"], capture_output=True).returncode == 0
