@@ -8,7 +8,7 @@ APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf
 	redis-server redis-tools python3-venv python3-dev python3-seccomp python3-pyverbs \
 	iproute2 gcc libc6-dev procps util-linux wrk
 
-.PHONY: install apt venv links bytecode fastpath frontend trampoline demo test test-unit test-cgroup2 vm-deps bench proto clean
+.PHONY: install apt venv links bytecode fastpath frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
 install: apt venv links fastpath
 
 apt:
@@ -66,6 +66,11 @@ test: install vm-deps
 
 test-unit: install
 	$(VENV)/bin/pytest -q -ra tests/unit
+
+# The tests that need a real RDMA device (pytest marker rdma_device: the pyverbs provider on the
+# host's first device), alone, for a host with an RNIC; elsewhere they skip with "no RDMA device"
+test-rdma: apt venv
+	$(VENV)/bin/pytest -q -ra -m rdma_device tests
 
 # The cgroup v2 lane (tests/vm/README.md): pytest in a qemu guest (TCG) booting Debian 12's own 6.1
 # kernel on a cgroup2-only hierarchy, the host's / shared over 9p. Runs the v2 subset (tests/vm/lane.py), or ARGS

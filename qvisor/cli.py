@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "update": ("update", "update container resource constraints"),
     "syscalls": ("syscalls", "print the syscall table"),
     "wait": ("wait", "wait for the container's init or an exec'd process to exit (quark extension)"),
-    "tsor": ("tsor", "TSoR status"),
+    "tsor": ("tsor", "TSoR status and check"),
     "snapshot": ("snapshot", "hibernate, wake and list hibernated containers (quark extension)"),
 }
 

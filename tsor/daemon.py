@@ -111,8 +111,16 @@ class Daemon:
         self.gate: Gate | None = None
         self.metrics_server: MetricsServer | None = None
         self.metrics.gauges = lambda: {"sandboxes": len(self.sessions), "listeners": len(self.listeners)}
-        self.bytes = TcpByteCounter()   # tcp path only: the kernel counts, see tsor/bytecount.py
-        self.metrics.byte_counts = self.bytes.totals
+        self.bytes = TcpByteCounter()   # tcp path: the kernel counts, see tsor/bytecount.py
+        self.metrics.byte_counts = self._byte_counts
+        self.metrics.rdma_links = lambda: self.rdma.status() if self.rdma is not None else {}
+
+    def _byte_counts(self) -> dict[tuple[str, str], int]:
+        counts = self.bytes.totals()
+        if self.rdma is not None:   # the rdma path's pump counts its own
+            engine = self.rdma.engine
+            counts |= {("rdma", "sent"): engine.bytes_sent, ("rdma", "received"): engine.bytes_received}
+        return counts
 
     # ---- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:

@@ -7,10 +7,14 @@ them (gauges, bytes) are read from the daemon and the kernel on each scrape anyw
 is imported only where it is used: importing it costs tsord ~45 ms (http.server, email, urllib),
 which a tsord without a metrics endpoint need not pay.
 
-Bytes: no process sits in either path's data path, so tsord cannot count them itself. For the tcp
-path the kernel does (tcpi_bytes_acked / tcpi_bytes_received of the sockets tsord handed out, read
-with sock_diag: tsor/bytecount.py), and `byte_counts` serves them as tsor_bytes_total{path="tcp"}.
-Linux keeps no byte count for AF_UNIX sockets, so the local path has no tsor_bytes_total samples.
+Bytes: no process sits in the local and tcp paths' data path, so tsord cannot count them itself. For
+the tcp path the kernel does (tcpi_bytes_acked / tcpi_bytes_received of the sockets tsord handed out,
+read with sock_diag: tsor/bytecount.py), and `byte_counts` serves them as tsor_bytes_total{path="tcp"}.
+Linux keeps no byte count for AF_UNIX sockets, so the local path has no tsor_bytes_total samples. The
+rdma path's pump is tsord's own (transport/rdma.py): it counts the application bytes it moves.
+
+`rdma_links` gives the rdma links that are up, by peer node (tsor_rdma_links{node,provider,device},
+provider "pyverbs" or "softverbs", and tsor_rdma_connections{node}).
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ class Metrics:
         self.refused_claims = 0
         self.gauges: Callable[[], dict[str, int]] = dict
         self.byte_counts: Callable[[], dict[tuple[str, str], int]] = dict
+        self.rdma_links: Callable[[], dict[str, dict]] = dict   # RdmaTransport.status()
         self._registry: CollectorRegistry | None = None
 
     def connected(self, path: str, seconds: float) -> None:
@@ -84,11 +89,22 @@ class Metrics:
         yield CounterMetricFamily("tsor_protocol_errors_total", "Malformed messages from sandboxes.", value=errors)
         yield CounterMetricFamily("tsor_refused_total",
                                   "Requests refused: claims of addresses a sandbox does not own.", value=refused)
-        fam = CounterMetricFamily("tsor_bytes_total", "Bytes this node's pods sent/received, by path (tcp only: "
-                                  "AF_UNIX keeps no counts; see tsor/bytecount.py).", labels=["path", "direction"])
+        fam = CounterMetricFamily("tsor_bytes_total", "Bytes this node's pods sent/received, by path (tcp and "
+                                  "rdma: AF_UNIX keeps no counts; see tsor/metrics.py).", labels=["path", "direction"])
         for (p, d), n in sorted(self.byte_counts().items()):
             fam.add_metric([p, d], n)
         yield fam
+        links = GaugeMetricFamily("tsor_rdma_links", "rdma links up, by peer node and verbs provider "
+                                  "(softverbs: software RDMA over the tsords' TCP connection).",
+                                  labels=["node", "provider", "device"])
+        conns = GaugeMetricFamily("tsor_rdma_connections", "Connections open on the rdma link to each peer node.",
+                                  labels=["node"])
+        for node, link in sorted(self.rdma_links().items()):
+            if link["up"]:
+                links.add_metric([node, link["provider"], link["device"]], 1)
+                conns.add_metric([node], link["connections"])
+        yield links
+        yield conns
         for name, value in self.gauges().items():
             yield GaugeMetricFamily(f"tsor_{name}", GAUGE_HELP.get(name, f"tsor {name}."), value=value)
 

@@ -1,5 +1,6 @@
-"""`quark tsor status`: the node's TSoR counters (connections and bytes per path), read from tsord's
-metrics endpoint (`metrics:` in /etc/quark/tsor.yaml, or --metrics)."""
+"""`quark tsor status`: the node's TSoR counters (connections and bytes per path) and its rdma links,
+read from tsord's metrics endpoint (`metrics:` in /etc/quark/tsor.yaml, or --metrics).
+`quark tsor check`: this host's RDMA devices and the transport each peer node would get (tsor/check.py)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ import json
 from qlib.errors import QuarkError
 from tsor import DEFAULT_CONFIG
 from tsor import config as tsor_config
+from tsor.check import SOFTVERBS, report
 from tsor.metrics import fetch, parse
 
 
@@ -18,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     st.add_argument("--metrics", default=None,
                     help="tsord's metrics endpoint, HOST:PORT or unix:/path (default: from --config)")
     st.add_argument("--format", choices=("table", "json"), default="table")
+    ck = sub.add_parser("check", help="RDMA devices, ports and GIDs, and the transport each peer node would get")
+    ck.add_argument("--config", default=DEFAULT_CONFIG, help="tsord's config (default: %(default)s)")
+    ck.add_argument("--format", choices=("table", "json"), default="table")
 
 
 def _endpoint(args: argparse.Namespace):
@@ -32,14 +37,22 @@ def _endpoint(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "tsor_verb", "status") == "check":
+        return check(args)
+    return status(args)
+
+
+def status(args: argparse.Namespace) -> int:
     where = _endpoint(args)
     try:
-        values = parse(fetch(where))
+        text = fetch(where)
+        values = parse(text)
+        links = _links(text)
     except OSError as e:
         raise QuarkError(f"tsord is not answering on {where}: {e}") from None
     except ValueError as e:
         raise QuarkError(f"{where} did not answer with Prometheus text: {e}") from None
-    paths = ("local", "tcp", "fallback")
+    paths = ("local", "tcp", "rdma", "fallback")
     rows = []
     for p in paths:
         conns = values.get(f'tsor_connections_total{{path="{p}"}}', 0)
@@ -52,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
                "protocol_errors": int(values.get("tsor_protocol_errors_total", 0)),
                "refused": int(values.get("tsor_refused_total", 0))}
     if args.format == "json":
-        print(json.dumps({"paths": rows, **summary}, indent=2))
+        print(json.dumps({"paths": rows, "rdma_links": links, **summary}, indent=2))
         return 0
     print(f"{'PATH':<9} {'CONNECTIONS':>11} {'INCOMING':>8} {'BYTES SENT':>12} {'BYTES RECV':>12} {'SETUP (us)':>10}")
     for r in rows:
@@ -60,6 +73,47 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['path']:<9} {r['connections']:>11} {r['incoming']:>8} {fmt(r['bytes_sent']):>12} "
               f"{fmt(r['bytes_received']):>12} {fmt(r['mean_setup_us']):>10}")
     print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in summary.items()))
+    for link in links:
+        what = SOFTVERBS if link["provider"] == "softverbs" else f"rdma on {link['device']} (pyverbs)"
+        print(f"rdma link to node {link['node']}: {what}, {link['connections']} connections")
+    return 0
+
+
+def _links(text: str) -> list[dict]:
+    """The rdma links tsord has up (tsor_rdma_links, tsor_rdma_connections), one row per peer node."""
+    from prometheus_client.parser import text_string_to_metric_families
+    links: dict[str, dict] = {}
+    conns: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tsor_rdma_links":
+                links[sample.labels["node"]] = {k: sample.labels.get(k) for k in ("node", "provider", "device")}
+            elif sample.name == "tsor_rdma_connections":
+                conns[sample.labels["node"]] = int(sample.value)
+    return [links[n] | {"connections": conns.get(n, 0)} for n in sorted(links)]
+
+
+def check(args: argparse.Namespace) -> int:
+    r = report(args.config)
+    if args.format == "json":
+        print(json.dumps(r, indent=2))
+        return 0
+    rdma = r["rdma"]
+    print("RDMA devices (pyverbs):" + (f" none: {rdma['error']}" if rdma["error"] else ""))
+    for dev in rdma["devices"]:
+        for p in dev["ports"]:
+            print(f"  {dev['name']} port {p['port']}: {p['state']}, {p['link_layer']}, LID {p['lid']}, "
+                  f"active MTU {p['mtu']}")
+            for g in p["gids"]:
+                print(f"    GID[{g['index']}] {g['gid']}")
+    setting = ", ".join(f"{k}: {v}" for k, v in r["transport"].items())
+    print(f"{r['config']}: node {r['node']}, transport {{{setting}}}")
+    if not r["peers"]:
+        print("no peer nodes" + ("" if r["routes"] else " (routes: not set)"))
+        return 0
+    print(f"{'NODE':<16} {'CONFIGURED':<10} {'TRANSPORT':<9} DETAIL")
+    for p in r["peers"]:
+        print(f"{p['node']:<16} {p['configured']:<10} {p['transport']:<9} {p['detail']}")
     return 0
 
 

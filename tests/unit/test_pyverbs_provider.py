@@ -137,36 +137,52 @@ def test_immediate_data_is_big_endian_on_the_wire():
     assert socket.ntohl(pv.imm_to_wire(5)) == 5
 
 
-def test_write_with_imm_on_a_device():
-    """Two RC QPs on the host's first RDMA port, connected to each other (needs an RNIC)."""
+@pytest.fixture
+def device():
+    """The host's first RDMA device (`make test-rdma` runs the tests that take it, alone)."""
     try:
         dev = pv.open_device()
     except NoDevice as e:
-        pytest.skip(str(e))
+        pytest.skip(str(e))     # "no RDMA device (...)"
+    yield dev
+    dev.close()
+
+
+@pytest.mark.rdma_device
+def test_describe_devices_on_a_device(device):
+    """`quark tsor check`'s inventory agrees with the port the transport uses."""
+    reports = {d.name: d for d in pv.describe_devices()}
+    port, info = reports[device.name].ports[0], device.port()
+    assert (port.state == "ACTIVE", port.lid, port.mtu) == (info.active, info.lid, info.mtu)
+    assert port.link_layer in ("InfiniBand", "Ethernet")
+    assert not any(info.gid) or pv.gid_text(info.gid) in [g for _, g in port.gids]
+
+
+@pytest.mark.rdma_device
+def test_write_with_imm_on_a_device(device):
+    """Two RC QPs on the host's first RDMA port, connected to each other (needs an RNIC)."""
+    dev = device
     rw = Access.LOCAL_WRITE | Access.REMOTE_WRITE
-    try:
-        pd = dev.alloc_pd()
-        chan = dev.create_comp_channel()
-        cq = dev.create_cq(64, chan)
-        a, b = pd.create_qp(cq, cq, 16, 16), pd.create_qp(cq, cq, 16, 16)
-        src, dst = bytearray(b"rdma!" + bytes(59)), bytearray(64)
-        smr, dmr = pd.reg_mr(src, rw), pd.reg_mr(dst, rw)
-        port = dev.port()
-        for qp in (a, b):
-            qp.to_init(rw)
-        a.to_rtr(QpInfo(b.qp_num, 1, port.gid, port.lid))
-        b.to_rtr(QpInfo(a.qp_num, 1, port.gid, port.lid))
-        a.to_rts(1)
-        b.to_rts(1)
-        b.post_recv(RecvWr(9))
-        a.post_send(SendWr(4, WrOpcode.RDMA_WRITE_WITH_IMM, [Sge(smr.addr, 5, smr.lkey)],
-                           remote_addr=dmr.addr, rkey=dmr.rkey, imm_data=0x80000003))
-        wcs, deadline = [], time.monotonic() + 5
-        while len(wcs) < 2 and time.monotonic() < deadline:
-            wcs += cq.poll(2)
-        byop = {w.opcode: w for w in wcs}
-        assert byop[WcOpcode.RECV_RDMA_WITH_IMM].imm_data == 0x80000003
-        assert byop[WcOpcode.RDMA_WRITE].status == WcStatus.SUCCESS
-        assert bytes(dst[:5]) == b"rdma!"
-    finally:
-        dev.close()
+    pd = dev.alloc_pd()
+    chan = dev.create_comp_channel()
+    cq = dev.create_cq(64, chan)
+    a, b = pd.create_qp(cq, cq, 16, 16), pd.create_qp(cq, cq, 16, 16)
+    src, dst = bytearray(b"rdma!" + bytes(59)), bytearray(64)
+    smr, dmr = pd.reg_mr(src, rw), pd.reg_mr(dst, rw)
+    port = dev.port()
+    for qp in (a, b):
+        qp.to_init(rw)
+    a.to_rtr(QpInfo(b.qp_num, 1, port.gid, port.lid))
+    b.to_rtr(QpInfo(a.qp_num, 1, port.gid, port.lid))
+    a.to_rts(1)
+    b.to_rts(1)
+    b.post_recv(RecvWr(9))
+    a.post_send(SendWr(4, WrOpcode.RDMA_WRITE_WITH_IMM, [Sge(smr.addr, 5, smr.lkey)],
+                       remote_addr=dmr.addr, rkey=dmr.rkey, imm_data=0x80000003))
+    wcs, deadline = [], time.monotonic() + 5
+    while len(wcs) < 2 and time.monotonic() < deadline:
+        wcs += cq.poll(2)
+    byop = {w.opcode: w for w in wcs}
+    assert byop[WcOpcode.RECV_RDMA_WITH_IMM].imm_data == 0x80000003
+    assert byop[WcOpcode.RDMA_WRITE].status == WcStatus.SUCCESS
+    assert bytes(dst[:5]) == b"rdma!"

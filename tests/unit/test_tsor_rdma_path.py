@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import json
 import os
 import socket
 import threading
@@ -34,7 +35,7 @@ def node(tmp_path):
 
     def make(name, owned, nodes, listen, transport):
         d = Daemon(Config(node=name, socket=str(tmp_path / f"{name}.sock"), listen=listen, cluster_secret=SECRET,
-                          transport=transport),
+                          transport=transport, metrics=str(tmp_path / f"{name}-metrics.sock")),
                    verifier=FakeVerifier(owned), route_source=StaticRoutes(list(nodes)))
         d.start()
         started.append(d)
@@ -101,6 +102,51 @@ def test_rdma_path_over_softverbs_between_two_tsords(node):
     # no listener on node b: the peer refuses, the client connects natively
     r, fds = cli.call(protocol.Connect(("10.2.0.7", 9999), 40003))
     assert r["path"] == "fallback" and not fds
+
+
+def status(d: Daemon, fmt: str, capsys) -> str:
+    import argparse
+
+    from qvisor.commands import tsor as cmd
+    assert cmd.run(argparse.Namespace(tsor_verb="status", metrics=f"unix:{d.cfg.metrics}", config="",
+                                      format=fmt)) == 0
+    return capsys.readouterr().out
+
+
+def rdma_bytes(d: Daemon) -> tuple[float, float]:
+    m = parse(d.metrics.render())
+    return tuple(m[f'tsor_bytes_total{{direction="{d}",path="rdma"}}'] for d in ("sent", "received"))
+
+
+def test_rdma_bytes_are_counted_exactly_and_quark_tsor_status_shows_them_and_the_link(node, capsys):
+    a, b, srv, cli = two_nodes(node, SOFT, SOFT)
+    r, c, (s, _) = connect(cli, srv, 40051)
+    assert r["path"] == "rdma"
+    up, down = (1 << 20) + 4321, 777
+    t = threading.Thread(target=lambda: c.sendall(os.urandom(up)), daemon=True)
+    t.start()
+    got = 0
+    while got < up:
+        got += len(s.recv(1 << 20))
+    t.join()
+    s.sendall(b"r" * down)
+    assert len(c.recv(down, socket.MSG_WAITALL)) == down
+    deadline = time.monotonic() + 5      # the pump counts just after the bytes moved
+    while (rdma_bytes(a), rdma_bytes(b)) != ((up, down), (down, up)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rdma_bytes(a) == (up, down) and rdma_bytes(b) == (down, up)   # application bytes, no protocol
+    out = json.loads(status(a, "json", capsys))
+    row = {p["path"]: p for p in out["paths"]}["rdma"]
+    assert (row["connections"], row["bytes_sent"], row["bytes_received"]) == (1, up, down)
+    assert out["rdma_links"] == [{"node": "node-b", "provider": "softverbs", "device": "softverbs-node-b",
+                                  "connections": 1}]
+    assert {p["path"]: p for p in json.loads(status(b, "json", capsys))["paths"]}["rdma"]["incoming"] == 1
+    table = status(a, "table", capsys).splitlines()
+    assert next(line for line in table if line.startswith("rdma ")).split()[:5] == \
+        ["rdma", "1", "0", str(up), str(down)]
+    assert "rdma link to node node-b: softverbs (software RDMA over the tsords' TCP connection" in table[-1]
+    c.close()
+    s.close()
 
 
 def test_a_peer_that_does_not_take_softverbs_gets_tcp(node):

@@ -294,6 +294,7 @@ class Link:
                 break
             self._post(ch, pos, got, ch.slot)
             ch.tx_sent += got
+            self.engine.bytes_sent += got
             if got < n:
                 break
         self._update(ch)
@@ -312,6 +313,7 @@ class Link:
             except OSError:
                 return self._reset(ch)
             ch.rx_head += sent
+            self.engine.bytes_received += sent
             if sent < n:
                 break
         if ch.rx_head - ch.rx_credited > ring // 2 and not ch.fin_rx:
@@ -596,6 +598,9 @@ class RdmaEngine:
     def __init__(self, accept: Accept, cfg: RingConfig = RingConfig(),
                  on_down: Callable[[Link], None] | None = None) -> None:
         self.accept, self.cfg, self.on_down = accept, cfg, on_down
+        # application bytes the pump moved from the pods' sockets onto the QP / from the rings into
+        # the pods' sockets (tsor_bytes_total{path="rdma"}); written by the loop thread only
+        self.bytes_sent = self.bytes_received = 0
         self.loop = Loop()
         # the loop spins when it watches no fd at all: this one is always there, and wakes it to stop
         self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)

@@ -59,6 +59,32 @@ def recv_json(s: socket.socket) -> object:
     return json.loads(data)
 
 
+def choose(configured: str, rdma_here: Callable[[], bool]) -> str:
+    """What this node's side uses with a peer whose configured transport (tsor/config.py) is
+    `configured`: "rdma", "softverbs" or "tcp". rdma_here() says whether this host has an active
+    RDMA port; it is asked only when the answer depends on it (opening a device is not free).
+    The peer decides the same on its side: a set-up it does not agree with ends in tcp."""
+    if configured == "softverbs":
+        return "softverbs"
+    if configured in ("rdma", "auto") and rdma_here():
+        return "rdma"
+    return "tcp"
+
+
+def open_active(open_rdma: Callable[[], Device]) -> Device:
+    """The device open_rdma() gives when its port is active; NoDevice (saying why) otherwise."""
+    dev = open_rdma()
+    try:
+        active = dev.port().active
+    except BaseException:
+        dev.close()
+        raise
+    if not active:
+        dev.close()
+        raise NoDevice(f"{dev.name}: port not active")
+    return dev
+
+
 class RdmaTransport:
     name = "rdma"
 
@@ -75,7 +101,7 @@ class RdmaTransport:
         self._node_locks: dict[str, threading.Lock] = {}
         self._failed: dict[str, float] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="rdma-deliver")
-        self._open_rdma = open_rdma or _open_pyverbs
+        self._open_rdma = open_rdma or open_pyverbs
         self._device: Device | None = None
         self._no_device: str | None = None
 
@@ -84,9 +110,7 @@ class RdmaTransport:
         with self._lock:
             if self._device is None and self._no_device is None:
                 try:
-                    self._device = self._open_rdma()
-                    if not self._device.port().active:
-                        raise NoDevice(f"{self._device.name}: port not active")
+                    self._device = open_active(self._open_rdma)
                 except (NoDevice, VerbsError) as e:
                     self._no_device = str(e)
                     log.info("%s: node-to-node connections use tcp where rdma was asked for", e)
@@ -94,12 +118,8 @@ class RdmaTransport:
 
     def kind(self, node: str) -> str | None:
         """The provider this node's side wants for peer `node`: "rdma", "softverbs", or None (tcp)."""
-        t = self.transport_for(node)
-        if t == "softverbs":
-            return t
-        if t in ("rdma", "auto") and self.rdma_device() is not None:
-            return "rdma"
-        return None
+        chosen = choose(self.transport_for(node), lambda: self.rdma_device() is not None)
+        return None if chosen == "tcp" else chosen
 
     # ---- client side ---------------------------------------------------------------------------
     def usable(self, node: Node) -> bool:
@@ -270,6 +290,6 @@ class RdmaTransport:
             self._device.close()
 
 
-def _open_pyverbs() -> Device:
+def open_pyverbs() -> Device:
     from tsor.verbs import pyverbs_provider
     return pyverbs_provider.open_device()

@@ -187,11 +187,10 @@ def _errors() -> tuple[type[Exception], ...]:
     return (PyverbsError,)
 
 
-def open_device(name: str | None = None, port: int = 1, gid_index: int = 0) -> PyverbsDevice:
-    """The named RDMA device (default: the first); NoDevice where there is none."""
-    c = constants()
+def _device_module():
+    """pyverbs.device and the names of the host's RDMA devices; NoDevice when there are none."""
     try:
-        import pyverbs.device as d
+        d = importlib.import_module("pyverbs.device")
     except ImportError as e:
         raise NoDevice(f"pyverbs is not installed: {e}") from None
     try:
@@ -200,9 +199,70 @@ def open_device(name: str | None = None, port: int = 1, gid_index: int = 0) -> P
         devices = []
     if not devices:
         raise NoDevice("the kernel lists none in /sys/class/infiniband")
+    return d, devices
+
+
+def open_device(name: str | None = None, port: int = 1, gid_index: int = 0) -> PyverbsDevice:
+    """The named RDMA device (default: the first); NoDevice where there is none."""
+    c = constants()
+    d, devices = _device_module()
     if name is not None and name not in devices:
         raise NoDevice(f"{name} is not one of {', '.join(devices)}")
     return PyverbsDevice(d.Context(name=name or devices[0]), c, port, gid_index)
+
+
+# ---- the host's devices, for `quark tsor check` (libibverbs' values: ibv_port_state, ibv_mtu) --------
+PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
+LINK_LAYERS = {0: "InfiniBand", 1: "InfiniBand", 2: "Ethernet"}   # 0 (unspecified): IB, as ibv_devinfo says
+MAX_GIDS = 16   # GID table entries looked at per port (RoCE fills a few; IB tables run to 128 zeros)
+
+
+@dataclass(frozen=True)
+class PortReport:
+    port: int
+    state: str          # ACTIVE, DOWN, ...
+    lid: int
+    mtu: int            # the active MTU, bytes
+    link_layer: str     # InfiniBand or Ethernet (RoCE)
+    gids: tuple[tuple[int, str], ...]   # (index, GID text) of the non-zero entries
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    name: str
+    ports: tuple[PortReport, ...]
+
+
+def port_report(num: int, attr, gids: list[tuple[int, str]]) -> PortReport:
+    """A port's report from its ibv_port_attr (pyverbs' PortAttr) and GID table entries."""
+    return PortReport(num, PORT_STATES.get(attr.state, f"state {attr.state}"), attr.lid,
+                      128 << attr.active_mtu if 1 <= attr.active_mtu <= 5 else 0,
+                      LINK_LAYERS.get(attr.link_layer, f"link layer {attr.link_layer}"),
+                      tuple((i, g) for i, g in gids if any(gid_bytes(g))))
+
+
+def describe_devices() -> list[DeviceReport]:
+    """Every RDMA device of the host and each of its ports; NoDevice when pyverbs is missing or the
+    kernel lists no device."""
+    d, devices = _device_module()
+    out = []
+    for name in devices:
+        ctx = d.Context(name=name)
+        try:
+            ports = []
+            for num in range(1, ctx.query_device().phys_port_cnt + 1):
+                attr = ctx.query_port(num)
+                gids = []
+                for i in range(min(attr.gid_tbl_len, MAX_GIDS)):
+                    try:
+                        gids.append((i, ctx.query_gid(num, i).gid))
+                    except _errors():   # an unpopulated RoCE entry
+                        continue
+                ports.append(port_report(num, attr, gids))
+        finally:
+            ctx.close()
+        out.append(DeviceReport(name, tuple(ports)))
+    return out
 
 
 class _MR(MemoryRegion):
