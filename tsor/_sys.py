@@ -3,6 +3,7 @@ readers that tell which sockets a task holds and which addresses a network names
 Linux calls themselves (setns, pidfds) are qlib.linux's. Everything else in tsor/ is plain Python."""
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
 import socket
@@ -89,10 +90,44 @@ def netns_inode(pid: int) -> int:
 def netns_addresses(pid: int) -> set[str]:
     """The unicast addresses configured in `pid`'s network namespace, loopback excluded (read from
     /proc/PID/net, which shows that process's netns, so no helper has to enter it)."""
+    return _addresses(f"/proc/{pid}/net")
+
+
+NS_GET_NSTYPE = 0xb703   # _IO(0xb7, 0x3): which kind of namespace an nsfs file is
+
+
+def netns_file(path: str) -> tuple[int, set[str]]:
+    """A network namespace named by a file (a CNI_NETNS path such as /var/run/netns/cni-...):
+    its inode and its addresses. The calling thread enters it to read /proc/thread-self/net (there
+    is no process of the pod to read through yet) and comes back. ValueError if `path` is not a
+    network namespace."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            kind = fcntl.ioctl(fd, NS_GET_NSTYPE)
+        except OSError:
+            raise ValueError(f"{path} is not a namespace") from None
+        if kind != CLONE_NEWNET:
+            raise ValueError(f"{path} is not a network namespace")
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            setns(fd, CLONE_NEWNET)
+            try:
+                addrs = _addresses("/proc/thread-self/net")
+            finally:
+                setns(own, CLONE_NEWNET)
+        finally:
+            os.close(own)
+        return os.fstat(fd).st_ino, addrs
+    finally:
+        os.close(fd)
+
+
+def _addresses(net: str) -> set[str]:
     addrs: set[str] = set()
     last = None
     try:
-        with open(f"/proc/{pid}/net/fib_trie") as f:
+        with open(f"{net}/fib_trie") as f:
             for line in f:
                 s = line.strip()
                 if s.startswith("|--"):
@@ -102,7 +137,7 @@ def netns_addresses(pid: int) -> set[str]:
     except FileNotFoundError:
         pass
     try:
-        with open(f"/proc/{pid}/net/if_inet6") as f:
+        with open(f"{net}/if_inet6") as f:
             for line in f:
                 hexaddr = line.split()[0]
                 addrs.add(str(ipaddress.IPv6Address(bytes.fromhex(hexaddr))))

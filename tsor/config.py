@@ -9,6 +9,7 @@
     insecure_no_auth: false         # true: node-to-node without the secret (a trusted lab network)
     transport: auto                 # node to node: auto|rdma|tcp|softverbs, or per peer node:
                                     #   {node-b: softverbs, "*": auto}   ("*": every other node)
+    state_dir: /run/quark/tsord     # what survives a restart of tsord: the pods quark-cni registered
 
 `transport`: `rdma` carries connections over an RC queue pair on this host's RDMA device (pyverbs),
 `softverbs` over the software provider (a TCP connection between the tsords is its cable: for hosts
@@ -31,7 +32,9 @@ import yaml
 from tsor import DEFAULT_SOCKET
 from tsor.errors import ConfigError
 
-_KEYS = {"node", "socket", "listen", "metrics", "routes", "cluster_secret_file", "insecure_no_auth", "transport"}
+_KEYS = {"node", "socket", "listen", "metrics", "routes", "cluster_secret_file", "insecure_no_auth", "transport",
+         "state_dir"}
+DEFAULT_STATE_DIR = "/run/quark/tsord"
 TRANSPORTS = ("auto", "rdma", "tcp", "softverbs")
 MIN_SECRET = 16   # bytes: a guessable secret would be no authentication
 
@@ -55,6 +58,7 @@ class Config:
     cluster_secret: bytes | None = None
     insecure_no_auth: bool = False
     transport: tuple[tuple[str, str], ...] = (("*", "auto"),)   # (node name or "*", transport)
+    state_dir: str = DEFAULT_STATE_DIR
 
     def transport_for(self, node: str) -> str:
         """The node-to-node transport configured for peer `node`."""
@@ -123,9 +127,12 @@ def load(path: str) -> Config:
     if listen is not None and secret is None and not insecure:
         raise ConfigError(path, "listen", "node-to-node set-up needs the cluster's shared secret: set "
                                           "cluster_secret_file (or insecure_no_auth: true on a trusted network)")
+    state_dir = raw.get("state_dir", DEFAULT_STATE_DIR)
+    if not isinstance(state_dir, str) or not os.path.isabs(state_dir):
+        raise ConfigError(path, "state_dir", f"expected an absolute path, got {state_dir!r}")
     return Config(node=node, socket=sock, listen=listen, metrics=metrics, routes=routes,
                   cluster_secret=secret, insecure_no_auth=insecure,
-                  transport=_transport(raw.get("transport", "auto"), path))
+                  transport=_transport(raw.get("transport", "auto"), path), state_dir=state_dir)
 
 
 def _transport(value: object, path: str) -> tuple[tuple[str, str], ...]:

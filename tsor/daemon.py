@@ -31,6 +31,7 @@ from tsor.errors import ConfigError, NotAllowed, ProtocolError
 from tsor.gate import Gate, Pending
 from tsor.identity import Identity, ProcVerifier, Verifier
 from tsor.metrics import Metrics, MetricsServer
+from tsor.pods import Pod, PodRegistry, check_claim
 from tsor.transport.local import LocalTransport
 from tsor.transport.rdma_link import RdmaTransport
 from tsor.transport.tcp import TcpTransport
@@ -99,6 +100,8 @@ class Daemon:
         self.metrics = Metrics()
         self.routes = routesmod.RouteTable()
         self.route_source = route_source or (routesmod.StaticFile(cfg.routes) if cfg.routes else None)
+        self.pods = PodRegistry(os.path.join(cfg.state_dir, "pods.json"))
+        self.own_netns = os.stat("/proc/self/ns/net").st_ino
         self._lock = threading.Lock()
         self.sessions: set[Session] = set()
         self.listeners: dict[Endpoint, tuple[Session, int]] = {}
@@ -110,7 +113,8 @@ class Daemon:
         self.server: socket.socket | None = None
         self.gate: Gate | None = None
         self.metrics_server: MetricsServer | None = None
-        self.metrics.gauges = lambda: {"sandboxes": len(self.sessions), "listeners": len(self.listeners)}
+        self.metrics.gauges = lambda: {"sandboxes": len(self.sessions), "listeners": len(self.listeners),
+                                       "pods": len(self.pods)}
         self.bytes = TcpByteCounter()   # tcp path: the kernel counts, see tsor/bytecount.py
         self.metrics.byte_counts = self._byte_counts
         self.metrics.rdma_links = lambda: self.rdma.status() if self.rdma is not None else {}
@@ -124,6 +128,7 @@ class Daemon:
 
     # ---- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
+        self.pods.load()
         if self.route_source is not None:
             self.route_source.start(self.routes)
         self.bytes.start()
@@ -250,6 +255,10 @@ class Daemon:
     def _request(self, sess: Session, mid: int, msg: object) -> None:
         if isinstance(msg, protocol.Hello):
             return self._hello(sess, mid, msg)
+        if isinstance(msg, protocol.POD_REQUESTS):
+            if sess.identity is not None:   # quark-cni comes on a connection of its own, never a sandbox
+                return sess.send(protocol.reply(mid, error="a sandbox cannot register pods"))
+            return sess.send(protocol.reply(mid, **self._pod_request(msg)))
         if sess.identity is None:
             return sess.send(protocol.reply(mid, error="hello first"))
         if isinstance(msg, protocol.Listen):
@@ -280,13 +289,60 @@ class Daemon:
                             and other.identity.netns != ident.netns and other.identity.addrs & ident.addrs):
                         raise NotAllowed(f"addresses {sorted(other.identity.addrs & ident.addrs)} "
                                          f"belong to sandbox {other.identity.sandbox}")
+                pod = self.pods.claimed_elsewhere(set(ident.addrs), ident.netns)
+                if pod is not None:
+                    raise NotAllowed(f"addresses {sorted(ident.addrs & set(pod.ips))} belong to pod {pod.label}")
                 sess.identity = ident
         except NotAllowed as e:
             self.metrics.error("claim")
             log.warning("registration of %s refused: %s", hello.sandbox, e)
             return sess.send(protocol.reply(mid, error=str(e)))
-        log.info("sandbox %s registered: %s", ident.sandbox, ", ".join(sorted(ident.addrs)) or "no addresses")
+        pod = self.pods.by_netns(ident.netns)
+        log.info("sandbox %s registered%s: %s", ident.sandbox, f" (pod {pod.label})" if pod else "",
+                 ", ".join(sorted(ident.addrs)) or "no addresses")
         sess.send(protocol.reply(mid, ok=True, node=self.cfg.node))
+
+    # ---- pods registered by quark-cni (cni/plugin.py) ------------------------------------------
+    def _pod_request(self, msg: object) -> dict:
+        """The reply to one of quark-cni's requests. The socket is root's alone (0600), and a
+        registration is checked with the kernel like a sandbox's hello (tsor/pods.py)."""
+        if isinstance(msg, protocol.Ping):
+            return {"ok": True, "node": self.cfg.node}
+        if isinstance(msg, protocol.PodGc):
+            removed = self.pods.gc(set(msg.keep))
+            for key in removed:
+                log.info("pod %s: no longer an attachment of the runtime; forgotten", key)
+            return {"ok": True, "removed": removed}
+        if isinstance(msg, protocol.PodDel):
+            existed = self.pods.remove(f"{msg.sandbox}/{msg.ifname}")
+            if existed:
+                log.info("pod %s/%s deregistered", msg.sandbox, msg.ifname)
+            return {"ok": True, "existed": existed}
+        if not msg.sandbox or not msg.ifname or not os.path.isabs(msg.netns):
+            return {"error": "sandbox, ifname and an absolute netns path are needed"}
+        try:
+            inode, ips = check_claim(msg.netns, msg.ips, self.own_netns)
+            if isinstance(msg, protocol.PodCheck):
+                pod = self.pods.get(f"{msg.sandbox}/{msg.ifname}")
+                if pod is None:
+                    raise NotAllowed(f"pod {msg.sandbox}/{msg.ifname} is not registered")
+                if (pod.netns_inode, pod.ips) != (inode, ips):
+                    raise NotAllowed(f"pod {pod.label} was registered with netns {pod.netns} and {list(pod.ips)}")
+                return {"ok": True}
+            with self._lock:
+                for other in self.sessions:
+                    taken = other.identity.addrs & set(ips) if other.identity is not None else set()
+                    if taken and other.identity.netns != inode:
+                        raise NotAllowed(f"addresses {sorted(taken)} belong to sandbox {other.identity.sandbox}")
+            pod = Pod(msg.sandbox, msg.ifname, msg.netns, inode, ips, msg.name, msg.namespace, msg.uid)
+            self.pods.add(pod)
+        except NotAllowed as e:
+            self.metrics.error("claim")
+            log.warning("pod %s/%s: %s", msg.sandbox, msg.ifname, e)
+            return {"error": str(e)}
+        log.info("pod %s registered: sandbox %s, %s, %s", pod.label, pod.sandbox, pod.netns,
+                 ", ".join(ips) or "no addresses")
+        return {"ok": True}
 
     def _listen(self, sess: Session, msg: protocol.Listen) -> None:
         addrs = sess.identity.addrs

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tsor.metrics")
 PATHS = ("local", "tcp", "rdma", "fallback")
 GAUGE_HELP = {"sandboxes": "Sandboxes registered with this node's tsord.",
-              "listeners": "Listening sockets sandboxes on this node have announced."}
+              "listeners": "Listening sockets sandboxes on this node have announced.",
+              "pods": "Pods quark-cni registered with this node's tsord."}
 CLIENT_TIMEOUT = 2.0   # a scraper that connects and says nothing holds its thread this long
 
 

@@ -10,6 +10,14 @@ requests: the sandbox asks to connect and announces listeners; tsord offers inco
                       connect   {dst: [ip, port], src_port}     -> {path: local|tcp|rdma, src, fd} | {path: fallback}
     tsord -> sandbox  incoming  {token, peer, local, path, greet} + fd -> {ok}
 
+quark-cni (cni/plugin.py) opens a connection of its own for one request, instead of a hello:
+
+    quark-cni -> tsord  podadd   {sandbox, ifname, netns, ips, name, namespace, uid} -> {ok} | {error}
+                        poddel   {sandbox, ifname}                  -> {ok, existed}
+                        podcheck {sandbox, ifname, netns, ips}      -> {ok} | {error}
+                        podgc    {keep: ["sandbox/ifname", ...]}    -> {ok, removed}
+                        ping     {}                                 -> {ok, node}
+
 `decode` checks every field; a malformed message raises ProtocolError for that message only.
 """
 from __future__ import annotations
@@ -27,6 +35,8 @@ from tsor.errors import ProtocolError
 MAX_MSG = 64 * 1024
 MAX_FDS = 4
 PATHS = ("local", "tcp", "rdma", "fallback")
+MAX_IDS = 4096
+Id = str   # a name (sandbox id, "sandbox/ifname"): printable, no more than 1024 characters
 
 
 @dataclass(frozen=True)
@@ -64,7 +74,43 @@ class Incoming:
     greet: bool = False  # write b"\x01" on the socket before queueing it (tcp path, see transport/tcp.py)
 
 
-MESSAGES = {cls.__name__.lower(): cls for cls in (Hello, Listen, Unlisten, Connect, Incoming)}
+@dataclass(frozen=True)
+class PodAdd:
+    sandbox: str         # CNI_CONTAINERID: the pod sandbox
+    ifname: str          # CNI_IFNAME
+    netns: str           # CNI_NETNS: the path of the pod's network namespace
+    ips: list[str]       # the pod's addresses, from the previous plugin's result
+    name: str = ""       # K8S_POD_NAME, K8S_POD_NAMESPACE, K8S_POD_UID from CNI_ARGS, when kubelet passed them
+    namespace: str = ""
+    uid: str = ""
+
+
+@dataclass(frozen=True)
+class PodDel:
+    sandbox: str
+    ifname: str
+
+
+@dataclass(frozen=True)
+class PodCheck:
+    sandbox: str
+    ifname: str
+    netns: str
+    ips: list[str]
+
+
+@dataclass(frozen=True)
+class PodGc:
+    keep: list[Id]       # "sandbox/ifname" of every attachment the runtime still has
+
+
+@dataclass(frozen=True)
+class Ping:
+    pass
+
+
+POD_REQUESTS = (PodAdd, PodDel, PodCheck, PodGc, Ping)
+MESSAGES = {cls.__name__.lower(): cls for cls in (Hello, Listen, Unlisten, Connect, Incoming, *POD_REQUESTS)}
 
 
 def _endpoint(v: Any, field: str) -> Endpoint:
@@ -96,6 +142,11 @@ def _check(cls: type, field: dataclasses.Field, v: Any) -> Any:
         if field.name == "path" and v not in PATHS:
             raise ProtocolError(f"path: expected one of {PATHS}, got {v!r}")
         return v
+    if t == "list[Id]":
+        if (not isinstance(v, list) or len(v) > MAX_IDS
+                or not all(isinstance(x, str) and 0 < len(x) <= 1024 and x.isprintable() for x in v)):
+            raise ProtocolError(f"{field.name}: expected a list of names, got {v!r}"[:300])
+        return list(v)
     if t == "list[str]":
         if not isinstance(v, list) or len(v) > 64 or not all(valid_ip(a) for a in v):
             raise ProtocolError(f"{field.name}: expected a list of IP addresses, got {v!r}")

@@ -61,7 +61,8 @@ def status(args: argparse.Namespace) -> int:
                      "incoming": int(values.get(f'tsor_incoming_total{{path="{p}"}}', 0)),
                      "bytes_sent": _bytes(values, p, "sent"), "bytes_received": _bytes(values, p, "received"),
                      "mean_setup_us": round(setup / conns * 1e6, 1) if conns else None})
-    summary = {"sandboxes": int(values.get("tsor_sandboxes", 0)), "listeners": int(values.get("tsor_listeners", 0)),
+    summary = {"sandboxes": int(values.get("tsor_sandboxes", 0)), "pods": int(values.get("tsor_pods", 0)),
+               "listeners": int(values.get("tsor_listeners", 0)),
                "protocol_errors": int(values.get("tsor_protocol_errors_total", 0)),
                "refused": int(values.get("tsor_refused_total", 0))}
     if args.format == "json":

@@ -131,6 +131,7 @@ class Node:
         with open(cfg, "w") as f:
             json.dump({"node": self.name, "socket": self.socket, "metrics": f"unix:{self.metrics}",
                        "routes": self.bed.routes_file, "cluster_secret_file": self.bed.secret_file,
+                       "state_dir": os.path.join(self.bed.dir, f"{self.name}-state"),
                        **({"listen": f"{self.address}:{TSORD_PORT}"} if self.address else {}),
                        **({"transport": transport} if transport else {})}, f)
         log = open(os.path.join(self.bed.dir, f"{self.name}-tsord.log"), "a")

@@ -276,6 +276,8 @@ def test_lost_link_fails_the_qps_and_flushes_their_work(connected):
     deadline = time.monotonic() + 5
     while not a.dev.down and time.monotonic() < deadline:
         time.sleep(0.01)
+    with a.dev.lock:   # the device marks itself down, then fails its QPs, under its lock
+        pass
     assert a.dev.down and not a.dev.port().active
     assert a.qp.state == QpState.ERR
     assert [(w.wr_id, w.status) for w in a.wait()] == [(41, WcStatus.WR_FLUSH_ERR)]
