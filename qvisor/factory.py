@@ -128,6 +128,8 @@ def request(argv: list[str], stdio: tuple[int, int, int] = (0, 1, 2), env: dict[
             os.close(cwd)
     try:
         reply = s.recv(4096)
+        if reply[:1] == b"X":
+            _wait_worker_gone(s)
     except ConnectionResetError:
         return None   # the factory exited with our request still queued: nothing of it ran
     except OSError:
@@ -142,6 +144,18 @@ def request(argv: list[str], stdio: tuple[int, int, int] = (0, 1, 2), env: dict[
     # the worker ran (part of) the verb and died: running it again could do it twice
     from qlib.errors import QuarkError
     raise QuarkError(f"{prog}: the factory's worker ended without an exit status")
+
+
+def _wait_worker_gone(s: socket.socket) -> None:
+    """The worker sends its exit status, then exits, and its end of the socket closes as it does:
+    waiting for that end of file means no process of the verb is left when the caller goes on
+    (as with the CLI, whose verb runs in its own process). At most 5 s."""
+    s.settimeout(5)
+    try:
+        while s.recv(64):
+            pass
+    except OSError:
+        pass
 
 
 def _umask() -> int:
