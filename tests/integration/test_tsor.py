@@ -135,7 +135,6 @@ def test_a_sandbox_cannot_register_another_sandboxes_address(bed):
         child.kill()
         child.wait()
     # tsord still serves everyone else
-    code = f"import socket; socket.create_connection(('{bed.srv.ip}', {PORT}), timeout=5)"
     assert "tsor_sandboxes" in fetch(bed.node_a.metrics)
 
 
@@ -157,7 +156,7 @@ def test_busybox_nc_httpd_wget(bed):
     pod_s, pod_c = bed.node_a.pod("bbs"), bed.node_a.pod("bbc")
     bed.start("quark", "httpd", bed.bundle("httpd", ["busybox", "httpd", "-f", "-p", "8080", "-h", "/etc"], pod_s))
     bed.start("quark", "ncl", bed.bundle("ncl", ["sh", "-c", "busybox nc -l -p 9000 > /out/nc.txt"], pod_s))
-    time.sleep(1)
+    pod_s.wait_listening(8080, 9000)
     before = local_connections(bed.node_a)
     r = bed.run("quark", "wget", bed.bundle("wget", ["sh", "-c",
                 f"busybox wget -q -O /out/wget.txt http://{pod_s.ip}:8080/hostname && "
@@ -181,7 +180,7 @@ def test_a_tsor_peer_wakes_a_hibernated_server(bed):
     pod_s, pod_c = bed.node_a.pod("hbs"), bed.node_a.pod("hbc")
     bed.start("quark", "hb-httpd", bed.bundle("hb-httpd", ["busybox", "httpd", "-f", "-p", "8080", "-h", "/etc"],
                                               pod_s))
-    time.sleep(1)
+    pod_s.wait_listening(8080)
     bed.quark("snapshot", "create", "hb-httpd")   # with or without swap: frozen either way
     assert json.loads(bed.quark("state", "hb-httpd").stdout)["status"] == "paused"
     before = local_connections(bed.node_a)
@@ -200,7 +199,7 @@ def test_iperf3_and_redis(bed):
     bed.start("quark", "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], pod_s))
     bed.start("quark", "redis", bed.bundle("redis", ["redis-server", "--port", "6379", "--save", "",
                                                      "--appendonly", "no", "--protected-mode", "no"], pod_s))
-    time.sleep(1)
+    pod_s.wait_listening(5201, 6379)
     before = local_connections(bed.node_a)
     r = bed.run("quark", "iperf-c", bed.bundle("iperf-c", ["sh", "-c",
                 f"iperf3 -c {pod_s.ip} -p 5201 -t 1 -J > /out/iperf.json && "

@@ -78,7 +78,7 @@ def test_iperf3_and_redis_over_softverbs(two):
     two.start("quark", "iperf-s", two.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], pod_s))
     two.start("quark", "redis", two.bundle("redis", ["redis-server", "--port", "6379", "--save", "",
                                                      "--appendonly", "no", "--protected-mode", "no"], pod_s))
-    time.sleep(1)
+    pod_s.wait_listening(5201, 6379)
     before = counters(two.a)['tsor_connections_total{path="rdma"}']
     cmd = (f"iperf3 -c {pod_s.ip} -p 5201 -t 2 -J > /out/iperf.json && "
            f"redis-cli -h {pod_s.ip} set k tsor > /out/redis.txt && "

@@ -69,6 +69,20 @@ class Pod:
     def netns_path(self) -> str:
         return f"/var/run/netns/{self.netns}"
 
+    def wait_listening(self, *ports: int, timeout: float = 30) -> None:
+        """Until a socket of the pod listens on each port (its /proc/net/tcp*: nothing connects,
+        so no connection is used up or counted)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = sh("cat", "/proc/net/tcp", "/proc/net/tcp6", netns=self.netns).stdout
+            listening = {int(f[1].rsplit(":", 1)[1], 16) for f in (ln.split() for ln in out.splitlines()[1:])
+                         if len(f) > 3 and f[3] == "0A"}
+            if set(ports) <= listening:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pod {self.name}: nothing listens on {sorted(set(ports) - listening)}")
+            time.sleep(0.05)
+
 
 @dataclass
 class Node:
