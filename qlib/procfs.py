@@ -120,6 +120,19 @@ def parent_pid(pid: Pid) -> int | None:
         return None
 
 
+# runc-compatible process managers that reap a container's init themselves, as they do runc's:
+# containerd's runc shim (quark as its BinaryName) and conmon. Their child subreaper takes the init.
+RUNC_MANAGERS = ("containerd-shim-runc", "conmon")
+
+
+def exe_name(pid: Pid) -> str | None:
+    """The file name of the program `pid` runs (None: gone, or not ours to read)."""
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        return None
+
+
 def start_time(pid: Pid) -> int | None:
     """Field 22 of /proc/PID/stat: tells a live pid from a reused one. None if the pid is gone (or a zombie)."""
     try:

@@ -496,7 +496,7 @@ class Factory:
                 caller, mine = resource.prlimit(pid, r)[1], resource.getrlimit(r)[1]
                 if mine != resource.RLIM_INFINITY and (caller == resource.RLIM_INFINITY or caller > mine):
                     return f"the caller's hard {_RLIMITS[r]} is above the factory's"
-            from qvisor.supervisor.reaper import RUNC_MANAGERS   # they reap the init themselves
+            from qlib.procfs import RUNC_MANAGERS   # they reap the init themselves
             if any(name.startswith(RUNC_MANAGERS) for name in _ancestors(pid)):
                 return "a runc-compatible manager above the caller reaps the container's init"
         except (OSError, KeyError):

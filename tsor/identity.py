@@ -3,6 +3,12 @@
 A supervisor says "I am sandbox S, my container's init is pid P, my addresses are A". tsord checks
 that P descends from the supervisor on the other end of the socket (SO_PEERCRED), that every
 address in A is configured in P's network namespace, and that the namespace is not the node's own.
+
+Under a runc-compatible manager (containerd's runc shim with quark as its BinaryName, conmon) the
+manager reaps the init, as it does runc's: it is a child subreaper, so the init and the supervisor
+both end up its children. There P is accepted when it is the supervisor's sibling under such a
+manager (qlib.procfs.RUNC_MANAGERS, by the program the kernel says it runs): a manager serves one
+pod, whose containers share its network namespace, and pid 1 or any other parent never counts.
 """
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Protocol
 
-from qlib.procfs import parent_pid
+from qlib.procfs import RUNC_MANAGERS, exe_name, parent_pid
 from tsor import _sys
 from tsor.addr import unmapped
 from tsor.errors import NotAllowed
@@ -41,7 +47,7 @@ class ProcVerifier:
         pid, depth = hello.pid, 0
         while pid not in (peer_pid, 0, 1) and depth < _MAX_DEPTH:
             pid, depth = parent_pid(pid) or 0, depth + 1
-        if pid != peer_pid:
+        if pid != peer_pid and not _adopted_by_one_manager(hello.pid, peer_pid):
             raise NotAllowed(f"pid {hello.pid} is not a process of the sandbox connected (pid {peer_pid})")
         try:
             netns = _sys.netns_inode(hello.pid)
@@ -55,3 +61,12 @@ class ProcVerifier:
         if foreign:
             raise NotAllowed(f"addresses not in the sandbox's network namespace: {sorted(foreign)}")
         return Identity(hello.sandbox, hello.pid, netns, frozenset(claimed))
+
+
+def _adopted_by_one_manager(init: int, supervisor: int) -> bool:
+    """Both children of one runc-compatible manager (see the module's docstring)."""
+    manager = parent_pid(init)
+    if manager in (None, 0, 1) or parent_pid(supervisor) != manager:
+        return False
+    name = exe_name(manager)
+    return name is not None and name.startswith(RUNC_MANAGERS)

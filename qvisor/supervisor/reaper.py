@@ -12,13 +12,12 @@ import socket
 import time
 
 from qlib import linux as L
+from qlib import procfs
 from qlib.errors import NotFound, QuarkError
 from qvisor.state import STOPPED, now_rfc3339
 
 log = logging.getLogger("quark.supervisor")
 _WALL = 0x40000000  # __WALL: also wait for tasks the ptrace platform traces
-# runc-compatible managers that reap the container's init themselves (see Supervisor._choose_reaper)
-RUNC_MANAGERS = ("containerd-shim-runc", "conmon")
 REAP_WAIT_S = 10
 UNKNOWN_EXIT = 255   # the exit status of a process reaped by the caller on a kernel without PIDFD_GET_INFO
 # exits of exec'd processes kept for a wait that has not come yet (`quark exec -d` whose caller
@@ -67,11 +66,8 @@ class ReaperMixin:
         if choice != "caller":
             if adopter in (0, 1):
                 return False   # nobody adopts orphans above us
-            try:
-                name = os.path.basename(os.readlink(f"/proc/{adopter}/exe"))
-            except OSError:
-                return False
-            if not name.startswith(RUNC_MANAGERS):
+            name = procfs.exe_name(adopter)
+            if name is None or not name.startswith(procfs.RUNC_MANAGERS):
                 return False
         # Before Linux 6.15 (no PIDFD_GET_INFO) the caller still reaps, as it must to learn the exits
         # it waits for, and the supervisor learns only that a process ended (its pidfd turns readable).

@@ -74,3 +74,29 @@ def test_terminal_run(cd):
     p = cd.ctr_tty(f"run --rm -t {' '.join(R)} {ce.IMAGE} rs4 sh -c 'tty; exit 4'")
     assert b"/dev/pts/" in p.stdout, p.stdout + p.stderr
     assert p.returncode == 4
+
+
+def test_tsor_takes_the_local_path_under_the_runc_shim(cd):
+    """Here the runc shim, not the supervisor, is the init's parent: tsord accepts the sandbox
+    because the init and the supervisor are children of one runc-compatible manager
+    (tsor/identity.py), so TCP between two such containers takes TSoR's local path."""
+    from tests.support.testbed import SOCKET_ANNOTATION, Testbed, local_connections
+    bed = Testbed(prefix="qrs", octet=222)
+    try:
+        node = bed.node("a")
+        node.start_tsord()
+        srv, cli = node.pod("srv"), node.pod("cli")
+        tsor = ("--annotation", f"{SOCKET_ANNOTATION}={node.socket}")
+        cd.ctr("run", "-d", *R, *tsor, "--with-ns", f"network:{srv.netns_path}", ce.IMAGE, "rs-tsor-srv",
+               "httpd", "-f", "-p", "8080", "-h", "/etc")
+        wait_status(cd, "rs-tsor-srv", "RUNNING")
+        srv.wait_listening(8080)
+        before = local_connections(node)
+        p = cd.ctr("run", "--rm", *R, *tsor, "--with-ns", f"network:{cli.netns_path}", ce.IMAGE, "rs-tsor-cli",
+                   "wget", "-q", "-O", "-", f"http://{srv.ip}:8080/passwd")
+        assert p.stdout.startswith(b"root:"), p.stdout + p.stderr
+        assert local_connections(node) == before + 1
+    finally:
+        remove(cd, "rs-tsor-srv")
+        remove(cd, "rs-tsor-cli")
+        bed.close()

@@ -5,15 +5,18 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
 import socket
 import struct
+import subprocess
 import time
 
 import pytest
 
 from qlib.eventloop import Loop
+from qlib.procfs import parent_pid
 from tests.unit.loop_probe import watch_loop
-from tsor import protocol
+from tsor import identity, protocol
 from tsor.config import Config, HostPort, load
 from tsor.daemon import Daemon
 from tsor.errors import ConfigError, NotAllowed
@@ -356,6 +359,40 @@ def test_proc_verifier_refuses_foreign_pids_and_the_host_netns():
         v.verify(os.getpid(), protocol.Hello("x", 1, []))
     with pytest.raises(NotAllowed, match="node's network namespace"):
         v.verify(os.getppid(), protocol.Hello("x", os.getpid(), []))
+
+
+def _two_children_of(program: str) -> tuple[subprocess.Popen, list[int]]:
+    """`program` (a copy of busybox sh under that name) running two sleeping children."""
+    parent = subprocess.Popen([program, "-c", "sleep 60 & sleep 60 & wait"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent_pid(int(p)) == parent.pid]
+        if len(kids) == 2:
+            return parent, kids
+        time.sleep(0.01)
+    raise AssertionError("the children did not start")
+
+
+@pytest.mark.parametrize("name, accepted", [("containerd-shim-runc-v2", True), ("conmon", True),
+                                            ("some-daemon", False)])
+def test_siblings_count_only_under_a_runc_compatible_manager(tmp_path, name, accepted):
+    """Under containerd's runc shim the init and the supervisor are both the shim's children
+    (it reaps the init, as with runc); under any other parent a sibling proves nothing."""
+    program = tmp_path / name
+    shutil.copy("/usr/bin/busybox", program)   # busybox runs the applet its name says: make it `sh`
+    (tmp_path / "sh").symlink_to(program)
+    parent, (a, b) = _two_children_of(str(tmp_path / "sh"))
+    try:
+        assert identity._adopted_by_one_manager(a, b) is accepted
+        assert not identity._adopted_by_one_manager(a, os.getpid())   # not a sibling at all
+    finally:
+        parent.kill()
+        parent.wait()
+        for pid in (a, b):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
 
 
 def test_quark_tsor_status_prints_the_counters(node, tmp_path, capsys):
