@@ -1,0 +1,160 @@
+"""deploy/: every manifest loads into the official Kubernetes client's models (the schema kubectl and
+the API server hold it to), and the fields that make quark work are what the code expects: the
+RuntimeClass handler containerd knows, RBAC covering what tsord watches, the DaemonSet mounting
+exactly the host directories the installer writes, the ConfigMap a tsor.yaml tsord accepts. The
+installer itself runs against a scratch host root, twice (the second run changes nothing)."""
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes client (pip install -e .) is needed")
+
+from deploy import install  # noqa: E402
+from tsor import config as tsor_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+MODEL = {("v1", "Namespace"): "V1Namespace", ("v1", "ServiceAccount"): "V1ServiceAccount",
+         ("v1", "ConfigMap"): "V1ConfigMap", ("apps/v1", "DaemonSet"): "V1DaemonSet",
+         ("node.k8s.io/v1", "RuntimeClass"): "V1RuntimeClass",
+         ("rbac.authorization.k8s.io/v1", "ClusterRole"): "V1ClusterRole",
+         ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): "V1ClusterRoleBinding"}
+
+
+def manifests() -> dict[str, object]:
+    """kind/name -> the client's model object, from every manifest the kustomization lists."""
+    api = kubernetes.client.ApiClient()
+    out = {}
+    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    for name in kustomization["resources"]:
+        for doc in yaml.safe_load_all((DEPLOY / name).read_text()):
+            model = MODEL[(doc["apiVersion"], doc["kind"])]
+            obj = api._ApiClient__deserialize(doc, model)   # the client's own (strict) deserialiser
+            assert obj.metadata.name, f"{name}: {doc['kind']} without a name"
+            out[f"{doc['kind']}/{obj.metadata.name}"] = obj
+    return out
+
+
+def test_every_manifest_is_listed_and_loads():
+    listed = set(yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["resources"])
+    assert listed == {p.name for p in DEPLOY.glob("*.yaml") if p.name != "kustomization.yaml"}
+    objs = manifests()
+    assert {"RuntimeClass/quark", "DaemonSet/quark-node", "ClusterRole/quark-node",
+            "ClusterRoleBinding/quark-node", "ServiceAccount/quark-node", "ConfigMap/quark-tsor",
+            "Namespace/quark-system"} <= set(objs)
+
+
+def test_runtimeclass_names_the_handler_containerd_registers():
+    rc = manifests()["RuntimeClass/quark"]
+    with open(DEPLOY / "containerd" / "quark.toml", "rb") as f:
+        runtimes = tomllib.load(f)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    assert rc.handler in runtimes and runtimes[rc.handler]["runtime_type"] == "io.containerd.quark.v1"
+    assert rc.scheduling.node_selector == {install.NODE_LABEL[0]: install.NODE_LABEL[1]}
+
+
+def test_pod_overhead_covers_the_measured_supervisor():
+    overhead = manifests()["RuntimeClass/quark"].overhead.pod_fixed["memory"]
+    assert overhead.endswith("Mi")
+    measured = json.loads((REPO / "bench" / "results" / "startup.json").read_text())
+    pss = measured["supervisor_memory"]["pss_median_mib"]
+    assert pss <= int(overhead[:-2]) <= pss * 2, (overhead, pss)
+
+
+def test_rbac_covers_what_tsord_watches_and_the_node_label():
+    objs = manifests()
+    allowed = {(g, r, v) for rule in objs["ClusterRole/quark-node"].rules
+               for g in rule.api_groups for r in rule.resources for v in rule.verbs}
+    watched = {("", "nodes"), ("", "pods"), ("", "services"), ("discovery.k8s.io", "endpointslices"),
+               ("networking.k8s.io", "networkpolicies")}
+    for group, resource in watched:
+        for verb in ("get", "list", "watch"):
+            assert (group, resource, verb) in allowed, (group, resource, verb)
+    assert ("", "nodes", "patch") in allowed          # install.py labels its node
+    assert not any(v in ("create", "delete", "update", "*") for _, _, v in allowed)
+    binding = objs["ClusterRoleBinding/quark-node"]
+    ds = objs["DaemonSet/quark-node"]
+    assert binding.role_ref.name == "quark-node"
+    assert [(s.kind, s.name, s.namespace) for s in binding.subjects] == \
+        [("ServiceAccount", ds.spec.template.spec.service_account_name, ds.metadata.namespace)]
+
+
+def test_daemonset_mounts_exactly_where_the_installer_writes():
+    spec = manifests()["DaemonSet/quark-node"].spec.template.spec
+    host_paths = {v.name: v.host_path.path for v in spec.volumes if v.host_path}
+    init = next(c for c in spec.init_containers if c.name == "install")
+    mounted = {m.mount_path: host_paths[m.name] for m in init.volume_mounts if m.name in host_paths}
+    assert {f"/host{p}": p for p in install.HOST_DIRS} == mounted
+    assert "--host-root" in init.command and init.command[init.command.index("--host-root") + 1] == "/host"
+    tsord = next(c for c in spec.containers if c.name == "tsord")
+    by_path = {m.mount_path: m for m in tsord.volume_mounts}
+    assert host_paths[by_path["/run/quark"].name] == "/run/quark"          # the sandboxes' tsord socket
+    netns = by_path["/var/run/netns"]
+    assert host_paths[netns.name] == "/var/run/netns" and netns.mount_propagation == "HostToContainer"
+    assert spec.host_network and spec.host_pid
+
+
+def test_the_configmap_is_a_tsor_yaml_tsord_accepts(tmp_path):
+    cm = manifests()["ConfigMap/quark-tsor"]
+    path = tmp_path / "tsor.yaml"
+    path.write_text(cm.data["tsor.yaml"])
+    secret = tmp_path / "tsor-secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    text = path.read_text().replace("/etc/quark/tsor-secret", str(secret))
+    path.write_text(text)
+    cfg = tsor_config.load(str(path))
+    assert cfg.socket == "/run/quark/tsord.sock" and cfg.cluster_secret == b"s" * 32
+
+
+def test_installer_on_a_scratch_host_twice(tmp_path, capsys):
+    host = tmp_path / "host"
+    (host / "etc" / "containerd").mkdir(parents=True)
+    original = (Path("/etc/containerd/config.toml").read_text() if Path("/etc/containerd/config.toml").exists()
+                else 'version = 2\n\n[plugins."io.containerd.grpc.v1.cri".cni]\n  bin_dir = "/usr/lib/cni"\n')
+    (host / "etc" / "containerd" / "config.toml").write_text(original)
+    conf = tmp_path / "config"
+    conf.mkdir()
+    (conf / "tsor.yaml").write_text("node: n1\n")
+    (conf / "tsor-secret").write_text("x" * 32)
+    first = install.Installer(str(host), str(REPO), str(conf), dry_run=True)
+    first.run()
+    assert first.commands == [["make", "-C", "/opt/quark/src", "install"], ["systemctl", "restart", "containerd"]]
+    assert (host / "opt/quark/src/qvisor/cli.py").read_bytes() == (REPO / "qvisor/cli.py").read_bytes()
+    assert not list((host / "opt/quark/src").rglob("__pycache__"))
+    cfg = tomllib.loads((host / "etc/containerd/config.toml").read_text())
+    assert install.IMPORTS_GLOB in cfg["imports"]
+    assert (host / "etc/containerd/config.toml").read_text().replace(
+        f'imports = ["{install.IMPORTS_GLOB}"]\n', "") == original          # nothing else touched
+    assert (host / "etc/containerd/conf.d/quark.toml").read_text() == (DEPLOY / "containerd/quark.toml").read_text()
+    cni_dir = tomllib.loads(original).get("plugins", {}).get("io.containerd.grpc.v1.cri", {}).get("cni", {}).get(
+        "bin_dir", install.CNI_BIN_DEFAULT)
+    assert os.readlink(host / cni_dir.lstrip("/") / "quark-cni") == "/opt/quark/src/.venv/bin/quark-cni"
+    assert oct((host / "etc/quark/tsor-secret").stat().st_mode & 0o777) == "0o600"
+    (host / "opt/quark/src/.venv/bin").mkdir(parents=True)   # as make install on the host leaves it
+    (host / "opt/quark/src/.venv/bin/quark").touch()
+    again = install.Installer(str(host), str(REPO), str(conf), dry_run=True)
+    again.run()
+    assert (again.changed, again.commands) == ([], [])   # idempotent: no write, no restart
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("version = 2\n", f'version = 2\nimports = ["{install.IMPORTS_GLOB}"]\n'),
+    ('[plugins]\n  x = 1\n', f'imports = ["{install.IMPORTS_GLOB}"]\n[plugins]\n  x = 1\n'),
+    ('version = 2\nimports = ["/a.toml"]\n', f'version = 2\nimports = ["/a.toml", "{install.IMPORTS_GLOB}"]\n'),
+    (f'imports = ["{install.IMPORTS_GLOB}"]\n', f'imports = ["{install.IMPORTS_GLOB}"]\n'),
+])
+def test_containerd_imports_line(text, expected):
+    assert install.with_import(text, "config.toml") == expected
+
+
+def test_containerd_config_it_cannot_edit_is_refused_by_name():
+    with pytest.raises(install.InstallError, match="config.toml: not valid TOML"):
+        install.with_import("version = = 2", "config.toml")
+    with pytest.raises(install.InstallError, match="by hand"):
+        install.with_import('imports = [\n  "/a.toml",\n]\n', "config.toml")
