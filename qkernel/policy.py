@@ -27,16 +27,19 @@ _FLAGS = {"SECCOMP_FILTER_FLAG_TSYNC": seccomp.Attr.CTL_TSYNC,
           "SECCOMP_FILTER_FLAG_SPEC_ALLOW": seccomp.Attr.CTL_SSB}
 
 
-def install_filter(oci_seccomp, platform: str, no_new_privileges: bool, sockets: bool) -> int | None:
+def install_filter(oci_seccomp, platform: str, no_new_privileges: bool, sockets: bool,
+                   caps: frozenset[str] = frozenset(), own_namespaces: frozenset[str] = frozenset()) -> int | None:
     """Install quark's filter, then the bundle's; return the listener fd (seccomp) or None (ptrace).
 
     Called in the container process right before execve. Without no_new_privileges the process
     needs CAP_SYS_ADMIN (in its user namespace) to load a filter, as with runc. `sockets`: the
     sandbox is served by TSoR, so its socket calls are trapped (otherwise they all run natively).
+    `caps` (the process's bounding set) and `own_namespaces` (kinds the container has its own of)
+    decide the capability grants of the table (table.Grant).
     """
     check_platform(platform)
     # Build both before loading either, so a bad bundle profile fails with nothing installed.
-    base = build_base_filter(platform, sockets)
+    base = build_base_filter(platform, sockets, caps, own_namespaces)
     bundle = build_bundle_filter(oci_seccomp) if oci_seccomp is not None else None
     for f in (base, bundle):
         if f is not None:
@@ -53,7 +56,8 @@ def install_filter(oci_seccomp, platform: str, no_new_privileges: bool, sockets:
     return listener
 
 
-def build_base_filter(platform: str, sockets: bool = True) -> seccomp.SyscallFilter:
+def build_base_filter(platform: str, sockets: bool = True, caps: frozenset[str] = frozenset(),
+                      own_namespaces: frozenset[str] = frozenset()) -> seccomp.SyscallFilter:
     arch = table.native_arch()
     if arch not in _ARCHES:
         raise FilterError(f"no syscall table for architecture {arch}")
@@ -73,12 +77,23 @@ def build_base_filter(platform: str, sockets: bool = True) -> seccomp.SyscallFil
                 f.add_rule(trap, nr)
             for pattern in sc.only.patterns if sc.only is not None else ():
                 f.add_rule(trap, nr, *(seccomp.Arg(i, seccomp.EQ, v) for i, v in pattern))
-        elif sc.when is not None:
-            f.add_rule(seccomp.ERRNO(sc.errno), nr,
-                       seccomp.Arg(sc.when.index, seccomp.MASKED_EQ, sc.when.mask, sc.when.mask))
+        elif not sc.applies(caps, own_namespaces):
+            continue   # granted (or only denied to holders of a capability this process lacks)
         else:
-            f.add_rule(seccomp.ERRNO(sc.errno), nr)
+            add_denial(f, sc, nr, granted=sc.granted(caps, own_namespaces))
     return f
+
+
+def add_denial(f: seccomp.SyscallFilter, sc: table.Syscall, nr: int | str, granted: bool = False) -> None:
+    """The ERRNO rule(s) of a DENIED entry; a granted one keeps only its still-denied argument patterns."""
+    err = seccomp.ERRNO(sc.errno)
+    if granted:
+        for index, mask, value in sc.grant.still_denied:
+            f.add_rule(err, nr, seccomp.Arg(index, seccomp.MASKED_EQ, mask, value))
+    elif sc.when is not None:
+        f.add_rule(err, nr, seccomp.Arg(sc.when.index, seccomp.MASKED_EQ, sc.when.mask, sc.when.mask))
+    else:
+        f.add_rule(err, nr)
 
 
 def build_bundle_filter(spec) -> seccomp.SyscallFilter:

@@ -46,6 +46,18 @@ class ArgMatch:
 
 
 @dataclass(frozen=True)
+class Grant:
+    """A DENIED entry that runs natively for a process holding `cap` (in its bounding set, as Docker's
+    default profile reads `includes.caps`) in a container that has its own namespace of kind
+    `namespace`, so the call acts only on the container's own namespace. `still_denied`: argument
+    patterns (index, mask, value: `args[index] & mask == value`) that stay denied even then."""
+    cap: str
+    namespace: str
+    still_denied: tuple[tuple[int, int, int], ...] = ()
+    describe: str = ""
+
+
+@dataclass(frozen=True)
 class Syscall:
     name: str
     x86_64: int | None
@@ -63,13 +75,31 @@ class Syscall:
     only: ArgMatch | None = None
     # TRAPPED: only in a sandbox served by TSoR (the socket family); elsewhere native
     tsor_only: bool = False
+    # DENIED: allowed when the container holds a capability in its own namespace (Grant)
+    grant: Grant | None = None
+    # DENIED only for a process holding this capability: without it the kernel itself refuses what
+    # would reach the host (setting the clock), and the call's harmless uses (reading it) work
+    denied_for: str | None = None
+
+    def applies(self, caps: frozenset[str] | set[str], own_namespaces: frozenset[str] | set[str]) -> bool:
+        """Is this DENIED entry in force for the process (bounding set `caps`)?"""
+        if self.denied_for is not None and self.denied_for not in caps:
+            return False
+        return not self.granted(caps, own_namespaces) or bool(self.grant.still_denied)
+
+    def granted(self, caps: frozenset[str] | set[str], own_namespaces: frozenset[str] | set[str]) -> bool:
+        """Does this process (bounding set `caps`) in a container owning `own_namespaces` get the grant?"""
+        g = self.grant
+        return g is not None and g.cap in caps and g.namespace in own_namespaces
 
     def nr(self, arch: str) -> int | None:
         return self.x86_64 if arch == "x86_64" else self.aarch64
 
 
-def _denied(err: int, reason: str, when: ArgMask | None = None) -> dict:
-    return {"fate": Fate.DENIED, "errno": err, "reason": reason, "when": when}
+def _denied(err: int, reason: str, when: ArgMask | None = None, grant: Grant | None = None,
+            denied_for: str | None = None) -> dict:
+    return {"fate": Fate.DENIED, "errno": err, "reason": reason, "when": when, "grant": grant,
+            "denied_for": denied_for}
 
 
 def _trapped(handler: Callable, reason: str, native_on_error: bool = False, only: ArgMatch | None = None,
@@ -83,6 +113,29 @@ _MOUNT = "the mount table is fixed once the runtime has set up the rootfs"
 _KEYS = "the kernel keyring is not namespaced; it widens the host attack surface"
 _TIME = "the clock is the host's, shared by every container"
 _NEWUSER = ArgMask(0, CLONE_NEWUSER, "flags has CLONE_NEWUSER")
+# mount(2) flags (qlib.linux has the same values; qkernel does not import qvisor's helpers)
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_MOVE = 1, 32, 4096, 8192
+MS_UNBINDABLE, MS_PRIVATE, MS_SLAVE, MS_SHARED = 1 << 17, 1 << 18, 1 << 19, 1 << 20
+_PROPAGATION = MS_UNBINDABLE | MS_PRIVATE | MS_SLAVE | MS_SHARED
+# With CAP_SYS_ADMIN in its own mount namespace a container may bind (recursively or not), change
+# propagation and make a bind read-only: each acts on mounts the container can already see, and
+# quark locks its own mounts (masks, read-only paths, the /proc view) before the container runs
+# (qvisor/rootfs_lock.py), so the kernel refuses to unmount, move, strip or make writable any of them.
+# Still denied, in the order mount(2) reads its flags: a superblock remount (MS_REMOUNT without
+# MS_BIND: it changes the filesystem for every mount of it, the host's too), a bind remount that is not
+# read-only, and a new filesystem or MS_MOVE (no MS_BIND, MS_REMOUNT or propagation flag): the
+# filesystem type is behind a pointer the filter cannot read, and a fresh proc, sysfs or cgroup v1
+# mount would show the host's writable knobs without quark's masks.
+_MOUNT_GRANT = Grant("CAP_SYS_ADMIN", "mount", (
+    (3, MS_REMOUNT | MS_BIND, MS_REMOUNT),
+    (3, MS_REMOUNT | MS_BIND | MS_RDONLY, MS_REMOUNT | MS_BIND),
+    (3, MS_REMOUNT | MS_BIND | _PROPAGATION, 0),
+), "CAP_SYS_ADMIN and its own mount namespace, for bind mounts, propagation changes and read-only bind "
+   "remounts; new filesystems, MS_MOVE and other remounts stay EPERM")
+_MOUNTS_OWN = Grant("CAP_SYS_ADMIN", "mount", (), "CAP_SYS_ADMIN and its own mount namespace, where quark's own "
+                    "mounts are locked")
+_UTS_OWN = Grant("CAP_SYS_ADMIN", "uts", (), "CAP_SYS_ADMIN and its own UTS namespace")
+_HOSTNAME = "sets the host's name unless the container has its own UTS namespace"
 # The socket options TSoR answers for a redirected socket (tsor/__init__.py says which). Every other
 # option (SO_SNDBUF, SO_RCVTIMEO, SO_ERROR, ...) runs natively on every socket, without a trap.
 _SOL_SOCKET = 1
@@ -102,12 +155,20 @@ POLICY: dict[str, dict] = {
     "delete_module": _denied(errno.EPERM, _MODULES),
     "kexec_load": _denied(errno.EPERM, "replaces the host kernel"),
     "kexec_file_load": _denied(errno.EPERM, "replaces the host kernel"),
-    "reboot": _denied(errno.EPERM, "reboots the host"),
+    # in a pid namespace of its own, reboot(2) only ends that namespace's init (the kernel's rule)
+    "reboot": _denied(errno.EPERM, "reboots the host", grant=Grant("CAP_SYS_BOOT", "pid", (),
+                                                                   "CAP_SYS_BOOT and its own pid namespace")),
     "swapon": _denied(errno.EPERM, "host memory management"),
     "swapoff": _denied(errno.EPERM, "host memory management"),
     "settimeofday": _denied(errno.EPERM, _TIME),
     "clock_settime": _denied(errno.EPERM, _TIME),
+    "adjtimex": _denied(errno.EPERM, _TIME, denied_for="CAP_SYS_TIME"),
+    "clock_adjtime": _denied(errno.EPERM, _TIME, denied_for="CAP_SYS_TIME"),
     "acct": _denied(errno.EPERM, "host-wide process accounting"),
+    # what CAP_SYS_RAWIO, CAP_SYS_TIME or CAP_SYSLOG would otherwise open to a (privileged) container
+    "iopl": _denied(errno.EPERM, "raw I/O ports of the host's hardware"),
+    "ioperm": _denied(errno.EPERM, "raw I/O ports of the host's hardware"),
+    "syslog": _denied(errno.EPERM, "the host kernel's log (read and clear)"),
     "quotactl": _denied(errno.EPERM, "host filesystem quotas"),
     "quotactl_fd": _denied(errno.EPERM, "host filesystem quotas"),
     "lookup_dcookie": _denied(errno.EPERM, "exposes host dentries (profiling interface)"),
@@ -127,17 +188,21 @@ POLICY: dict[str, dict] = {
     "process_vm_readv": _denied(errno.EPERM, "reads other tasks' memory"),
     "process_vm_writev": _denied(errno.EPERM, "writes other tasks' memory"),
     # mounts, namespaces
-    "mount": _denied(errno.EPERM, _MOUNT),
-    "umount2": _denied(errno.EPERM, _MOUNT),
-    "pivot_root": _denied(errno.EPERM, _MOUNT),
-    "move_mount": _denied(errno.EPERM, _MOUNT),
-    "open_tree": _denied(errno.EPERM, _MOUNT),
-    "open_tree_attr": _denied(errno.EPERM, _MOUNT),
-    "mount_setattr": _denied(errno.EPERM, _MOUNT),
+    "mount": _denied(errno.EPERM, _MOUNT, grant=_MOUNT_GRANT),
+    "umount2": _denied(errno.EPERM, _MOUNT, grant=_MOUNTS_OWN),
+    "pivot_root": _denied(errno.EPERM, _MOUNT, grant=_MOUNTS_OWN),
+    "move_mount": _denied(errno.EPERM, _MOUNT, grant=_MOUNTS_OWN),
+    "open_tree": _denied(errno.EPERM, _MOUNT, grant=_MOUNTS_OWN),
+    "open_tree_attr": _denied(errno.EPERM, _MOUNT, grant=_MOUNTS_OWN),
+    "mount_setattr": _denied(errno.EPERM, _MOUNT, grant=_MOUNTS_OWN),
     "fsopen": _denied(errno.EPERM, _MOUNT),
     "fsconfig": _denied(errno.EPERM, _MOUNT),
     "fsmount": _denied(errno.EPERM, _MOUNT),
     "fspick": _denied(errno.EPERM, _MOUNT),
+    # the new mount API's filesystem contexts make new filesystems (fsopen, fsmount) or reconfigure a
+    # superblock (fspick, fsconfig): never granted, as new filesystems through mount(2) are not
+    "sethostname": _denied(errno.EPERM, _HOSTNAME, grant=_UTS_OWN),
+    "setdomainname": _denied(errno.EPERM, _HOSTNAME, grant=_UTS_OWN),
     "setns": _denied(errno.EPERM, "joining namespaces is the runtime's job"),
     "unshare": _denied(errno.EPERM, "new user namespaces open kernel paths meant for root", _NEWUSER),
     "clone": _denied(errno.EPERM, "new user namespaces open kernel paths meant for root", _NEWUSER),

@@ -28,6 +28,10 @@ and ptrace itself unless the ptrace platform needs it. clone3 answers ENOSYS (it
 a pointer the filter cannot read; libc falls back to clone). The filter is installed without
 no_new_privs, so exec'd processes can still gain privileges through setuid binaries as under runc;
 it is inherited by those processes, where quark's base policy denies the same calls anyway.
+Because exec'd processes inherit it, a call that QKernel's table grants the container (a capability
+it holds in a namespace of its own: sethostname in its own UTS namespace, bind mounts in its own
+mount namespace, qkernel/table.py's Grant) is let through this filter too, with the same argument
+restrictions; the supervisor itself never makes it.
 """
 from __future__ import annotations
 
@@ -90,17 +94,26 @@ def drop_capabilities(keep: set[str]) -> int:
     return mask
 
 
-def install_filter(platform: str, allow_chroot: bool = False) -> None:
+def install_filter(platform: str, allow_chroot: bool = False, caps: frozenset[str] = frozenset(),
+                   own_namespaces: frozenset[str] = frozenset()) -> None:
     """`allow_chroot`: the container has no mount namespace of its own and lives in a chroot, which
-    an exec'd process (forked from the supervisor) must enter the same way."""
+    an exec'd process (forked from the supervisor) must enter the same way. `caps` (the container
+    process's configured capabilities) and `own_namespaces` decide which of QKernel's grants its
+    exec'd processes need through this filter."""
     import seccomp   # python3-seccomp (libseccomp); imported here so the CLI never pays for it
+    from qkernel import policy, table
     f = seccomp.SyscallFilter(seccomp.ALLOW)
     f.set_attr(seccomp.Attr.CTL_NNP, 0)
     eperm = seccomp.ERRNO(errno.EPERM)
     denied = [n for n in DENIED if not (allow_chroot and n == "chroot")]
+    rows = table.by_name()
     for name in denied + ([] if platform == "ptrace" else ["ptrace"]):
+        sc = rows.get(name)
         try:
-            f.add_rule(eperm, name)
+            if sc is not None and sc.granted(caps, own_namespaces):
+                policy.add_denial(f, sc, name, granted=True)   # only the still-denied patterns
+            else:
+                f.add_rule(eperm, name)
         except (RuntimeError, ValueError):
             log.debug("syscall %s unknown to libseccomp here; not filtered", name)
     for flag in _CLONE_NEW.values():
@@ -109,8 +122,10 @@ def install_filter(platform: str, allow_chroot: bool = False) -> None:
     f.load()
 
 
-def confine_supervisor(platform: str, process_caps: Capabilities | None, allow_chroot: bool = False) -> None:
+def confine_supervisor(platform: str, process_caps: Capabilities | None, allow_chroot: bool = False,
+                       own_namespaces: frozenset[str] = frozenset()) -> None:
     """Drop capabilities, then install the filter (loading it needs CAP_SYS_ADMIN, which is kept)."""
     kept = drop_capabilities(kept_capabilities(process_caps))
-    install_filter(platform, allow_chroot)
+    container_caps = frozenset(process_caps.bounding) if process_caps is not None else frozenset()
+    install_filter(platform, allow_chroot, container_caps, own_namespaces)
     log.debug("supervisor %d confined: capabilities %#x, seccomp filter loaded", os.getpid(), kept)

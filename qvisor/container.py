@@ -59,20 +59,23 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     who adopts it (see Supervisor._choose_reaper). In a sandbox factory's worker (`in_factory`)
     the answer is known — the factory declines every caller whose manager reaps the init itself —
     so one fork does, and the supervisor reaps its container's processes."""
-    from qvisor import validate
+    from qvisor import security, validate
     from qvisor.spec import load_spec
     preserved_fds(preserve_fds)   # first: loading the spec must not take one of those numbers
     store = StateStore(root)
     bundle = os.path.abspath(bundle)
     spec = load_spec(bundle)
     validate.check_supported(spec)
+    spec.own_namespaces = validate.own_namespaces(spec)
+    # privileged / Unconfined: refused here (nothing made yet) or honoured in the sandbox and reported
+    report = security.apply(spec, security.load_settings())
     if spec.process.terminal and not console_socket:
         raise QuarkError("process.terminal is true: --console-socket is required to receive the pty master")
     store.reserve(container_id)
     try:
         shutil.copyfile(os.path.join(bundle, "config.json"), store.path(container_id, CONFIG_COPY))
         st = ContainerState(id=container_id, bundle=bundle, created=now_rfc3339(),
-                            annotations=spec.annotations, rootfs=spec.root.path, platform=platform,
+                            annotations=security.reported(spec.annotations, report), rootfs=spec.root.path, platform=platform,
                             cgroup_path=cgroups.open_cgroup(spec.linux.cgroups_path or
                                                             cgroups.default_path(container_id)).path)
         r, w = os.pipe2(os.O_CLOEXEC)
@@ -109,6 +112,8 @@ def _supervise(store: StateStore, st: ContainerState, spec, platform: str, conso
                launcher: int, preserve_fds: int, log_file: str) -> None:
     from qvisor.supervisor import Supervisor
     _log_to(log_file or store.path(st.id, "supervisor.log"))
+    from qvisor import security
+    security.log_report(st.annotations)
     st.supervisor_pid = os.getpid()
     Supervisor(store, st, spec, platform, console_socket, ready_fd, launcher, preserve_fds,
                caller_may_reap=launcher != 0).main()

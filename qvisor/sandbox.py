@@ -22,7 +22,7 @@ from typing import Callable, Iterable, NoReturn
 
 from qlib import linux as L
 from qlib.errors import QuarkError, SetupError
-from qvisor import channel, hooks, process, rootfs
+from qvisor import channel, hooks, process, rootfs, rootfs_lock
 from qvisor.spec import PROC_NS_NAMES, Process, Spec, sysctl_key
 
 NS_FLAGS = {"user": L.CLONE_NEWUSER, "mount": L.CLONE_NEWNS, "pid": L.CLONE_NEWPID, "network": L.CLONE_NEWNET,
@@ -231,6 +231,15 @@ def _set_names(spec: Spec) -> None:
                 raise SetupError(f"{field}: {value!r}: {os.strerror(e.errno)}{hint}") from None
 
 
+def mounts_granted(spec: Spec) -> bool:
+    """Will QKernel let the container's processes mount (qkernel/table.py's grant for mount)? Exec'd
+    processes cannot hold more than the supervisor keeps, which is what the init's process lists."""
+    from qkernel import table
+    caps = spec.process.capabilities
+    held = set().union(caps.bounding, caps.effective, caps.permitted) if caps is not None else set()
+    return table.by_name()["mount"].granted(held, spec.own_namespaces)
+
+
 def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preserve_fds: int = 0) -> None:
     """The container's init, until it execs the user's process."""
     L.prctl(L.PR_SET_DUMPABLE, 0)
@@ -266,6 +275,8 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preser
     if new_mounts:
         rootfs.pivot(spec.root.path)
         rootfs.finalize(spec)
+        if mounts_granted(spec):
+            rootfs_lock.lock_mounts()   # before the container can mount: quark's mounts are locked
     else:
         rootfs.chroot(spec.root.path)   # a shared mount table: only this process's view changes
     process.set_rlimits(spec.process)
@@ -297,8 +308,10 @@ def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserv
     # no fd of the runtime survives into the container (CVE-2024-21626 class); the preserved ones do
     L.mark_fds_cloexec(3 + preserve_fds)
 
+    caps = frozenset(proc.capabilities.bounding) if proc.capabilities is not None else frozenset()
+
     def install_filter(no_new_privs: bool) -> None:
-        fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs, sockets)
+        fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs, sockets, caps, spec.own_namespaces)
         if fd is not None:
             channel.send(sock, {"type": "listener", "t": time.monotonic()}, [fd])
             os.close(fd)

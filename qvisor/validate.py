@@ -30,6 +30,13 @@ def owns_namespace(spec: Spec, kind: str) -> bool:
     return (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino)
 
 
+def own_namespaces(spec: Spec) -> frozenset[str]:
+    """The namespace kinds the container has its own of (QKernel's capability grants act only there).
+    A mount namespace counts only when it is new: quark locks its mounts there (rootfs_lock.py)."""
+    return frozenset(k for k in PROC_NS_NAMES if (spec.linux.new_namespace(k) if k == "mount"
+                                                  else owns_namespace(spec, k)))
+
+
 def _check_sysctl(spec: Spec, fail: Callable[[str, str], NoReturn]) -> None:
     for key in spec.linux.sysctl:
         k = sysctl_key(key)

@@ -31,6 +31,10 @@ def rows(platform: str) -> list[dict]:
             row["reason"] = sc.reason
             if sc.when is not None:
                 row["when"] = sc.when.describe
+            if sc.grant is not None:
+                row["unless"] = sc.grant.describe
+            if sc.denied_for is not None:
+                row["when"] = f"the process holds {sc.denied_for}"
         elif sc.fate is table.Fate.TRAPPED:
             row["handler"] = f"{sc.handler.__module__}.{sc.handler.__name__}"
             row["reason"] = sc.reason
@@ -52,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'X86_64':>6} {'ARM64':>6}  {'NAME':<24} {'FATE':<8} DETAIL")
     for r in data:
         if r["fate"] == "denied":
-            detail = f"{r['errno']}" + (f" if {r['when']}" if "when" in r else "") + f": {r['reason']}"
+            detail = (f"{r['errno']}" + (f" if {r['when']}" if "when" in r else "") + f": {r['reason']}"
+                      + (f" (allowed with {r['unless']})" if "unless" in r else ""))
         elif r["fate"] == "trapped":
             detail = (f"{r['handler'].removeprefix('qkernel.syscalls.')}" + (f" if {r['when']}" if "when" in r else "")
                       + f": {r['reason']}")

@@ -312,3 +312,7 @@ class Spec:
     linux: Linux = field(default_factory=Linux)
     bundle: str = ""
     raw: dict = field(default_factory=dict)
+    # Not from config.json: the namespace kinds the container has its own of (a new one, or one joined
+    # by a path that is not the runtime's own), decided on the host at create (validate.owns_namespace);
+    # QKernel's capability grants read it.
+    own_namespaces: frozenset[str] = frozenset()

@@ -86,7 +86,8 @@ class CreateMixin:
             # from here on the supervisor serves the container: hold only what that needs (before
             # the report: if this fails, create fails and leaves nothing; it costs ~1.3 ms)
             confine.confine_supervisor(self.platform, self.spec.process.capabilities,
-                                       allow_chroot=not self.spec.linux.new_namespace("mount"))
+                                       allow_chroot=not self.spec.linux.new_namespace("mount"),
+                                       own_namespaces=self.spec.own_namespaces)
             self.phases.mark("created")
             self.phases.write()
             self._report({"ok": True, "pid": child.pid})

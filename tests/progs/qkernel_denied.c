@@ -50,7 +50,14 @@ int main(void) {
     CALL(swapoff, NOPATH);
     CALL(settimeofday, NULL, NULL);
     CALL(clock_settime, 0, NULL);
+    CALL(adjtimex, NULL);                          /* EFAULT with CAP_SYS_TIME: nothing set */
+    CALL(clock_adjtime, 0, NULL);
     CALL(acct, NOPATH);
+    CALL(iopl, 4);                                 /* level > 3: EINVAL */
+    CALL(ioperm, 65536, 1, 0);                     /* beyond the port range: EINVAL */
+    CALL(syslog, -1, NULL, 0);                     /* no such action: EINVAL */
+    CALL(sethostname, NULL, 65);                   /* longer than a name: EINVAL */
+    CALL(setdomainname, NULL, 65);
     CALL(quotactl, 0, NULL, 0, NULL);
     CALL(quotactl_fd, -1, 0, 0, NULL);
     CALL(lookup_dcookie, 0, NULL, 0);

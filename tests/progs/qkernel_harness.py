@@ -90,10 +90,19 @@ def delay_handler(loop: Loop, seconds: float, counters: Counters):
     return handle
 
 
+def _bounding_set() -> frozenset[str]:
+    from qvisor.spec import CAPABILITIES
+    with open("/proc/self/status") as f:
+        mask = int(next(ln for ln in f if ln.startswith("CapBnd")).split()[1], 16)
+    return frozenset(name for name, bit in CAPABILITIES.items() if mask >> bit & 1)
+
+
 def child(argv: list[str], platform: str, sock: socket.socket, go: int, bundle, nnp: bool) -> None:
     try:
         os.read(go, 1)   # ptrace: wait until the harness has seized us
-        fd = qkernel.install_filter(bundle, platform, nnp, sockets=True)
+        # the filter a container with this process's capabilities and no namespace of its own gets:
+        # no grant applies, and what is denied only to holders of a capability is denied
+        fd = qkernel.install_filter(bundle, platform, nnp, sockets=True, caps=_bounding_set())
         if fd is not None:
             socket.send_fds(sock, [b"L"], [fd])
             os.close(fd)

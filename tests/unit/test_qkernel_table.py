@@ -163,3 +163,47 @@ def test_quark_syscalls_json(capsys):
     assert rows["getsockopt"]["handler"] == "qkernel.syscalls.sys_socket.handle"
     assert rows["getpid"] == {"name": "getpid", "x86_64": 39, "aarch64": 172, "fate": "native"}
     assert len(rows) == len(table.table()) and errno.EPERM == table.by_name()["mount"].errno
+
+
+# --- capability grants (Docker's `includes.caps`, limited to the container's own namespaces) ---------
+
+def test_grants_need_the_capability_and_the_containers_own_namespace():
+    t = table.by_name()
+    for name in ("sethostname", "setdomainname"):
+        assert t[name].fate is table.Fate.DENIED
+        assert t[name].granted({"CAP_SYS_ADMIN"}, {"uts"})
+        assert not t[name].granted({"CAP_SYS_ADMIN"}, {"mount", "pid"})   # the host's UTS namespace
+        assert not t[name].granted({"CAP_NET_ADMIN"}, {"uts"})
+    for name in ("mount", "umount2", "pivot_root", "open_tree", "move_mount", "mount_setattr"):
+        assert t[name].granted({"CAP_SYS_ADMIN"}, {"mount"}) and not t[name].granted(set(), {"mount"}), name
+    for name in ("fsopen", "fsmount", "fspick", "fsconfig", "setns", "init_module", "kexec_load", "bpf"):
+        assert t[name].grant is None, name   # new filesystems and host-wide calls are never granted
+    assert t["reboot"].granted({"CAP_SYS_BOOT"}, {"pid"}) and not t["reboot"].granted({"CAP_SYS_BOOT"}, set())
+    # clock adjustment is refused only to a process that could make it
+    assert t["adjtimex"].applies({"CAP_SYS_TIME"}, set()) and not t["adjtimex"].applies(set(), set())
+
+
+def _syscall_section(pfc: str, name: str) -> str:
+    return pfc.split(f'# filter for syscall "{name}"')[1].split("# filter for syscall")[0] \
+        if f'# filter for syscall "{name}"' in pfc else ""
+
+
+def test_granted_mount_keeps_only_the_flag_patterns_that_reach_the_host(tmp_path):
+    denied = _notify_rules(policy.build_base_filter("seccomp", False), tmp_path)
+    mount = _syscall_section(denied, "mount")
+    assert "action ERRNO(1);" in mount and "$a3" not in mount   # no grant: mount always EPERM
+    assert _syscall_section(denied, "sethostname")
+    granted = _notify_rules(policy.build_base_filter("seccomp", False, frozenset({"CAP_SYS_ADMIN"}),
+                                                     frozenset({"mount", "uts"})), tmp_path)
+    mount = _syscall_section(granted, "mount")
+    # MS_REMOUNT without MS_BIND; a bind remount without MS_RDONLY; no MS_BIND/REMOUNT/propagation flag
+    for mask, value in ((0x1020, 0x20), (0x1021, 0x1020), (0x1e1020, 0)):
+        assert f"if ($a3.lo32 & 0x{mask:08x} == {value})" in mount, (mask, value)
+    assert _syscall_section(granted, "sethostname") == "" and _syscall_section(granted, "umount2") == ""
+    assert "action ERRNO(1);" in _syscall_section(granted, "fsopen")
+
+
+def test_syscalls_command_shows_the_grant():
+    rows = {r["name"]: r for r in syscalls_cmd.rows("seccomp")}
+    assert rows["sethostname"]["unless"].startswith("CAP_SYS_ADMIN and its own UTS namespace")
+    assert rows["adjtimex"]["when"] == "the process holds CAP_SYS_TIME"

@@ -1,0 +1,135 @@
+"""Pod security settings as Kubernetes means them: a privileged container and `seccompProfile:
+Unconfined` (config.json without linux.seccomp). quark either honours them inside the sandbox — with
+its protections against the host in place, and says so in the container's state — or refuses them at
+create, naming the field. The operator chooses in /etc/quark/config.yaml ($QUARK_CONFIG):
+
+    security:
+      privileged: sandbox            # or: refuse
+      unconfined_seccomp: sandbox    # or: refuse
+
+Both default to `sandbox` (SECURITY.md says why). Checked before anything is made, so a refusal
+leaves no state, cgroup, mount or process behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from qlib import linux as L
+from qlib import procfs
+from qlib.errors import ConfigError
+from qvisor.spec import CAPABILITIES, Spec
+from qvisor.spec.defaults import default_spec
+
+log = logging.getLogger("quark.security")
+
+MODES = ("sandbox", "refuse")
+_PREFIX = "io.quark.security."
+ANNOTATION_PRIVILEGED = _PREFIX + "privileged"
+ANNOTATION_SECCOMP = _PREFIX + "seccomp"
+_CONTAINERD_HINT = ("set privileged_without_host_devices = true for quark's runtime in containerd's CRI "
+                    "config (deploy/containerd/quark.toml does)")
+
+
+@dataclass(frozen=True)
+class Settings:
+    privileged: str = "sandbox"
+    unconfined_seccomp: str = "sandbox"
+    source: str = ""   # the config file they came from ("" when it has no security section)
+
+
+def load_settings(config_path: str | None = None) -> Settings:
+    """The `security` section of quark's host config; defaults where absent."""
+    from qkernel.config import config_entry, host_config_path
+    path = config_path or host_config_path()
+    section = config_entry(path, "security")
+    if section is None:
+        return Settings()
+    if not isinstance(section, dict):
+        raise ConfigError(path, "security", "expected a mapping {privileged: sandbox|refuse, "
+                                            "unconfined_seccomp: sandbox|refuse}")
+    values = {}
+    for key, value in section.items():
+        if key not in ("privileged", "unconfined_seccomp"):
+            raise ConfigError(path, f"security.{key}", "unknown setting (known: privileged, unconfined_seccomp)")
+        if value not in MODES:
+            raise ConfigError(path, f"security.{key}", f"{value!r}: expected sandbox or refuse")
+        values[key] = value
+    return Settings(source=path, **values)
+
+
+def is_privileged(spec: Spec) -> bool:
+    """A privileged container as containerd, Docker and podman make one: its bounding set holds
+    every capability the runtime itself holds (config.json has no privileged flag)."""
+    caps = spec.process.capabilities if spec.process is not None else None
+    if caps is None:
+        return False
+    last = L.last_cap()
+    held = procfs.permitted_caps()
+    wanted = {name for name, bit in CAPABILITIES.items() if bit <= last and held & (1 << bit)}
+    return bool(wanted) and wanted <= set(caps.bounding)
+
+
+def apply(spec: Spec, settings: Settings) -> dict[str, str]:
+    """Refuse what the operator refuses; otherwise adapt the spec so quark's protections stay, and
+    return the annotations that report what is really applied (they go into `quark state`)."""
+    cfg = os.path.join(spec.bundle, "config.json")
+    where = settings.source or "quark's host config"
+    report = {}
+    if is_privileged(spec):
+        if settings.privileged == "refuse":
+            raise ConfigError(cfg, "process.capabilities", "every capability (a privileged container) is "
+                              f"refused on this host ({where}: security.privileged: refuse)")
+        report[ANNOTATION_PRIVILEGED] = _sandbox_privileged(spec, cfg)
+    if spec.linux.seccomp is None:
+        if settings.unconfined_seccomp == "refuse":
+            raise ConfigError(cfg, "linux.seccomp", "absent (seccompProfile Unconfined) is refused on this host "
+                              f"({where}: security.unconfined_seccomp: refuse); give the container a profile, "
+                              "e.g. RuntimeDefault")
+        report[ANNOTATION_SECCOMP] = ("quark's base policy only: linux.seccomp is absent (Unconfined); the base "
+                                      "policy stays (`quark syscalls`)")
+    else:
+        report[ANNOTATION_SECCOMP] = "quark's base policy and linux.seccomp, stacked (the stricter answer wins)"
+    return report
+
+
+def _sandbox_privileged(spec: Spec, cfg: str) -> str:
+    """Honour a privileged spec inside the sandbox: every capability in the container's own
+    namespaces, with what would reach the host put back or refused. Returns the report."""
+    if not spec.linux.new_namespace("mount"):
+        raise ConfigError(cfg, "linux.namespaces", "a privileged container needs a new mount namespace under "
+                          "quark (its masks and read-only paths keep the host's kernel knobs out of reach)")
+    for i, rule in enumerate(spec.linux.resources.devices):
+        if rule.allow and rule.type == "a" and rule.major is None and rule.minor is None:
+            raise ConfigError(cfg, f"linux.resources.devices[{i}]", "allows every host device to a privileged "
+                              f"container, which quark does not pass into a sandbox; {_CONTAINERD_HINT}, so "
+                              "that only the devices the pod asks for are listed")
+    added = []
+    defaults = default_spec()["linux"]
+    if not spec.linux.masked_paths:
+        spec.linux.masked_paths = list(defaults["maskedPaths"])
+        added.append("runc's masked paths")
+    if not spec.linux.readonly_paths:
+        spec.linux.readonly_paths = list(defaults["readonlyPaths"])
+        added.append("runc's read-only paths (/proc/sys, /proc/sysrq-trigger, ...)")
+    for m in spec.mounts:
+        if m.type in ("sysfs", "cgroup", "cgroup2") and "ro" not in m.options:
+            m.options = [o for o in m.options if o != "rw"] + ["ro"]
+            added.append(f"{m.destination} read-only")
+    return ("sandbox: every capability inside the container's own namespaces; quark's base seccomp policy, "
+            "the container's device rules and its locked mounts stay"
+            + (f"; added: {', '.join(added)}" if added else ""))
+
+
+def reported(annotations: dict[str, str], report: dict[str, str]) -> dict[str, str]:
+    """The state's annotations: the bundle's, less any io.quark.security.* of its own (a pod may pass
+    io.quark.* annotations through containerd: it must not forge the report), plus quark's report."""
+    return {k: v for k, v in annotations.items() if not k.startswith(_PREFIX)} | report
+
+
+def log_report(annotations: dict[str, str]) -> None:
+    """One log line per setting, in the supervisor's log."""
+    for key in (ANNOTATION_PRIVILEGED, ANNOTATION_SECCOMP):
+        if key in annotations:
+            log.info("%s: %s", key, annotations[key])
