@@ -11,7 +11,7 @@ Per message, from each thread's CPU time (/proc/PID/task/TID/schedstat, ns):
   softverbs both devices' NIC threads (receiving frames, remote checks, copies into the region, ACKs):
             what an RNIC does in hardware
 64 B ping-pong: one message per RDMA write, nothing batched; streams: the pump batches what the
-socket holds into writes of up to 256 KiB.
+socket holds into writes of up to 1 MiB (softverbs' max_msg_sz).
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tsor.transport.rdma import RdmaEngine, RingConfig, SetupInfo
+from tsor.transport.rdma import SOFTVERBS_RING, RdmaEngine, RingConfig, SetupInfo
 from tsor.verbs import softverbs
 
-RING = int(os.environ.get("RDMA_RING", RingConfig.ring))   # bytes per ring
+RING = int(os.environ.get("RDMA_RING", SOFTVERBS_RING.ring))   # bytes per ring (tsord's for softverbs links)
 
 
 def cpu_ns(pid: int, tid: int) -> int:

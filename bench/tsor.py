@@ -7,8 +7,11 @@ One node  — two containers in two pods on one bridge (CNI bridge plugin):
             set-up time, and nginx (Debian's default nginx.conf) under `wrk -t1 -c16 -d10s`, keep-alive
             and `Connection: close`, with the CPU time of quark's supervisors and tsord per 10,000 requests.
 Two nodes — two network namespaces joined by a veth, each with a bridge, pods and tsord:
-            quark + TSoR (tcp path) vs runc (plain TCP, same veth): iperf3 throughput and
-            connection set-up time (connect + 1-byte echo + close).
+            quark + TSoR (tcp path) vs runc (plain TCP, same veth): iperf3 throughput, 64 B
+            ping-pong RTT and connection set-up time (connect + 1-byte echo + close).
+rdma      — the same two nodes with both tsords on `transport: softverbs` (the rdma path over
+            softverbs, this machine having no RNIC), run beside the tcp path and plain TCP in each
+            run; ratios to the tcp path (the goal's reference) and to plain TCP.
 
     .venv/bin/python bench/tsor.py [--only nginx,setup,...] [--runs N] [--json F] [--png F]
 
@@ -40,8 +43,10 @@ GOALS = {"iperf3_gbps": (">=", 2.0), "rtt_p50_us": ("<=", 0.75), "redis_c50_rps"
          "redis_c1_rps": (">=", 1.05), "two_node_iperf3_gbps": (">=", 0.95),
          # issue 13: both RTT placements, set-up within 4x of plain TCP, nginx as Debian ships it
          "rtt_same_cpu_p50_us": ("<=", 0.75), "rtt_cross_cpu_p50_us": ("<=", 0.75), "setup_p50_us": ("<=", 4.0),
-         "two_node_setup_p50_us": ("<=", 4.0), "nginx_keepalive_rps": (">=", 1.3), "nginx_close_rps": (">=", 1.0)}
-PARTS = ("iperf3", "rtt", "pinned", "redis", "setup", "nginx", "two_nodes")
+         "two_node_setup_p50_us": ("<=", 4.0), "nginx_keepalive_rps": (">=", 1.3), "nginx_close_rps": (">=", 1.0),
+         # issue 17, against the tcp path: the pump must not be the bottleneck; set-up over the built QP
+         "rdma_iperf3_gbps": (">=", 0.5), "rdma_setup_p50_us": ("<=", 1.0)}
+PARTS = ("iperf3", "rtt", "pinned", "redis", "setup", "nginx", "two_nodes", "rdma")
 # (section, key, label, unit, higher is better): the rows of the report and the bars of the chart, in order
 METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
            ("one_node", "rtt_p50_us", "64 B RTT p50", "us", False),
@@ -53,7 +58,18 @@ METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
            ("one_node", "nginx_keepalive_rps", "nginx keep-alive", "req/s", True),
            ("one_node", "nginx_close_rps", "nginx Connection: close", "req/s", True),
            ("two_nodes", "two_node_iperf3_gbps", "2 nodes: iperf3", "Gb/s", True),
-           ("two_nodes", "two_node_setup_p50_us", "2 nodes: set-up p50", "us", False)]
+           ("two_nodes", "two_node_rtt_p50_us", "2 nodes: 64 B RTT p50", "us", False),
+           ("two_nodes", "two_node_setup_p50_us", "2 nodes: set-up p50", "us", False),
+           ("rdma", "rdma_iperf3_gbps", "rdma/softverbs vs tcp path: iperf3", "Gb/s", True),
+           ("rdma", "rdma_rtt_p50_us", "rdma/softverbs vs tcp: 64 B RTT p50", "us", False),
+           ("rdma", "rdma_setup_p50_us", "rdma/softverbs vs tcp: set-up p50", "us", False)]
+# section: (quark's configuration, the reference's); the rdma rows are measured against the tcp path
+SIDES = {"one_node": ("one_node", "quark_tsor_local", "runc_bridge"),
+         "two_nodes": ("two_nodes", "quark_tsor_tcp", "runc_plain_tcp"),
+         "rdma": ("two_nodes", "quark_tsor_rdma", "quark_tsor_tcp")}
+# two-node configurations: runtime and tsord's node-to-node transport (None: tsord's default, auto -> tcp)
+TWO_NODE_CONFIGS = {"quark_tsor_tcp": ("quark", None), "quark_tsor_rdma": ("quark", "softverbs"),
+                    "runc_plain_tcp": ("runc", None)}
 WRK = "wrk -t1 -c16 -d10s"
 
 
@@ -208,15 +224,17 @@ def one_node(runtime: str, pp: str, tag: str, parts: set[str]) -> dict:
         bed.close()
 
 
-def two_nodes(runtime: str, pp: str, tag: str) -> dict:
+def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None) -> dict:
+    """iperf3, 64 B RTT and set-up from a pod on node a to a pod on node b. The keys are the
+    two-node section's (two_node_*); the rdma configuration's are renamed rdma_* by its caller."""
     bed = Testbed(prefix=f"qc{tag}", octet=216)
     try:
         a, b = bed.node("a"), bed.node("b")
         bed.link(a, b)
         tsor = runtime == "quark"
         if tsor:
-            a.start_tsord(debug=False)
-            b.start_tsord(debug=False)
+            a.start_tsord(debug=False, transport=transport)
+            b.start_tsord(debug=False, transport=transport)
         srv, cli = b.pod("srv"), a.pod("cli")
         bed.start(runtime, "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], srv, tsor=tsor))
         bed.start(runtime, "pp-s", bed.bundle("pp-s", [pp, "server", "7001"], srv, tsor=tsor))
@@ -225,33 +243,60 @@ def two_nodes(runtime: str, pp: str, tag: str) -> dict:
         res = {}
         it = json.loads(client(bed, runtime, "iperf", cli, f"iperf3 -c {srv.ip} -p 5201 -t 5 -J"))
         res["two_node_iperf3_gbps"] = it["end"]["sum_received"]["bits_per_second"] / 1e9
+        p50, p99 = map(float, client(bed, runtime, "rtt", cli, f"{pp} rtt {srv.ip} 7001 5000").split())
+        res["two_node_rtt_p50_us"], res["two_node_rtt_p99_us"] = p50, p99
         p50, p99 = map(float, client(bed, runtime, "setup", cli, f"{pp} connect {srv.ip} 7001 300").split())
         res["two_node_setup_p50_us"], res["two_node_setup_p99_us"] = p50, p99
         if tsor:
             from tsor.metrics import fetch, parse
             res["tsord"] = {k: v for k, v in parse(fetch(a.metrics)).items() if "connections" in k}
+            if transport == "softverbs":
+                res = {k.replace("two_node_", "rdma_"): v for k, v in res.items()}
+                if res["tsord"].get('tsor_connections_total{path="rdma"}', 0) < 3:
+                    raise RuntimeError(f"the softverbs configuration's connections did not take the rdma path: "
+                                       f"{res['tsord']}")
         return res
     finally:
         bed.close()
 
 
+def two_node_runs(configs: list[str], pp: str, runs: int) -> dict:
+    """Each run measures every configuration in turn (side by side); the medians, every run kept."""
+    done: dict[str, list[dict]] = {c: [] for c in configs}
+    for _ in range(runs):
+        for c in configs:
+            runtime, transport = TWO_NODE_CONFIGS[c]
+            done[c].append(two_nodes(runtime, pp, c.split("_")[-1][:1] + runtime[:1], transport))
+    return {c: merge(done[c]) for c in configs}
+
+
 def rows(results: dict) -> list[dict]:
-    """One row per metric measured for both runtimes: the values, quark / runc, and quark's advantage
-    (the ratio turned so that higher is better), with the goal where the project has one."""
-    cfg = {"one_node": ("quark_tsor_local", "runc_bridge"), "two_nodes": ("quark_tsor_tcp", "runc_plain_tcp")}
+    """One row per metric measured on both sides: the values, quark / reference, and quark's advantage
+    (the ratio turned so that higher is better), with the goal where the project has one. The rdma
+    rows' reference is the tcp path; their ratio to plain TCP (runc) is given too."""
     out = []
     for section, key, label, unit, higher in METRICS:
-        if section not in results:
+        where, mine, ref = SIDES[section]
+        data = results.get(where, {})
+        if mine not in data or ref not in data:
             continue
-        q, r = (results[section][c].get(key) for c in cfg[section])
+        ref_key = key.replace("rdma_", "two_node_")   # the reference side's name of the metric
+        q, r = data[mine].get(key), data[ref].get(ref_key)
         if q is None or r is None:
             continue
         ratio = q / r
         goal = GOALS.get(key)
-        out.append({"key": key, "label": label, "unit": unit, "quark": q, "runc": r, "ratio": ratio,
-                    "advantage": ratio if higher else 1 / ratio,
-                    "goal": None if goal is None else (goal[1] if higher else 1 / goal[1]),
-                    "met": None if goal is None else (ratio >= goal[1] if goal[0] == ">=" else ratio <= goal[1])})
+        row = {"key": key, "label": label, "unit": unit, "quark": q, "runc": r, "ratio": ratio,
+               "reference": ref, "advantage": ratio if higher else 1 / ratio,
+               "goal": None if goal is None else (goal[1] if higher else 1 / goal[1]),
+               "met": None if goal is None else (ratio >= goal[1] if goal[0] == ">=" else ratio <= goal[1]),
+               "ratio_per_run": [m[key] / x[ref_key] for m, x in zip(data[mine].get("runs", [data[mine]]),
+                                                                     data[ref].get("runs", [data[ref]]))
+                                 if key in m and ref_key in x]}
+        plain = data.get("runc_plain_tcp", {}).get(ref_key) if section == "rdma" else None
+        if plain:
+            row["ratio_to_plain_tcp"] = q / plain
+        out.append(row)
     return out
 
 
@@ -284,15 +329,17 @@ def chart(path: str, table: list[dict], machine: str) -> None:
                     xytext=(0, 3), textcoords="offset points",
                     bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
     ax.set_xticks(list(xs), [t["label"] for t in table], rotation=30, ha="right", fontsize=9)
-    ax.set_ylabel("quark + TSoR advantage over runc (x, log scale; higher is better)\n"
-                  "throughput: quark / runc; latency: runc / quark")
-    ax.set_xlabel("metric (values on each bar: quark vs runc, in the unit shown)")
-    ax.set_title(f"TSoR vs runc + bridge (one node) and plain TCP (two nodes)\n{machine}", fontsize=11)
+    ax.set_ylabel("quark + TSoR advantage over the reference (x, log scale; higher is better)\n"
+                  "throughput: quark / reference; latency: reference / quark")
+    ax.set_xlabel("metric (values on each bar: quark vs reference, in the unit shown;\n"
+                  "the rdma/softverbs bars' reference is TSoR's tcp path, the others' runc)")
+    ax.set_title(f"TSoR vs runc + bridge (one node), plain TCP (two nodes), rdma/softverbs vs the tcp path\n{machine}",
+                 fontsize=11)
     ax.legend(handles=[Patch(color=colors[True], label="goal met"), Patch(color=colors[False], label="goal not met"),
                        Patch(color=colors[None], label="no goal (reported)"),
                        plt.Line2D([], [], color="black", linewidth=2.5, label="goal"),
                        plt.Line2D([], [], color="black", linestyle="--", linewidth=1, label="parity (1x)")],
-              loc="upper right", fontsize=8)
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -329,7 +376,7 @@ def main() -> int:
     pp = os.path.join(REPO, "bench", ".pingpong")
     subprocess.run(["gcc", "-O2", "-o", pp, os.path.join(REPO, "bench/pingpong.c"), "-lpthread"], check=True)
     pp_in = "/repo/bench/.pingpong"
-    one = parts - {"two_nodes"}
+    one = parts - {"two_nodes", "rdma"}
     cgroups_before = quark_cgroup_dirs()
     machine = {"kernel": platform.release(), "cpus": os.cpu_count()}
     results: dict = {"machine": machine, "parts": sorted(parts), "runs": args.runs}
@@ -338,22 +385,28 @@ def main() -> int:
             results["one_node"] = {
                 "quark_tsor_local": merge([one_node("quark", pp_in, "q", one) for _ in range(args.runs)]),
                 "runc_bridge": merge([one_node("runc", pp_in, "r", one) for _ in range(args.runs)])}
-        if "two_nodes" in parts:
-            results["two_nodes"] = {"quark_tsor_tcp": merge([two_nodes("quark", pp_in, "q") for _ in range(args.runs)]),
-                                    "runc_plain_tcp": merge([two_nodes("runc", pp_in, "r") for _ in range(args.runs)])}
+        if parts & {"two_nodes", "rdma"}:   # the rdma rows need the tcp path beside them
+            configs = ["quark_tsor_tcp", *(["quark_tsor_rdma"] if "rdma" in parts else []), "runc_plain_tcp"]
+            results["two_nodes"] = two_node_runs(configs, pp_in, args.runs)
     finally:
         remove_empty_since(cgroups_before)
     table = rows(results)
     results["ratios"] = {t["key"]: t["ratio"] for t in table}
+    results["ratios_per_run"] = {t["key"]: t["ratio_per_run"] for t in table}
+    results["rdma_ratios_to_plain_tcp"] = {t["key"]: t["ratio_to_plain_tcp"]
+                                           for t in table if "ratio_to_plain_tcp" in t}
     results["goals_met"] = {t["key"]: t["met"] for t in table if t["met"] is not None}
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2)
     print(json.dumps(results, indent=2))
-    print(f"\n{'metric':<28} {'quark+TSoR':>12} {'runc':>12} {'ratio':>7}  goal")
+    print(f"\n{'metric':<36} {'quark+TSoR':>12} {'reference':>12} {'ratio':>7}  per run  goal")
     for t in table:
         goal = "" if t["met"] is None else f"{GOALS[t['key']][0]} {GOALS[t['key']][1]}x: {'met' if t['met'] else 'NOT met'}"
-        print(f"{t['label'] + ' (' + t['unit'] + ')':<28} {t['quark']:>12.1f} {t['runc']:>12.1f} {t['ratio']:>6.2f}x  {goal}")
+        per_run = " / ".join(f"{x:.2f}" for x in t["ratio_per_run"])
+        plain = f" (plain TCP: {t['ratio_to_plain_tcp']:.2f}x)" if "ratio_to_plain_tcp" in t else ""
+        print(f"{t['label'] + ' (' + t['unit'] + ')':<36} {t['quark']:>12.1f} {t['runc']:>12.1f} {t['ratio']:>6.2f}x  "
+              f"{per_run}  {goal}{plain}")
     q = results.get("one_node", {}).get("quark_tsor_local", {})
     for kind in ("keepalive", "close"):
         if f"nginx_{kind}_rps" in q:

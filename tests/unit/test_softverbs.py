@@ -176,6 +176,26 @@ def test_remote_access_is_checked_and_fails_both_qps(connected, case):
     assert bytes(b.buf[:16]) == b"\xee" * 16
 
 
+def test_unsignaled_writes_complete_with_the_next_signaled_one_and_still_report_errors(connected):
+    """Unsignaled writes ask for no ACK of their own (the next signaled write's covers them), yet a
+    remote error on one is reported at once, as hardware does."""
+    a, b = connected
+    a.buf[:4096] = bytes(range(256)) * 16
+    for i in range(20):
+        a.qp.post_send(SendWr(i, WrOpcode.RDMA_WRITE, [Sge(a.mr.addr + i * 200, 200, a.mr.lkey)],
+                              remote_addr=b.mr.addr + i * 200, rkey=b.mr.rkey, signaled=False))
+    write(a, b, 4000, 96, wr_id=99)
+    assert [(w.wr_id, w.status) for w in a.wait()] == [(99, WcStatus.SUCCESS)]
+    assert bytes(b.buf[:4096]) == bytes(a.buf[:4096])
+    time.sleep(0.05)
+    assert a.cq.poll(8) == []                          # nothing for the unsignaled ones
+    a.qp.post_send(SendWr(7, WrOpcode.RDMA_WRITE, [Sge(a.mr.addr, 8, a.mr.lkey)],
+                          remote_addr=b.mr.addr, rkey=b.mr.rkey ^ 0x5a5a, signaled=False))
+    [wc] = a.wait()
+    assert (wc.wr_id, wc.status) == (7, WcStatus.REM_ACCESS_ERR)
+    assert a.qp.state == QpState.ERR
+
+
 def test_rkey_of_a_region_without_remote_write_is_refused(connected):
     a, b = connected
     local_only = b.pd.reg_mr(bytearray(64), Access.LOCAL_WRITE)
@@ -294,6 +314,32 @@ def test_many_writes_in_flight_arrive_in_order(connected):
     assert [w.imm_data for w in recvs] == list(range(64))
     assert [w.status for w in a.wait(64)] == [WcStatus.SUCCESS] * 64
     assert b.buf == a.buf
+
+
+def test_large_writes_between_small_ones_arrive_whole_and_in_order(connected):
+    """Writes of up to max_msg_sz (read straight into the target region once their header is in)
+    interleaved with small ones: every byte where it belongs, completions in posting order."""
+    a, b = connected
+    size = softverbs.MAX_MSG
+    src, dst = bytearray(2 * size), bytearray(2 * size)
+    src[:] = (bytes(range(251)) * (len(src) // 251 + 1))[:len(src)]
+    smr, dmr = a.pd.reg_mr(src, RW), b.pd.reg_mr(dst, RW)
+    try:
+        plan = [(0, size), (size, 100), (size + 100, 300_000), (size + 300_100, 7), (size + 300_107, 700_000)]
+        for i in range(len(plan)):
+            b.qp.post_recv(RecvWr(i))
+        for i, (off, n) in enumerate(plan):
+            a.qp.post_send(SendWr(i, WrOpcode.RDMA_WRITE_WITH_IMM, [Sge(smr.addr + off, n, smr.lkey)],
+                                  remote_addr=dmr.addr + off, rkey=dmr.rkey, imm_data=i))
+        recvs = b.wait(len(plan), timeout=20)
+        assert [(w.imm_data, w.byte_len, w.status) for w in recvs] == \
+            [(i, n, WcStatus.SUCCESS) for i, (_, n) in enumerate(plan)]
+        assert [w.status for w in a.wait(len(plan), timeout=20)] == [WcStatus.SUCCESS] * len(plan)
+        end = plan[-1][0] + plan[-1][1]
+        assert dst[:end] == src[:end]
+    finally:
+        smr.close()
+        dmr.close()
 
 
 def test_set_up_info_travels_on_the_cable_before_start():

@@ -74,10 +74,11 @@ _CTL = struct.Struct("!BHHIIH")
 OPEN, ACCEPT, REFUSE, CREDIT, RESET, RESET_ACK, CTL_CREDIT = range(1, 8)
 RESERVE_WRS = 4
 RESERVE_BYTES = 4 * _CTL.size
-MAX_WRITE = 256 * 1024      # bytes per RDMA write: a batch of what the socket had
+MAX_WRITE = 1024 * 1024     # bytes per RDMA write (at most the port's max_msg_sz): a batch of what the socket had
 CQ_BATCH = 64
 SIGNAL_EVERY = 16
 _M32 = 0xFFFFFFFF
+PUMP_SNDBUF = 1 << 20
 # channel states
 OPENING, ACCEPTING, OPEN_, CLOSING = range(4)
 
@@ -93,6 +94,14 @@ class RingConfig:
     slots: int = 256          # channels per link, slot 0 included: 127 connections each way
     sq_depth: int = 256
     rq_depth: int = 512
+
+
+# A connection's rate is at most a ring per credit round trip (write, delivery to the socket, CREDIT
+# back). An RNIC's round trip is microseconds; softverbs' crosses four Python threads, ~0.3 ms here,
+# so it gets 2 MiB rings (iperf3 between two namespace nodes: 5.2-6.0 Gb/s with 256 KiB rings,
+# 9.8-9.9 with 2 MiB; bench/README.md). Its regions are plain memory, touched only as used and
+# given back when a connection ends (Link._release); an RNIC's are pinned, so those stay small.
+SOFTVERBS_RING = RingConfig(ring=2 << 20)
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,16 @@ class SetupInfo:
         return cls(**d)
 
 
+def _socketpair() -> tuple[socket.socket, socket.socket]:
+    """A new connection's two AF_UNIX ends: the pump's (non-blocking) and the application's. The
+    pump's end gets the send buffer the local path gives applications' ends: with AF_UNIX's default
+    (~208 KiB, writable again only below a quarter) the pump stalls on a reader, and credits wait."""
+    ours, app = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    ours.setblocking(False)
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PUMP_SNDBUF)
+    return ours, app
+
+
 class Channel:
     """One connection: its slot, our end of the application's socketpair, the ring counters."""
 
@@ -146,8 +165,8 @@ class Channel:
 class Link:
     """One RC QP to one peer node and its channels. Lives in the engine's loop thread."""
 
-    def __init__(self, engine: RdmaEngine, name: str, device: Device) -> None:
-        self.engine, self.name, self.device, self.cfg = engine, name, device, engine.cfg
+    def __init__(self, engine: RdmaEngine, name: str, device: Device, cfg: RingConfig | None = None) -> None:
+        self.engine, self.name, self.device, self.cfg = engine, name, device, cfg or engine.cfg
         cfg = self.cfg
         self.loop = engine.loop
         self.pd = device.alloc_pd()
@@ -163,6 +182,9 @@ class Link:
         for _ in range(cfg.rq_depth):
             self.qp.post_recv(RecvWr(0))
         port = device.port()
+        self.max_write = min(MAX_WRITE, port.max_msg_size)
+        # softverbs' regions are ordinary memory: a finished channel's ring pages can go back
+        self._release_pages = device.provider == "softverbs" and cfg.ring % mmap.PAGESIZE == 0
         self.info = SetupInfo(self.qp.qp_num, random.randrange(1 << 24), port.gid.hex(), port.lid,
                               self.rx_mr.addr, self.rx_mr.rkey, cfg.ring, cfg.slots, cfg.rq_depth)
         self.remote: SetupInfo | None = None
@@ -212,8 +234,7 @@ class Link:
         if slot is None:
             return None
         self.gens[slot] = gen = (self.gens[slot] + 1) & 0xFFFF
-        ours, app = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        ours.setblocking(False)
+        ours, app = _socketpair()
         ch = Channel(self, slot, gen, ours, app, src, dst, OPENING)
         ch.future = concurrent.futures.Future()
         self.channels[slot] = ch
@@ -280,7 +301,7 @@ class Link:
             if free <= 0 or self._budget() <= RESERVE_WRS:
                 break
             off = ch.tx_sent % ring
-            n = min(free, ring - off, MAX_WRITE)
+            n = min(free, ring - off, self.max_write)
             pos = ch.base + off
             try:
                 got = ch.sock.recv_into(self.tx[pos:pos + n])
@@ -331,10 +352,12 @@ class Link:
         if ch.state == OPEN_ and ch.rx_head == ch.rx_tail and ch.fin_rx and ch.fin_tx and ch.inflight == 0:
             self._close_sock(ch)
             del self.channels[ch.slot]
+            self._release(ch)
             return
         if ch.state == CLOSING:
             if not ch.reset_pending and ch.inflight == 0 and self.channels.get(ch.slot) is ch:
                 del self.channels[ch.slot]
+                self._release(ch)
             return
         fd = ch.sock.fileno()
         can_read = ch.state == OPEN_ and not ch.fin_tx and ch.tx_sent - ch.tx_acked < self.cfg.ring
@@ -354,6 +377,14 @@ class Link:
                 self.loop.add_writer(fd, lambda: self._on_socket(self._deliver, ch))
             else:
                 self.loop.remove_writer(fd)
+
+    def _release(self, ch: Channel) -> None:
+        """Give the pages of a finished channel's rings back. Only once nothing can touch them: both
+        FINs or the RESET handshake are through (the peer writes no more into our ring) and our
+        writes completed (the device has sent what they read from our ring)."""
+        if self._release_pages and (ch.tx_sent or ch.rx_tail):
+            self._tx_mem.madvise(mmap.MADV_REMOVE, ch.base, self.cfg.ring)
+            self._rx_mem.madvise(mmap.MADV_REMOVE, ch.base, self.cfg.ring)
 
     def _on_socket(self, handler: Callable[[Channel], None], ch: Channel) -> None:
         try:
@@ -554,8 +585,7 @@ class Link:
             del self.channels[slot]
         meta = json.loads(payload)
         src, dst = (str(meta["src"][0]), int(meta["src"][1])), (str(meta["dst"][0]), int(meta["dst"][1]))
-        ours, app = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        ours.setblocking(False)
+        ours, app = _socketpair()
         ch = Channel(self, slot, gen, ours, None, src, dst, ACCEPTING)   # app: the acceptor's now
         self.channels[slot] = ch
         self.engine.accept(self, src, dst, app, lambda ok: self.engine.soon(lambda: self._answer(ch, ok)))
@@ -634,9 +664,10 @@ class RdmaEngine:
         self.soon(run)
         return fut.result(timeout)
 
-    def add_link(self, name: str, device: Device) -> Link:
-        """A new QP to a peer node; send link.info to the peer, then connect() with its info."""
-        return self.call(lambda: Link(self, name, device))
+    def add_link(self, name: str, device: Device, cfg: RingConfig | None = None) -> Link:
+        """A new QP to a peer node (rings: cfg, else the engine's); send link.info to the peer, then
+        connect() with its info."""
+        return self.call(lambda: Link(self, name, device, cfg))
 
     def connect(self, link: Link, remote: SetupInfo) -> None:
         self.call(lambda: link.connect(remote))

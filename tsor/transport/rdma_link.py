@@ -31,7 +31,7 @@ from tsor.addr import Endpoint
 from tsor.errors import ProtocolError
 from tsor.routes import Node
 from tsor.transport import Deliver
-from tsor.transport.rdma import Link, RdmaEngine, RingConfig, SetupInfo
+from tsor.transport.rdma import SOFTVERBS_RING, Link, RdmaEngine, RingConfig, SetupInfo
 from tsor.transport.tcp import SETUP_TIMEOUT, dial
 from tsor.verbs import Device, NoDevice, VerbsError, softverbs
 
@@ -94,6 +94,7 @@ class RdmaTransport:
         open_rdma() -> the host's RDMA device or NoDevice (default: the pyverbs provider's first)."""
         self.node, self.deliver, self.key, self.transport_for = node, deliver, key, transport_for
         self.engine = RdmaEngine(self._accept, ring or RingConfig(), self._down)
+        self._softverbs_ring = ring or SOFTVERBS_RING   # its longer round trip needs longer rings
         self.links: dict[str, Link] = {}
         self._lifelines: dict[Link, socket.socket] = {}
         self._retired: weakref.WeakSet[Link] = weakref.WeakSet()
@@ -158,7 +159,7 @@ class RdmaTransport:
         s.settimeout(SETUP_TIMEOUT)
         dev = softverbs.open_device(s, f"softverbs-{node.name}", start=False) if kind == "softverbs" \
             else self.rdma_device()
-        link = self.engine.add_link(node.name, dev)
+        link = self.engine.add_link(node.name, dev, self._softverbs_ring if kind == "softverbs" else None)
         try:
             send_json(s, link.info.to_dict())
             answer = recv_json(s)
@@ -206,7 +207,7 @@ class RdmaTransport:
             remote = SetupInfo.from_dict(recv_json(s))
             dev = softverbs.open_device(s, f"softverbs-{node.name}", start=False) if kind == "softverbs" \
                 else self.rdma_device()
-            link = self.engine.add_link(node.name, dev)
+            link = self.engine.add_link(node.name, dev, self._softverbs_ring if kind == "softverbs" else None)
             self.engine.connect(link, remote)
             send_json(s, link.info.to_dict())
             self._ready(link, dev, s, kind, client=False)

@@ -9,13 +9,20 @@ when the stream can take the frame at once, and leave the rest to the NIC thread
 Frame (network order, 36 bytes) then `length` payload bytes:
 
     u8 type (1 WRITE, 2 WRITE_IMM, 3 SEND, 4 ACK), u8 syndrome (ACKs: 0 ok, 1 RNR, 2 remote access,
-    3 invalid request, 4 dropped), u16 zero, u32 dest qpn, u32 source qpn, u32 psn (24 bits),
-    u32 imm, u32 rkey, u32 length, u64 remote address
+    3 invalid request, 4 dropped), u16 flags (requests: bit 0 AckReq), u32 dest qpn, u32 source qpn,
+    u32 psn (24 bits), u32 imm, u32 rkey, u32 length, u64 remote address
 
 An ACK for psn P acknowledges every earlier PSN too (responders coalesce them per received batch).
+As IB's AckReq bit, the requester asks for an ACK on a signaled request, and on any request once
+half its send queue waits for one; the others are acknowledged by a later ACK (an error is NAKed at
+once), so a stream of unsignaled writes costs no ACK frame each.
 A device's GID is the stream's local address as an IPv4-mapped IPv6 address, like RoCE v2 (zeros
 over a unix stream); to_rtr() refuses a remote GID that is not the other end's. Once started, each
 side sends b"SOFTVRB1" and its GID; a hello that does not match takes the link down.
+
+The responder reads frames into a staging buffer; a write whose header has passed the checks and
+whose payload is still mostly on the way is read straight into the target region (one copy, as an
+RNIC's DMA), and completes once all of it is in.
 
 Where it differs from hardware, on purpose: there are no retransmission timers. A frame the
 responder drops (QP missing, not ready, or connected elsewhere) is reported back at once, and the
@@ -61,10 +68,13 @@ MAGIC = b"SOFTVRB1"
 HDR = struct.Struct("!BBHIIIIIIQ")
 WRITE, WRITE_IMM, SEND, ACK = 1, 2, 3, 4
 OK, NAK_RNR, NAK_ACCESS, NAK_INVALID, NAK_DROPPED = 0, 1, 2, 3, 4
+ACKREQ = 1
 PSN_MASK = 0xFFFFFF
 MAX_MSG = 1 << 20        # the port's max_msg_sz
 MTU = 4096
 _STAGING = 4 * MAX_MSG   # the NIC's receive buffer: holds any whole frame
+_RECV_MAX = 64 * 1024    # bytes per read into it: the bulk of a large write is read straight into its region
+DIRECT_MIN = 32 * 1024   # a write whose payload has at least this much still to come is placed directly
 _NAK_STATUS = {NAK_RNR: WcStatus.RNR_RETRY_EXC_ERR, NAK_ACCESS: WcStatus.REM_ACCESS_ERR,
                NAK_INVALID: WcStatus.REM_INV_REQ_ERR, NAK_DROPPED: WcStatus.RETRY_EXC_ERR}
 _FRAME_OF = {WrOpcode.RDMA_WRITE: WRITE, WrOpcode.RDMA_WRITE_WITH_IMM: WRITE_IMM, WrOpcode.SEND: SEND}
@@ -267,7 +277,8 @@ class _QP(QueuePair):
             psn = self.sq_psn
             self.sq_psn = (psn + 1) & PSN_MASK
             self.outstanding.append((psn, wr))
-            dev.emit([HDR.pack(_FRAME_OF[wr.opcode], OK, 0, self.remote.qpn, self.qp_num, psn,
+            ackreq = ACKREQ if wr.signaled or len(self.outstanding) >= self.max_send_wr // 2 else 0
+            dev.emit([HDR.pack(_FRAME_OF[wr.opcode], OK, ackreq, self.remote.qpn, self.qp_num, psn,
                                wr.imm_data & 0xFFFFFFFF, wr.rkey, total, wr.remote_addr), *payload])
 
     def _local_error(self, wr: SendWr, status: WcStatus) -> None:
@@ -335,6 +346,7 @@ class SoftDevice(Device):
         self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._staging = bytearray(_STAGING)
         self._lo = self._hi = 0
+        self._direct: list | None = None       # [frame fields, region, offset, bytes placed]: a write being read in
         self._acks: dict[_QP, int] = {}
         self._thread = threading.Thread(target=self._run, name=f"softverbs-{name}", daemon=True)
 
@@ -422,16 +434,24 @@ class SoftDevice(Device):
         finally:
             sel.close()
 
-    def _receive(self) -> None:
-        buf = self._staging
-        view = memoryview(buf)
+    def _read(self, into: memoryview) -> int | None:
+        """What one read from the cable brought: None when nothing was there, 0 when it failed."""
         try:
-            n = self.sock.recv_into(view[self._hi:])
+            return self.sock.recv_into(into)
         except (BlockingIOError, InterruptedError):
-            return
+            return None
         except OSError as e:
             log.info("softverbs device %s: link failed: %s", self.name, e)
-            n = 0
+            return 0
+
+    def _receive(self) -> None:
+        if self._direct is not None:
+            return self._receive_direct()
+        buf = self._staging
+        view = memoryview(buf)
+        n = self._read(view[self._hi:self._hi + _RECV_MAX])
+        if n is None:
+            return
         if n == 0:
             with self.lock:
                 self._link_down()
@@ -457,23 +477,65 @@ class SoftDevice(Device):
                     return self._link_down()
                 end = lo + HDR.size + fields[8]
                 if end > hi:
+                    if end - hi >= DIRECT_MIN and self._start_direct(fields, view[lo + HDR.size:hi]):
+                        lo = hi
                     break
                 if fields[0] == ACK:
                     self._acked(fields)
                 else:
                     self._respond(fields, view[lo + HDR.size:end])
                 lo = end
-            for qp, psn in self._acks.items():
-                self._ack_frame(qp.remote.qpn, qp.qp_num, psn, OK)
-            self._acks.clear()
-            if self.out:
-                self._flush()
+            self._answer()
         if lo == hi:
             lo = hi = 0
         elif len(buf) - hi < MAX_MSG + HDR.size:
             buf[:hi - lo] = view[lo:hi]
             lo, hi = 0, hi - lo
         self._lo, self._hi = lo, hi
+
+    def _answer(self) -> None:
+        """Send the ACKs a batch of requests earned, and what else is queued (device lock held)."""
+        for qp, psn in self._acks.items():
+            self._ack_frame(qp.remote.qpn, qp.qp_num, psn, OK)
+        self._acks.clear()
+        if self.out:
+            self._flush()
+
+    def _start_direct(self, f: tuple, head: memoryview) -> bool:
+        """Read the rest of write `f` straight into its target, if it passes the checks now (device
+        lock held); else it waits in the staging buffer and _respond answers it whole."""
+        kind, _, _, dqpn, sqpn, psn, _, rkey, length, raddr = f
+        qp = self.qps.get(dqpn)
+        if (kind not in (WRITE, WRITE_IMM) or qp is None or qp._state not in (QpState.RTR, QpState.RTS)
+                or qp.remote.qpn != sqpn or psn != qp.epsn or (kind == WRITE_IMM and not qp.rq)):
+            return False
+        mr = self.rkeys.get(rkey)
+        off = raddr - mr.addr if mr is not None else -1
+        if (mr is None or mr.pd is not qp.pd or not qp.access & Access.REMOTE_WRITE
+                or off < 0 or off + length > mr.length):
+            return False
+        mr.view[off:off + len(head)] = head
+        self._direct = [f, mr, off, len(head)]
+        return True
+
+    def _receive_direct(self) -> None:
+        f, mr, off, done = self._direct
+        length = f[8]
+        with self.lock:
+            if self.rkeys.get(f[7]) is mr:
+                with mr.view[off + done:off + length] as target:
+                    n = self._read(target)
+            else:   # deregistered meanwhile: the rest is read and dropped, _respond NAKs the write
+                n = self._read(memoryview(self._staging)[:length - done])
+            if n is None:
+                return
+            if n == 0:
+                return self._link_down()
+            self._direct[3] = done = done + n
+            if done == length:
+                self._direct = None
+                self._respond(f, None)
+                self._answer()
 
     def _ack_frame(self, dqpn: int, sqpn: int, psn: int, syndrome: int) -> None:
         self.out.append(HDR.pack(ACK, syndrome, 0, dqpn, sqpn, psn, 0, 0, 0, 0))
@@ -483,9 +545,10 @@ class SoftDevice(Device):
             self._ack_frame(dqpn, sqpn, self._acks.pop(qp), OK)
         self._ack_frame(dqpn, sqpn, psn, syndrome)
 
-    def _respond(self, f: tuple, payload: memoryview) -> None:
-        """A request from the remote requester: check it, carry it out, schedule the ACK."""
-        kind, _, _, dqpn, sqpn, psn, imm, rkey, length, raddr = f
+    def _respond(self, f: tuple, payload: memoryview | None) -> None:
+        """A request from the remote requester: check it, carry it out, schedule the ACK. payload
+        None: a write already placed in its region (_start_direct), checked here again."""
+        kind, _, flags, dqpn, sqpn, psn, imm, rkey, length, raddr = f
         qp = self.qps.get(dqpn)
         if qp is None or qp._state not in (QpState.RTR, QpState.RTS) or qp.remote.qpn != sqpn:
             return self._nak(None, sqpn, dqpn, psn, NAK_DROPPED)
@@ -498,7 +561,8 @@ class SoftDevice(Device):
                     or off < 0 or off + length > mr.length):
                 self._nak(qp, sqpn, dqpn, psn, NAK_ACCESS)
                 return qp.fail()
-            mr.view[off:off + length] = payload
+            if payload is not None:
+                mr.view[off:off + length] = payload
         if kind != WRITE:
             if not qp.rq:
                 return self._nak(qp, sqpn, dqpn, psn, NAK_RNR)
@@ -511,7 +575,8 @@ class SoftDevice(Device):
                                WcOpcode.RECV if kind == SEND else WcOpcode.RECV_RDMA_WITH_IMM,
                                length, imm, qp.qp_num))
         qp.epsn = (psn + 1) & PSN_MASK
-        self._acks[qp] = psn
+        if flags & ACKREQ:
+            self._acks[qp] = psn
 
     def _scatter(self, qp: _QP, rwr: RecvWr, payload: memoryview) -> bool:
         pos = 0
