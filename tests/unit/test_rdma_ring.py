@@ -308,3 +308,35 @@ def test_qp_error_resets_its_channels_and_a_new_qp_carries_new_ones(nodes):
     t = send_and_shut(client, data)
     assert drain(server) == (len(data), hashlib.sha256(data).hexdigest())
     t.join()
+
+
+def test_a_slot_is_not_reused_while_the_acceptor_still_delivers_its_last_bytes():
+    """The opener is done with a connection once its bytes and FIN are in the peer's ring; the
+    acceptor may still be handing them to a slow reader. The slot comes back to the opener only
+    with the acceptor's RELEASE: new connections meanwhile take other slots, and nothing is lost."""
+    n = Nodes(RingConfig(ring=RING, slots=6))   # two or three slots per side
+    try:
+        client, server = n.open(port=33000)
+        # a small socket buffer on the acceptor's pump end: most of the bytes stay in its ring
+        n.b.call(lambda: [ch.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                          for ch in n.lb.channels.values()])
+        data = os.urandom(RING - 1)   # less than a ring: the opener sends it all, and its FIN, unacknowledged
+        send_and_shut(client, data).join(5)
+        server.shutdown(socket.SHUT_WR)             # the reader answers FIN before reading anything
+        assert client.recv(1) == b""
+        wait_for(lambda: n.channels(n.a, n.la) == 0)   # over on the opener's side
+        assert n.channels(n.b, n.lb) == 1              # not on the acceptor's: bytes wait in its ring
+        for i in range(6):                             # more connections than slots: each done in turn
+            c, s = n.open(port=33001 + i)
+            s.sendall(b"pong")
+            c.shutdown(socket.SHUT_WR)
+            assert c.recv(4) == b"pong" and s.recv(1) == b""
+            c.close()
+            s.close()
+            wait_for(lambda: n.channels(n.a, n.la) == 0)
+        assert drain(server) == (len(data), hashlib.sha256(data).hexdigest())
+        server.close()
+        client.close()
+        wait_for(lambda: n.a.call(lambda: not n.la.unreleased))   # released once delivered
+    finally:
+        n.close()

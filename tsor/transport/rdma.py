@@ -20,8 +20,10 @@ hand and ordinary control messages three, so the reports that unblock the other 
 
 Control channel records, a byte stream in slot 0: `!BHHIIH` type, slot, gen, v1, v2, payload length,
 then the payload. OPEN (JSON {src, dst}), ACCEPT, REFUSE, CREDIT (v1 = consumed total mod 2^32),
-RESET, RESET_ACK, CTL_CREDIT (v1 = control ring consumed, v2 = receive WRs posted, totals mod 2^32).
-`gen` (per slot, set by the opener) keeps a late record from touching the slot's next connection.
+RESET, RESET_ACK, CTL_CREDIT (v1 = control ring consumed, v2 = receive WRs posted, totals mod 2^32),
+RELEASE. `gen` (per slot, set by the opener) keeps a late record from touching the slot's next
+connection. The opener uses a slot again only after the acceptor's RELEASE for it: the acceptor may
+still be handing the last bytes of the old connection to a slow reader when the opener is done.
 
 A channel ends when both FINs are through and its writes completed, or by RESET (the application's
 socket failed: ECONNRESET, EPIPE); a RESET is answered with RESET_ACK, after which the peer writes
@@ -71,7 +73,7 @@ from tsor.verbs import (
 log = logging.getLogger("tsor.rdma")
 FIN = 1 << 31
 _CTL = struct.Struct("!BHHIIH")
-OPEN, ACCEPT, REFUSE, CREDIT, RESET, RESET_ACK, CTL_CREDIT = range(1, 8)
+OPEN, ACCEPT, REFUSE, CREDIT, RESET, RESET_ACK, CTL_CREDIT, RELEASE = range(1, 9)
 RESERVE_WRS = 4
 RESERVE_BYTES = 4 * _CTL.size
 MAX_WRITE = 1024 * 1024     # bytes per RDMA write (at most the port's max_msg_sz): a batch of what the socket had
@@ -192,6 +194,7 @@ class Link:
         self.closed = False
         self.channels: dict[int, Channel] = {}
         self.gens = [0] * cfg.slots
+        self.unreleased: set[int] = set()    # our slots whose last connection the peer still holds
         self._cursor = 0
         self.wrs: collections.deque[tuple[int, Channel | None]] = collections.deque()   # posted, in order
         self._wr_ids = itertools.count(1)
@@ -238,6 +241,7 @@ class Link:
         ch = Channel(self, slot, gen, ours, app, src, dst, OPENING)
         ch.future = concurrent.futures.Future()
         self.channels[slot] = ch
+        self.unreleased.add(slot)
         self._ctl(OPEN, slot, gen, payload=json.dumps({"src": list(src), "dst": list(dst)}).encode())
         self._flush_ctl()
         return ch.future
@@ -254,7 +258,7 @@ class Link:
         n = self.cfg.slots
         for i in range(n):
             s = (self._cursor + i) % n
-            if s and s % 2 == self.parity and s not in self.channels:
+            if s and s % 2 == self.parity and s not in self.channels and s not in self.unreleased:
                 self._cursor = s + 1
                 return s
         return None
@@ -269,7 +273,7 @@ class Link:
         else:
             self._close_sock(ch)
             del self.channels[ch.slot]
-            self._ctl(REFUSE, ch.slot, ch.gen)
+            self._ctl(REFUSE, ch.slot, ch.gen)   # a REFUSE releases the slot too
         self._flush_ctl()
 
     # ---- posting -------------------------------------------------------------------------------
@@ -379,9 +383,12 @@ class Link:
                 self.loop.remove_writer(fd)
 
     def _release(self, ch: Channel) -> None:
-        """Give the pages of a finished channel's rings back. Only once nothing can touch them: both
-        FINs or the RESET handshake are through (the peer writes no more into our ring) and our
-        writes completed (the device has sent what they read from our ring)."""
+        """The channel is over here: tell the opener it may use the slot again (if it was the
+        peer's), and give its ring pages back. Only once nothing can touch them: both FINs or the
+        RESET handshake are through (the peer writes no more into our ring), our writes completed
+        (the device has sent what they read from our ring) and our application has every byte."""
+        if ch.slot % 2 != self.parity:
+            self._ctl(RELEASE, ch.slot, ch.gen)
         if self._release_pages and (ch.tx_sent or ch.rx_tail):
             self._tx_mem.madvise(mmap.MADV_REMOVE, ch.base, self.cfg.ring)
             self._rx_mem.madvise(mmap.MADV_REMOVE, ch.base, self.cfg.ring)
@@ -551,6 +558,10 @@ class Link:
             ch = None if kind != OPEN else ch
         if kind == OPEN:
             return self._opened(slot, gen, payload, ch)
+        if kind == RELEASE:
+            if slot % 2 == self.parity and gen == self.gens[slot]:
+                self.unreleased.discard(slot)
+            return
         if kind == RESET:
             self._ctl(RESET_ACK, slot, gen)
             if ch is not None:
@@ -571,6 +582,7 @@ class Link:
         elif kind == REFUSE and ch.state == OPENING:
             self._abort(ch)
             del self.channels[slot]
+            self.unreleased.discard(slot)
         elif kind == RESET_ACK and ch.reset_pending:
             ch.reset_pending = False
             self._update(ch)
@@ -579,10 +591,9 @@ class Link:
         if slot % 2 == self.parity:
             raise ProtocolError(f"the peer opened slot {slot}, one of ours")
         if old is not None:
-            # the peer opens a slot only once its last connection there is over on its side,
-            # which it learnt from records and writes we had sent: what we still hold is stale
-            self._abort(old)
-            del self.channels[slot]
+            # the peer opens a slot again only after our RELEASE of it: a peer that does not wait
+            # breaks the protocol, and the old connection cannot go on
+            raise ProtocolError(f"the peer opened slot {slot} again before it was released")
         meta = json.loads(payload)
         src, dst = (str(meta["src"][0]), int(meta["src"][1])), (str(meta["dst"][0]), int(meta["dst"][1]))
         ours, app = _socketpair()
