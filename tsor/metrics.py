@@ -37,7 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("tsor.metrics")
 PATHS = ("local", "tcp", "rdma", "fallback")
 GAUGE_HELP = {"sandboxes": "Sandboxes registered with this node's tsord.",
-              "listeners": "Listening sockets sandboxes on this node have announced."}
+              "listeners": "Listening sockets sandboxes on this node have announced.",
+              "route_pods": "Quark pod addresses in the route table (routes from Kubernetes).",
+              "route_services": "Service ClusterIP:ports in the route table (routes from Kubernetes)."}
 CLIENT_TIMEOUT = 2.0   # a scraper that connects and says nothing holds its thread this long
 
 
