@@ -68,6 +68,16 @@ class Kind:
         self.events = 0
         self.errors = 0
 
+    def entry(self, obj: dict) -> Any:
+        """The table entry of an object; None (not routed) for one the conversion cannot read, so
+        that one odd object never stops a list or, replayed after every retry, a watch."""
+        try:
+            return self.convert(obj)
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            log.warning("routes from Kubernetes: %s %s/%s not understood, not routed: %s", self.name,
+                        *_key(obj), e)
+            return None
+
 
 def _ip(value: object) -> str | None:
     """An address in its canonical text (the table's keys), None if it is not one. inet_pton: a
@@ -247,10 +257,12 @@ class KubernetesSource:
                     continue   # ended at its timeout, or delivered events before it dropped: resume now
                 reason = "the watch ended early"
             except Gone:
-                log.info("routes from Kubernetes: %s: resourceVersion %s is gone, relisting",
-                         kind.name, kind.resource_version)
-                kind.resource_version = None
-                continue
+                if kind.resource_version is not None:
+                    log.info("routes from Kubernetes: %s: resourceVersion %s is gone, relisting",
+                             kind.name, kind.resource_version)
+                    kind.resource_version = None
+                    continue
+                reason = "410 Gone while listing"   # again and again: not at full speed
             except Exception as e:   # the API server down or dropping: keep the routes, try again
                 reason = _describe(e)
                 if kind.events > events:   # a watch that worked for a while: a fresh failure
@@ -287,8 +299,7 @@ class KubernetesSource:
             finally:
                 resp.release_conn()
             for obj in page.get("items") or ():
-                entry = kind.convert(obj)
-                entries[_key(obj)] = entry
+                entries[_key(obj)] = kind.entry(obj)
             meta = page.get("metadata") or {}
             rv = meta.get("resourceVersion") or rv
             cont = meta.get("continue")
@@ -333,14 +344,17 @@ class KubernetesSource:
         return seen or time.monotonic() - t0 >= self.watch_seconds * 0.9
 
     def _event(self, kind: Kind, ev: dict) -> None:
-        typ, obj = ev.get("type"), ev.get("object") or {}
+        typ, obj = ev.get("type"), ev.get("object")
+        if not isinstance(obj, dict) or not isinstance(obj.get("metadata") or {}, dict):
+            log.warning("routes from Kubernetes: %s: a %s event without an object, ignored", kind.name, typ)
+            return
         rv = (obj.get("metadata") or {}).get("resourceVersion")
         if typ == "ERROR":
             if obj.get("code") == 410:
                 raise Gone()
             raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message')}")
         if typ in ("ADDED", "MODIFIED"):
-            kind.apply(_key(obj), kind.convert(obj))
+            kind.apply(_key(obj), kind.entry(obj))
         elif typ == "DELETED":
             kind.apply(_key(obj), None)
         elif typ != "BOOKMARK":

@@ -169,6 +169,18 @@ def test_while_the_api_server_is_gone_routes_stay_and_new_pods_are_unknown(api, 
     assert kind(src, "pods").errors >= 1
 
 
+def test_an_object_the_source_cannot_read_is_skipped_and_the_watch_goes_on(api, source):
+    bad = k8s.service("bad", "10.96.0.66", [(None, 80, 80)])
+    bad["spec"]["ports"] = 5
+    api.put("services", bad)
+    _, table = source()
+    assert table.service("10.96.0.66", 80) is None
+    api.put("services", dict(bad, metadata=dict(bad["metadata"], name="bad2")))
+    api.put("services", k8s.service("good", "10.96.0.67", [(None, 80, 80)]))
+    eventually(lambda: table.service("10.96.0.67", 80) is not None, what="the event after the bad one")
+    assert api.lists("services") == 1
+
+
 def test_only_running_quark_pods_on_a_node_are_routed(api, source):
     api.put("pods", k8s.pod("quark", ["10.2.0.1"], "node-b"))
     api.put("pods", k8s.pod("runc", ["10.2.0.2"], "node-b", runtime_class=None))
@@ -182,6 +194,19 @@ def test_only_running_quark_pods_on_a_node_are_routed(api, source):
     assert table.lookup("10.2.0.2") is None and table.lookup("10.99.0.2") is None
     _, other = source(runtime_class="kata")   # the runtime class is tsor.yaml's
     assert set(other.pods) == {"10.2.0.3"}
+
+
+def test_the_static_files_single_addresses_still_win_over_cidrs():
+    """The one table: the route file's single addresses are looked up by address now (as quark pods
+    are), and still win over another node's CIDR, as the longest prefix would."""
+    import ipaddress
+    from tsor.routes import Node
+    net = ipaddress.ip_network
+    table = RouteTable([Node("a", None, (net("10.1.0.0/16"), net("fd00::/64"))),
+                        Node("b", None, (net("10.1.2.3/32"), net("fd00::7/128")))])
+    assert [table.lookup(ip).name for ip in ("10.1.2.3", "10.1.2.4", "::ffff:10.1.2.3", "fd00::7", "fd00::8")] == \
+        ["b", "a", "b", "b", "a"]
+    assert table.lookup("10.2.0.1") is None
 
 
 def test_config_chooses_the_kubernetes_source_and_names_bad_fields(tmp_path):
