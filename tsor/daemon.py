@@ -116,6 +116,7 @@ class Daemon:
         self.bytes = TcpByteCounter()   # tcp path: the kernel counts, see tsor/bytecount.py
         self.metrics.byte_counts = self._byte_counts
         self.metrics.rdma_links = lambda: self.rdma.status() if self.rdma is not None else {}
+        self.metrics.route_source = getattr(self.route_source, "status", dict)   # KubernetesSource's
 
     def _byte_counts(self) -> dict[tuple[str, str], int]:
         counts = self.bytes.totals()

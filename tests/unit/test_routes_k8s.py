@@ -286,6 +286,8 @@ def test_a_service_clusterip_connect_takes_the_local_path_to_a_ready_quark_endpo
     assert connects(cli, ("10.96.0.10", 81)) == ["fallback"]   # not a port of the Service
     m = parse(d.metrics.render())
     assert m["tsor_route_services"] == 2 and m["tsor_route_pods"] == 2
+    assert m['tsor_route_source_synced{kind="pods"}'] == 1 and m['tsor_route_source_relists_total{kind="pods"}'] == 1
+    assert m['tsor_route_source_errors_total{kind="services"}'] == 0
 
 
 def test_not_ready_endpoints_are_skipped(api, tsord):
