@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -250,10 +251,14 @@ def main() -> None:
                                                    "results", "routes_k8s.json"))
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-routes-k8s-")
+    try:
+        sizes = [one_size(args, int(pad), tmp) for pad in args.pad.split(",")]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     res = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "command": " ".join(["bench/routes_k8s.py"] + sys.argv[1:]),
            "pods": args.pods, "services": args.services, "endpoints_per_service": 10, "nodes": NODES,
-           "cpus": os.cpu_count(), "sizes": [one_size(args, int(pad), tmp) for pad in args.pad.split(",")]}
+           "cpus": os.cpu_count(), "sizes": sizes}
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1)
