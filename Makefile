@@ -42,7 +42,7 @@ build/bin/quark build/bin/containerd-shim-quark-v1: qvisor/_quark
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
+	$(PY) -m pip install -q -e '.[test,k8s]' --config-settings editable_mode=compat
 	touch $@
 
 # runc-style use and containerd both look the binaries up on PATH: point them at this checkout

@@ -5,6 +5,11 @@
     listen: 10.99.0.1:7470          # node-to-node tcp transport (omit: this node takes no tcp peers)
     metrics: 127.0.0.1:9470         # Prometheus text; host:port or unix:/path (omit: none)
     routes: /etc/quark/tsor-routes.yaml   # static route file (routes.py), reloaded when it changes
+    kubernetes:                     # or routes from the API server instead (routes_k8s.py)
+      kubeconfig: /etc/quark/kubeconfig   # omit: in-cluster (the pod's service account)
+      context: null                 # a context of that kubeconfig (default: its current one)
+      runtime_class: quark          # pods of this runtimeClassName are quark pods
+      tsord_port: 7470              # the port of every node's tsord (default: this node's `listen` port)
     cluster_secret_file: /etc/quark/tsor-secret   # shared by every node's tsord (mode 0600)
     insecure_no_auth: false         # true: node-to-node without the secret (a trusted lab network)
     transport: auto                 # node to node: auto|rdma|tcp|softverbs, or per peer node:
@@ -32,8 +37,10 @@ import yaml
 from tsor import DEFAULT_SOCKET
 from tsor.errors import ConfigError
 
-_KEYS = {"node", "socket", "listen", "metrics", "routes", "cluster_secret_file", "insecure_no_auth", "transport",
-         "state_dir"}
+_KEYS = {"node", "socket", "listen", "metrics", "routes", "kubernetes", "cluster_secret_file", "insecure_no_auth",
+         "transport", "state_dir"}
+_KUBE_KEYS = {"kubeconfig", "context", "runtime_class", "tsord_port"}
+DEFAULT_TSORD_PORT = 7470
 DEFAULT_STATE_DIR = "/run/quark/tsord"
 TRANSPORTS = ("auto", "rdma", "tcp", "softverbs")
 MIN_SECRET = 16   # bytes: a guessable secret would be no authentication
@@ -49,12 +56,22 @@ class HostPort:
 
 
 @dataclass(frozen=True)
+class Kubernetes:
+    """Routes from the Kubernetes API server (tsor/routes_k8s.py)."""
+    kubeconfig: str | None = None    # None: in-cluster configuration
+    context: str | None = None
+    runtime_class: str = "quark"
+    tsord_port: int | None = None    # None: this node's listen port, else DEFAULT_TSORD_PORT
+
+
+@dataclass(frozen=True)
 class Config:
     node: str
     socket: str = DEFAULT_SOCKET
     listen: HostPort | None = None
     metrics: HostPort | str | None = None   # str: a unix socket path
     routes: str | None = None
+    kubernetes: Kubernetes | None = None
     cluster_secret: bytes | None = None
     insecure_no_auth: bool = False
     transport: tuple[tuple[str, str], ...] = (("*", "auto"),)   # (node name or "*", transport)
@@ -64,6 +81,13 @@ class Config:
         """The node-to-node transport configured for peer `node`."""
         chosen = dict(self.transport)
         return chosen.get(node, chosen.get("*", "auto"))
+
+    @property
+    def tsord_port(self) -> int:
+        """The port peer nodes' tsords listen on, as the Kubernetes route source addresses them."""
+        if self.kubernetes is not None and self.kubernetes.tsord_port is not None:
+            return self.kubernetes.tsord_port
+        return self.listen.port if self.listen is not None else DEFAULT_TSORD_PORT
 
     @property
     def node_key(self) -> bytes | None:
@@ -120,6 +144,9 @@ def load(path: str) -> Config:
         if not isinstance(routes, str):
             raise ConfigError(path, "routes", f"expected a file path, got {routes!r}")
         routes = os.path.join(os.path.dirname(os.path.abspath(path)), routes)
+    kube = _kubernetes(raw.get("kubernetes"), path)
+    if kube is not None and routes is not None:
+        raise ConfigError(path, "kubernetes", "choose one route source: `routes` (a file) or `kubernetes`")
     secret = _secret(raw.get("cluster_secret_file"), path)
     insecure = raw.get("insecure_no_auth", False)
     if not isinstance(insecure, bool):
@@ -130,9 +157,37 @@ def load(path: str) -> Config:
     state_dir = raw.get("state_dir", DEFAULT_STATE_DIR)
     if not isinstance(state_dir, str) or not os.path.isabs(state_dir):
         raise ConfigError(path, "state_dir", f"expected an absolute path, got {state_dir!r}")
-    return Config(node=node, socket=sock, listen=listen, metrics=metrics, routes=routes,
+    return Config(node=node, socket=sock, listen=listen, metrics=metrics, routes=routes, kubernetes=kube,
                   cluster_secret=secret, insecure_no_auth=insecure,
                   transport=_transport(raw.get("transport", "auto"), path), state_dir=state_dir)
+
+
+def _kubernetes(value: object, path: str) -> Kubernetes | None:
+    """`kubernetes: true` (in-cluster, defaults) or a mapping of _KUBE_KEYS; absent or false: None."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return Kubernetes()
+    if not isinstance(value, dict):
+        raise ConfigError(path, "kubernetes", f"expected true or a mapping of {sorted(_KUBE_KEYS)}, got {value!r}")
+    unknown = set(value) - _KUBE_KEYS
+    if unknown:
+        raise ConfigError(path, f"kubernetes.{sorted(map(str, unknown))[0]}",
+                          f"unknown key (expected one of {sorted(_KUBE_KEYS)})")
+    kubeconfig = value.get("kubeconfig")
+    if kubeconfig is not None:
+        if not isinstance(kubeconfig, str) or not kubeconfig:
+            raise ConfigError(path, "kubernetes.kubeconfig", f"expected a file path, got {kubeconfig!r}")
+        kubeconfig = os.path.join(os.path.dirname(os.path.abspath(path)), kubeconfig)
+    for key in ("context", "runtime_class"):
+        v = value.get(key)
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ConfigError(path, f"kubernetes.{key}", f"expected a name, got {v!r}")
+    port = value.get("tsord_port")
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+        raise ConfigError(path, "kubernetes.tsord_port", f"expected a port number, got {port!r}")
+    return Kubernetes(kubeconfig=kubeconfig, context=value.get("context"),
+                      runtime_class=value.get("runtime_class") or "quark", tsord_port=port)
 
 
 def _transport(value: object, path: str) -> tuple[tuple[str, str], ...]:

@@ -17,6 +17,7 @@ import concurrent.futures
 import itertools
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -99,7 +100,7 @@ class Daemon:
         self.verifier = verifier or ProcVerifier()
         self.metrics = Metrics()
         self.routes = routesmod.RouteTable()
-        self.route_source = route_source or (routesmod.StaticFile(cfg.routes) if cfg.routes else None)
+        self.route_source = route_source or _route_source(cfg)
         self.pods = PodRegistry(os.path.join(cfg.state_dir, "pods.json"))
         self.own_netns = os.stat("/proc/self/ns/net").st_ino
         self._lock = threading.Lock()
@@ -114,10 +115,12 @@ class Daemon:
         self.gate: Gate | None = None
         self.metrics_server: MetricsServer | None = None
         self.metrics.gauges = lambda: {"sandboxes": len(self.sessions), "listeners": len(self.listeners),
-                                       "pods": len(self.pods)}
+                                       "pods": len(self.pods), "route_pods": len(self.routes.pods),
+                                       "route_services": len(self.routes.services)}
         self.bytes = TcpByteCounter()   # tcp path: the kernel counts, see tsor/bytecount.py
         self.metrics.byte_counts = self._byte_counts
         self.metrics.rdma_links = lambda: self.rdma.status() if self.rdma is not None else {}
+        self.metrics.route_source = getattr(self.route_source, "status", dict)   # KubernetesSource's
 
     def _byte_counts(self) -> dict[tuple[str, str], int]:
         counts = self.bytes.totals()
@@ -367,6 +370,10 @@ class Daemon:
         own = sorted(a for a in sess.identity.addrs if family_of(a) == fam)
         path, sock = "fallback", None
         if own:
+            # a Service ClusterIP:port goes to one of its endpoints (the reply names none of this:
+            # the application's peer stays the address it dialled, as with kube-proxy's DNAT)
+            dst = self._endpoint(dst, fam)
+        if own and dst is not None:
             src = (own[0], msg.src_port)
             try:
                 if dst in self.listeners:
@@ -384,7 +391,8 @@ class Daemon:
         if sock is None:
             path = "fallback"
         self.metrics.connected(path, time.monotonic() - t0)
-        log.debug("connect %s -> %s:%d: %s", sess.name, dst[0], dst[1], path)
+        log.debug("connect %s -> %s:%d%s: %s", sess.name, msg.dst[0], msg.dst[1],
+                  f" ({dst[0]}:{dst[1]})" if dst is not None and dst != tuple(msg.dst) else "", path)
         try:
             if sock is None:
                 sess.send(protocol.reply(mid, path="fallback"))
@@ -395,6 +403,19 @@ class Daemon:
                     sess.send(protocol.reply(mid, path=path, src=src), [sock.fileno()])
         except OSError:
             pass
+
+    def _endpoint(self, dst: Endpoint, family: int) -> Endpoint | None:
+        """Where a connect to `dst` goes: `dst` itself, or for a Service ClusterIP:port one of its ready
+        endpoints picked at random as kube-proxy does (None: native, kube-proxy's to do: no ready
+        endpoint, or ClientIP session affinity, whose memory is kube-proxy's). Whether the endpoint
+        takes a TSoR path is then decided as for any pod address: only quark pods do."""
+        svc = self.routes.service(*dst)
+        if svc is None:
+            return dst
+        if svc.client_affinity:
+            return None
+        endpoints = self.routes.endpoints(svc, family, self.cfg.node)
+        return random.choice(endpoints) if endpoints else None
 
     def deliver(self, dst: Endpoint, peer: Endpoint, sock: socket.socket, path: str, greet: bool) -> bool:
         """Offer a connection to the sandbox listening on dst; True if it took it."""
@@ -411,6 +432,13 @@ class Daemon:
             return False
         self.metrics.delivered(path)
         return True
+
+
+def _route_source(cfg: configmod.Config) -> routesmod.RouteSource | None:
+    if cfg.kubernetes is not None:
+        from tsor.routes_k8s import KubernetesSource   # the kubernetes client only where it is used
+        return KubernetesSource(cfg.kubernetes, cfg.tsord_port)
+    return routesmod.StaticFile(cfg.routes) if cfg.routes else None
 
 
 def main(argv: list[str] | None = None) -> int:

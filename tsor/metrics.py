@@ -38,7 +38,9 @@ log = logging.getLogger("tsor.metrics")
 PATHS = ("local", "tcp", "rdma", "fallback")
 GAUGE_HELP = {"sandboxes": "Sandboxes registered with this node's tsord.",
               "listeners": "Listening sockets sandboxes on this node have announced.",
-              "pods": "Pods quark-cni registered with this node's tsord."}
+              "pods": "Pods quark-cni registered with this node's tsord.",
+              "route_pods": "Quark pod addresses in the route table (routes from Kubernetes).",
+              "route_services": "Service ClusterIP:ports in the route table (routes from Kubernetes)."}
 CLIENT_TIMEOUT = 2.0   # a scraper that connects and says nothing holds its thread this long
 
 
@@ -53,6 +55,7 @@ class Metrics:
         self.gauges: Callable[[], dict[str, int]] = dict
         self.byte_counts: Callable[[], dict[tuple[str, str], int]] = dict
         self.rdma_links: Callable[[], dict[str, dict]] = dict   # RdmaTransport.status()
+        self.route_source: Callable[[], dict[str, dict]] = dict  # KubernetesSource.status(), by kind
         self._registry: CollectorRegistry | None = None
 
     def connected(self, path: str, seconds: float) -> None:
@@ -106,6 +109,7 @@ class Metrics:
                 conns.add_metric([node], link["connections"])
         yield links
         yield conns
+        yield from _route_source_families(self.route_source())
         for name, value in self.gauges().items():
             yield GaugeMetricFamily(f"tsor_{name}", GAUGE_HELP.get(name, f"tsor {name}."), value=value)
 
@@ -123,6 +127,26 @@ class Metrics:
         """The Prometheus text format (0.0.4)."""
         from prometheus_client.exposition import generate_latest
         return generate_latest(self.registry()).decode()
+
+
+def _route_source_families(kinds: dict[str, dict]) -> Iterator[Metric]:
+    """The Kubernetes route source's health by kind: listed yet, relists (410s), watch events, failures."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    if not kinds:
+        return
+    synced = GaugeMetricFamily("tsor_route_source_synced", "1 once the kind is listed from the API server.",
+                               labels=["kind"])
+    counters = [(key, CounterMetricFamily(f"tsor_route_source_{key}_total", doc, labels=["kind"])) for key, doc in (
+        ("relists", "Lists of the kind (the first, then one per 410 Gone)."),
+        ("events", "Watch events applied (bookmarks included)."),
+        ("errors", "Failed lists and watches (dropped, API server unreachable); each retried with backoff."))]
+    for kind, st in sorted(kinds.items()):
+        synced.add_metric([kind], int(st["synced"]))
+        for key, fam in counters:
+            fam.add_metric([kind], st[key])
+    yield synced
+    for _, fam in counters:
+        yield fam
 
 
 class _Quiet:

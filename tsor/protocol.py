@@ -10,6 +10,10 @@ requests: the sandbox asks to connect and announces listeners; tsord offers inco
                       connect   {dst: [ip, port], src_port}     -> {path: local|tcp|rdma, src, fd} | {path: fallback}
     tsord -> sandbox  incoming  {token, peer, local, path, greet} + fd -> {ok}
 
+A connect to a Service ClusterIP:port is answered like one to the endpoint tsord picked for it, but
+the reply never names that endpoint: the sandbox records the address the application dialled as the
+socket's peer (intercept.py), so getpeername() answers the ClusterIP:port, as under kube-proxy.
+
 quark-cni (cni/plugin.py) opens a connection of its own for one request, instead of a hello:
 
     quark-cni -> tsord  podadd   {sandbox, ifname, netns, ips, name, namespace, uid} -> {ok} | {error}

@@ -1,7 +1,8 @@
 """The route table: which node holds a pod address, and how to reach that node's tsord.
 
-A `RouteSource` feeds the table; `StaticFile` reads a YAML file and reloads it when it changes.
-A Kubernetes source (nodes' podCIDRs from the API server) plugs in the same way:
+A `RouteSource` feeds the table: `StaticFile` reads a YAML file and reloads it when it changes;
+`tsor.routes_k8s.KubernetesSource` lists and watches the API server (nodes, quark pods, Services and
+their EndpointSlices). The file:
 
     nodes:
       - name: node-a
@@ -14,12 +15,13 @@ import ipaddress
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import yaml
 
-from tsor.addr import unmapped
+from tsor.addr import Endpoint, unmapped
 from tsor.config import HostPort, parse_hostport
 from tsor.errors import ConfigError
 
@@ -32,29 +34,179 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 class Node:
     name: str
     address: HostPort | None
-    pods: tuple[Network, ...]
+    pods: tuple[Network, ...]               # routed: every address in these goes to this node
+    pod_cidrs: tuple[Network, ...] = ()     # Kubernetes' podCIDRs, for information: only quark pods are routed
+
+
+@dataclass(frozen=True, eq=False)
+class Pod:
+    """A quark pod the route source knows (Kubernetes): routed by its own addresses, not its node's
+    CIDR, so that the runc pods beside it stay native. Namespace and labels are kept for policy."""
+    namespace: str
+    name: str
+    node: str
+    ips: tuple[str, ...]
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServicePort:
+    """One TCP port of a Service's ClusterIP."""
+    namespace: str
+    service: str
+    port_name: str              # "" for an unnamed port; matches the EndpointSlice port of that name
+    client_affinity: bool = False   # sessionAffinity: ClientIP (kube-proxy remembers; tsord cannot)
+    node_local: bool = False        # internalTrafficPolicy: Local (endpoints on this node only)
+
+
+@dataclass(frozen=True)
+class EndpointSlice:
+    namespace: str
+    service: str
+    family: int                                   # socket.AF_INET or AF_INET6 (addressType)
+    ports: tuple[tuple[str, int, str], ...]       # (name, port, protocol)
+    endpoints: tuple[tuple[str, bool, str | None], ...]   # (address, ready, nodeName)
 
 
 class RouteTable:
-    """Longest-prefix match of a pod address to its node. Replaced whole on reload (readers never
-    see half a table)."""
+    """Where a destination address goes: longest-prefix match of CIDRs to nodes (the static file),
+    quark pods by address (Kubernetes), and Service ClusterIP:ports to their endpoints.
+
+    Writers are route sources (one thread each); readers are tsord's connect threads, which take no
+    lock: every index is a dict or list replaced or updated by single assignments, so a reader sees
+    an object either before or after a change, never half of one. `replace` swaps the CIDR part
+    whole; `sync` swaps every Kubernetes index whole (a relist); the `set_*` methods apply one watch
+    event."""
 
     def __init__(self, nodes: list[Node] = ()) -> None:
+        self._lock = threading.Lock()
         self._entries: list[tuple[Network, Node]] = []
+        self._hosts: dict[str, Node] = {}    # single-address entries of the static file
+        self.nodes: dict[str, Node] = {}
+        self.pods: dict[str, Pod] = {}                       # quark pods by address
+        self._pod_keys: dict[tuple[str, str], Pod] = {}      # ... by (namespace, name)
+        self.services: dict[tuple[str, int], ServicePort] = {}         # (clusterIP, port)
+        self._service_keys: dict[tuple[str, str], tuple[tuple[str, int], ...]] = {}
+        self._slices: dict[tuple[str, str], dict[str, EndpointSlice]] = {}   # (ns, service) -> by slice name
+        self._slice_owner: dict[tuple[str, str], tuple[str, str]] = {}     # (ns, slice) -> (ns, service)
         self.replace(nodes)
 
+    # ---- the static file: CIDRs of nodes ---------------------------------------------------------
     def replace(self, nodes: list[Node]) -> None:
-        entries = [(net, n) for n in nodes for net in n.pods]
+        entries, hosts = [], {}
+        for n in nodes:
+            for net in n.pods:
+                if net.prefixlen == net.max_prefixlen:
+                    hosts[str(net.network_address)] = n
+                else:
+                    entries.append((net, n))
         entries.sort(key=lambda e: e[0].prefixlen, reverse=True)
-        self._entries = entries
-        self.nodes = {n.name: n for n in nodes}
+        with self._lock:
+            self._entries, self._hosts = entries, hosts
+            self.nodes = {n.name: n for n in nodes}
 
     def lookup(self, ip: str) -> Node | None:
-        a = ipaddress.ip_address(unmapped(ip))
+        """The node holding pod address `ip`, None when no route source knows it."""
+        ip = unmapped(ip)
+        pod = self.pods.get(ip)
+        if pod is not None:
+            return self.nodes.get(pod.node)
+        node = self._hosts.get(ip)
+        if node is not None:
+            return node
+        a = ipaddress.ip_address(ip)
         for net, node in self._entries:
             if a.version == net.version and a in net:
                 return node
         return None
+
+    # ---- Kubernetes: nodes, quark pods, Services and their EndpointSlices -------------------------
+    def sync(self, nodes: list[Node] | None = None, pods: list[Pod] | None = None,
+             services: dict[tuple[str, str], dict[tuple[str, int], ServicePort]] | None = None,
+             slices: dict[tuple[str, str], EndpointSlice] | None = None) -> None:
+        """Replace whole the kinds given (a relist), leaving the others as they are."""
+        with self._lock:
+            if nodes is not None:
+                self.nodes = {n.name: n for n in nodes}
+            if pods is not None:
+                self._pod_keys = {(p.namespace, p.name): p for p in pods}
+                self.pods = {ip: p for p in pods for ip in p.ips}
+            if services is not None:
+                self._service_keys = {key: tuple(ports) for key, ports in services.items()}
+                self.services = {ep: sp for ports in services.values() for ep, sp in ports.items()}
+            if slices is not None:
+                by_service: dict[tuple[str, str], dict[str, EndpointSlice]] = {}
+                for (ns, name), sl in slices.items():
+                    by_service.setdefault((ns, sl.service), {})[name] = sl
+                self._slices = by_service
+                self._slice_owner = {(ns, name): (ns, sl.service) for (ns, name), sl in slices.items()}
+
+    def set_node(self, name: str, node: Node | None) -> None:
+        with self._lock:
+            nodes = dict(self.nodes)
+            if node is None:
+                nodes.pop(name, None)
+            else:
+                nodes[name] = node
+            self.nodes = nodes
+
+    def set_pod(self, key: tuple[str, str], pod: Pod | None) -> None:
+        """Add, change or (None) remove one quark pod."""
+        with self._lock:
+            old = self._pod_keys.pop(key, None)
+            if old is not None:
+                for ip in old.ips:
+                    if self.pods.get(ip) is old:   # the address may belong to a newer pod already
+                        del self.pods[ip]
+            if pod is not None:
+                self._pod_keys[key] = pod
+                for ip in pod.ips:
+                    self.pods[ip] = pod
+
+    def set_service(self, key: tuple[str, str], ports: dict[tuple[str, int], ServicePort] | None) -> None:
+        """Add, change or (None) remove the ClusterIP ports of one Service."""
+        with self._lock:
+            for ep in self._service_keys.pop(key, ()):
+                self.services.pop(ep, None)
+            if ports:
+                self._service_keys[key] = tuple(ports)
+                self.services.update(ports)
+
+    def set_slice(self, namespace: str, name: str, sl: EndpointSlice | None) -> None:
+        """Add, change or (None) remove one EndpointSlice."""
+        with self._lock:
+            owner = self._slice_owner.pop((namespace, name), None)
+            if owner is not None:   # copy, not edit: a reader may be iterating the old one
+                rest = {k: v for k, v in self._slices.get(owner, {}).items() if k != name}
+                if rest:
+                    self._slices[owner] = rest
+                else:
+                    self._slices.pop(owner, None)
+            if sl is not None:
+                key = (namespace, sl.service)
+                self._slices[key] = {**self._slices.get(key, {}), name: sl}
+                self._slice_owner[(namespace, name)] = key
+
+    def service(self, ip: str, port: int) -> ServicePort | None:
+        """The Service port at ClusterIP `ip`:`port`, None if that is not one."""
+        return self.services.get((unmapped(ip), port))
+
+    def endpoints(self, sp: ServicePort, family: int, node: str) -> list[Endpoint]:
+        """The ready endpoints (address, targetPort) of a Service port, as kube-proxy would choose
+        among them: EndpointSlices of the ClusterIP's family, the port of the same name, endpoints
+        ready (or of unknown readiness, which the API says to take as ready), on `node` only when
+        the Service's internalTrafficPolicy is Local."""
+        out = []
+        for sl in self._slices.get((sp.namespace, sp.service), {}).values():
+            if sl.family != family:
+                continue
+            port = next((p for name, p, proto in sl.ports if name == sp.port_name and proto == "TCP"), None)
+            if port is None:
+                continue
+            for ip, ready, where in sl.endpoints:
+                if ready and (not sp.node_local or where == node):
+                    out.append((ip, port))
+        return out
 
 
 class RouteSource(Protocol):

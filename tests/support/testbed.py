@@ -138,13 +138,16 @@ class Node:
         self.pods.append(p)
         return p
 
-    def start_tsord(self, *, wait: bool = True, debug: bool = True, transport: str | None = None) -> None:
+    def start_tsord(self, *, wait: bool = True, debug: bool = True, transport: str | None = None,
+                    kubeconfig: str | None = None) -> None:
         """`debug`: tsord logs every connection (the tests read it); benchmarks run without, as a
-        node does. `transport`: tsor.yaml's node-to-node transport (default: tsord's, auto)."""
+        node does. `transport`: tsor.yaml's node-to-node transport (default: tsord's, auto).
+        `kubeconfig`: routes from that API server (tsor/routes_k8s.py) instead of the bed's file."""
         cfg = os.path.join(self.bed.dir, f"{self.name}-tsor.yaml")
+        routes = {"kubernetes": {"kubeconfig": kubeconfig}} if kubeconfig else {"routes": self.bed.routes_file}
         with open(cfg, "w") as f:
             json.dump({"node": self.name, "socket": self.socket, "metrics": f"unix:{self.metrics}",
-                       "routes": self.bed.routes_file, "cluster_secret_file": self.bed.secret_file,
+                       **routes, "cluster_secret_file": self.bed.secret_file,
                        "state_dir": os.path.join(self.bed.dir, f"{self.name}-state"),
                        **({"listen": f"{self.address}:{TSORD_PORT}"} if self.address else {}),
                        **({"transport": transport} if transport else {})}, f)

@@ -105,10 +105,12 @@ def free_port() -> int:
 def node(tmp_path):
     started = []
 
-    def make(name="node-a", owned=None, nodes=(), listen=None, metrics=None, secret=SECRET):
+    def make(name="node-a", owned=None, nodes=(), listen=None, metrics=None, secret=SECRET, kubernetes=None):
+        """`kubernetes`: routes from that API server (the source tsor.yaml's `kubernetes` chooses), not `nodes`."""
         sock = str(tmp_path / f"{name}.sock")
-        d = Daemon(Config(node=name, socket=sock, listen=listen, metrics=metrics, cluster_secret=secret),
-                   verifier=FakeVerifier(owned or {}), route_source=StaticRoutes(list(nodes)))
+        d = Daemon(Config(node=name, socket=sock, listen=listen, metrics=metrics, cluster_secret=secret,
+                          kubernetes=kubernetes),
+                   verifier=FakeVerifier(owned or {}), route_source=None if kubernetes else StaticRoutes(list(nodes)))
         d.start()
         started.append(d)
         return d

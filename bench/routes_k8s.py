@@ -1,0 +1,272 @@
+"""The Kubernetes route source at cluster size: 10,000 pods and 1,000 Services (each with an
+EndpointSlice of 10 endpoints) on 100 nodes, served by the API stand-in (tests/support/fake_kube_api.py)
+in a process of its own, read by tsor/routes_k8s.py with the official client.
+
+    .venv/bin/python bench/routes_k8s.py [--pods N] [--services N] [--runs N] [--events N] [--pad BYTES] [--json F]
+
+--pad adds about that many bytes of container env entries to each pod: the stand-in's pods, made from the client's
+models with one container, are ~370 bytes of JSON; real ones are ~4-8 KB, and parsing is the list's
+largest cost.
+
+  list      KubernetesSource.start() until all four kinds are listed into a fresh RouteTable
+            (HTTP pages of 500, JSON, entries, the table), median of --runs; beside it, the same
+            pages fetched only (the HTTP share), and the reference: the pods read the way the
+            client's own Watch/informer code reads them, deserialised into V1Pod models
+  event     one watch event applied: json.loads of the line + the entry + the table change, as the
+            watch thread does it, p50/p99 of --events MODIFIED pod events; and end to end, from the
+            stand-in's write to the table change (both processes read CLOCK_MONOTONIC)
+  memory    VmRSS of a real tsord (`python -m tsor.daemon`) holding that table, against a tsord
+            whose API server has nothing in it, and a tsord without any route source
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.support import fake_kube_api as k8s   # noqa: E402
+from tsor.config import Kubernetes   # noqa: E402
+from tsor.routes import RouteTable   # noqa: E402
+from tsor.routes_k8s import PAGE, KubernetesSource   # noqa: E402
+
+NODES = 100
+
+
+def objects(pods: int, services: int, pad: int = 0) -> list[tuple[str, dict]]:
+    out = [("nodes", k8s.node(f"node-{n}", f"10.99.{n // 250}.{n % 250 + 1}", [f"10.{100 + n}.0.0/16"]))
+           for n in range(NODES)]
+    ips = []
+    for i in range(pods):
+        n = i % NODES
+        ip = f"10.{100 + n}.{i // NODES // 250}.{i // NODES % 250 + 1}"
+        ips.append((ip, f"node-{n}"))
+        pod = k8s.pod(f"pod-{i}", [ip], f"node-{n}", namespace=f"ns-{i % 50}",
+                      labels={"app": f"app-{i % services}", "tier": "web"})
+        if pad:   # a real Pod carries far more (containers' env, volumes, managedFields): ~4-8 KB of
+            # small fields, which cost JSON parsing more than one long string would
+            pod["spec"]["containers"][0]["env"] = [{"name": f"VAR_{j}", "value": f"value-{j}"}
+                                                   for j in range(pad // 34)]
+        out.append(("pods", pod))
+    for s in range(services):
+        out.append(("services", k8s.service(f"svc-{s}", f"10.96.{s // 250}.{s % 250 + 1}", [("http", 80, 8080)],
+                                            namespace=f"ns-{s % 50}")))
+        eps = [(ips[(s * 10 + j) % pods][0], True, ips[(s * 10 + j) % pods][1]) for j in range(10)]
+        out.append(("endpointslices", k8s.endpoint_slice(f"svc-{s}-1", f"svc-{s}", eps, [("http", 8080)],
+                                                         namespace=f"ns-{s % 50}")))
+    return out
+
+
+def serve(conn, objs) -> None:
+    """The stand-in, in its own process: objects in, then commands from the pipe."""
+    api = k8s.FakeKubeAPI()
+    for kind, obj in objs:
+        api.put(kind, obj)
+    api.compact()   # the history of the set-up is not replayed to watches
+    conn.send(api.port)
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "put":
+            t = time.monotonic()
+            api.put(cmd[1], cmd[2])
+            conn.send(t)
+        elif cmd[0] == "stop":
+            api.stop()
+            conn.send(None)
+            return
+
+
+def start_api(objs):
+    parent, child = multiprocessing.Pipe()
+    p = multiprocessing.Process(target=serve, args=(child, objs), daemon=True)
+    p.start()
+    return p, parent, parent.recv()
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def measure_list(kubeconfig: str, runs: int) -> dict:
+    times, tables = [], []
+    for _ in range(runs):
+        src = KubernetesSource(Kubernetes(kubeconfig=kubeconfig), 7470, first_sync=120)
+        table = RouteTable()
+        t0 = time.perf_counter()
+        src.start(table)
+        times.append(time.perf_counter() - t0)
+        src.stop()
+        tables.append((len(table.pods), len(table.services), len(table.nodes)))
+    return {"seconds": times, "median_s": statistics.median(times), "table": tables[-1]}
+
+
+def measure_fetch_and_models(kubeconfig: str, runs: int) -> dict:
+    """The HTTP share (pods' pages fetched, not parsed) and the reference: V1Pod models."""
+    from kubernetes import client
+    from tsor.routes_k8s import api_client
+    core = client.CoreV1Api(api_client(Kubernetes(kubeconfig=kubeconfig)))
+
+    def pages(**kw):
+        cont = None
+        while True:
+            resp = core.list_pod_for_all_namespaces(limit=PAGE, _continue=cont, **kw)
+            yield resp
+            if hasattr(resp, "metadata"):
+                cont = resp.metadata._continue
+            else:   # not parsed: the token from the list's metadata, which comes before its items
+                m = re.search(rb'"continue": ?"([^"]*)"', resp.data[:1024])
+                cont = m and m.group(1).decode()
+            if not cont:
+                return
+    fetch, models = [], []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        n = sum(len(r.data) for r in pages(_preload_content=False))
+        fetch.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        count = sum(len(r.items) for r in pages())
+        models.append(time.perf_counter() - t0)
+    return {"pods_fetch_median_s": statistics.median(fetch), "pods_bytes": n,
+            "pods_as_models_median_s": statistics.median(models), "pods_as_models": count}
+
+
+def measure_events(kubeconfig: str, conn, n: int, pods: int) -> dict:
+    src = KubernetesSource(Kubernetes(kubeconfig=kubeconfig), 7470, first_sync=120)
+    table = RouteTable()
+    src.start(table)
+    pod_kind = next(k for k in src.kinds if k.name == "pods")
+    # applied: as the watch thread does it, one line at a time (these lines are not from the server)
+    lines = [json.dumps({"type": "MODIFIED", "object": dict(
+        k8s.pod(f"pod-{i}", [f"10.{100 + i % NODES}.200.{i % 250 + 1}"], f"node-{i % NODES}", namespace=f"ns-{i % 50}"),
+    )}) for i in range(n)]
+    applied = []
+    for line in lines:
+        t0 = time.perf_counter()
+        src._event(pod_kind, json.loads(line))
+        applied.append(time.perf_counter() - t0)
+    # end to end: the stand-in writes the event, the watch thread applies it
+    arrived: dict[str, float] = {}
+    done = threading.Event()
+    set_pod = table.set_pod
+
+    def hook(key, pod):
+        set_pod(key, pod)
+        arrived[key[1]] = time.monotonic()
+        done.set()
+    table.set_pod = hook
+    src.kinds[1].apply = hook
+    e2e = []
+    for i in range(min(n, 500)):
+        done.clear()
+        name = f"pod-{i}"
+        conn.send(("put", "pods", k8s.pod(name, [f"10.{100 + i % NODES}.201.{i % 250 + 1}"], f"node-{i % NODES}",
+                                          namespace=f"ns-{i % 50}")))
+        sent = conn.recv()
+        if done.wait(5) and name in arrived:
+            e2e.append(arrived.pop(name) - sent)
+        time.sleep(0.002)
+    src.stop()
+    return {"applied_p50_ms": pct(applied, 0.5) * 1e3, "applied_p99_ms": pct(applied, 0.99) * 1e3,
+            "e2e_p50_ms": pct(e2e, 0.5) * 1e3, "e2e_p99_ms": pct(e2e, 0.99) * 1e3, "events": n, "e2e_events": len(e2e)}
+
+
+def tsord_rss(kubeconfig: str | None, tmp: str, name: str) -> float:
+    """MiB of VmRSS of a real tsord once it has listed every kind (kubeconfig None: a tsord without
+    any route source, once it serves)."""
+    cfg = os.path.join(tmp, f"{name}.yaml")
+    with open(cfg, "w") as f:
+        json.dump({"node": "node-0", "socket": os.path.join(tmp, f"{name}.sock"),
+                   **({"kubernetes": {"kubeconfig": kubeconfig}} if kubeconfig else {})}, f)
+    p = subprocess.Popen([sys.executable, "-m", "tsor.daemon", "--config", cfg], stderr=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        listed = 0
+        for line in p.stderr:
+            listed += " listed at resourceVersion " in line
+            if listed == 4 or (kubeconfig is None and " serving " in line):
+                break
+        time.sleep(1.0)
+        with open(f"/proc/{p.pid}/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return rss / 1024
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def one_size(args, pad: int, tmp: str) -> dict:
+    """Every measurement with pods of one size (`pad`), against a stand-in of their own."""
+    proc, conn, port = start_api(objects(args.pods, args.services, pad))
+    empty_proc, empty_conn, empty_port = start_api([])
+    try:
+        kc = _kubeconfig(tmp, f"full-{pad}", port)
+        res = {"pod_padding_bytes": pad, "load_before": os.getloadavg()[0]}
+        res["list"] = measure_list(kc, args.runs)
+        res["reference"] = measure_fetch_and_models(kc, max(1, args.runs // 2))
+        res["event"] = measure_events(kc, conn, args.events, args.pods)
+        res["memory"] = {"tsord_rss_mib": tsord_rss(kc, tmp, "full"),
+                         "tsord_rss_empty_mib": tsord_rss(_kubeconfig(tmp, "empty", empty_port), tmp, "empty"),
+                         "tsord_rss_no_source_mib": tsord_rss(None, tmp, "none")}
+    finally:
+        for c, p in ((conn, proc), (empty_conn, empty_proc)):
+            c.send(("stop",))
+            c.recv()
+            p.join(10)
+    ls, ref, ev, mem = res["list"], res["reference"], res["event"], res["memory"]
+    print(f"pods of ~{ref['pods_bytes'] // args.pods} bytes of JSON:")
+    print(f"  list {args.pods} pods + {args.services} services (+ slices, {NODES} nodes) into the table: "
+          f"median {ls['median_s']:.3f} s of {len(ls['seconds'])} (goal < 1 s); table {ls['table']}")
+    print(f"  pods' pages fetched only: {ref['pods_fetch_median_s']:.3f} s ({ref['pods_bytes'] / 2**20:.1f} MiB); "
+          f"the same pods as V1Pod models (the client's way): {ref['pods_as_models_median_s']:.3f} s "
+          f"= {ref['pods_as_models_median_s'] / ls['median_s']:.1f}x the whole list into the table")
+    print(f"  watch event applied: p50 {ev['applied_p50_ms']:.3f} ms, p99 {ev['applied_p99_ms']:.3f} ms "
+          f"(goal p99 < 1 ms); end to end over HTTP: p50 {ev['e2e_p50_ms']:.2f} ms, p99 {ev['e2e_p99_ms']:.2f} ms")
+    share = mem["tsord_rss_mib"] - mem["tsord_rss_empty_mib"]
+    print(f"  tsord RSS holding the table: {mem['tsord_rss_mib']:.1f} MiB (with an empty API server: "
+          f"{mem['tsord_rss_empty_mib']:.1f} MiB; the table's share {share:.1f} MiB); "
+          f"without a route source: {mem['tsord_rss_no_source_mib']:.1f} MiB")
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pods", type=int, default=10_000)
+    ap.add_argument("--services", type=int, default=1_000)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--events", type=int, default=2000)
+    ap.add_argument("--pad", default="0,4000", help="~bytes of env entries added to each pod; one run per size")
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                   "results", "routes_k8s.json"))
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="bench-routes-k8s-")
+    try:
+        sizes = [one_size(args, int(pad), tmp) for pad in args.pad.split(",")]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "command": " ".join(["bench/routes_k8s.py"] + sys.argv[1:]),
+           "pods": args.pods, "services": args.services, "endpoints_per_service": 10, "nodes": NODES,
+           "cpus": os.cpu_count(), "sizes": sizes}
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def _kubeconfig(tmp: str, name: str, port: int) -> str:
+    return k8s.write_kubeconfig(os.path.join(tmp, f"{name}.kubeconfig"), f"http://127.0.0.1:{port}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""A stand-in for the API server's list/watch HTTP interface; not a Kubernetes.
+
+No Kubernetes API server can be installed on these machines, so the route source
+(tsor/routes_k8s.py) is tested with the official client against this: a local HTTP/1.1 server that
+answers the list and watch requests of four collections (nodes, pods, services, endpointslices) in
+the API's wire format:
+
+  GET /api/v1/pods?limit=N&continue=T     a JSON list, metadata.resourceVersion (and continue)
+  GET ...?watch=true&resourceVersion=N&allowWatchBookmarks=true&timeoutSeconds=S
+                                          a chunked stream, one JSON event a line:
+                                          {"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR, "object": ...}
+
+Objects are whatever the test puts in: the builders below make them from the `kubernetes` client's
+own models (`ApiClient().sanitize_for_serialization`). One resourceVersion counter serves every
+collection, as etcd's revision does. A test drives the faults: `bookmark()`, `compact()` (watches from
+older versions get an ERROR event with a 410 Status, as after etcd's compaction), `expire_watches()`
+(the open watches get that ERROR now), `drop_watches()` (their connections are cut mid-stream),
+`stop()` / `start()` (the server gone, then back on the same port). Nothing else of the API
+(no writes, selectors, auth, admission) exists here.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+COLLECTIONS = {
+    "nodes": ("/api/v1/nodes", "NodeList", "v1"),
+    "pods": ("/api/v1/pods", "PodList", "v1"),
+    "services": ("/api/v1/services", "ServiceList", "v1"),
+    "endpointslices": ("/apis/discovery.k8s.io/v1/endpointslices", "EndpointSliceList", "discovery.k8s.io/v1"),
+}
+_BY_PATH = {path: kind for kind, (path, _, _) in COLLECTIONS.items()}
+
+
+def _key(obj: dict) -> tuple[str, str]:
+    m = obj["metadata"]
+    return (m.get("namespace") or "", m["name"])
+
+
+class FakeKubeAPI:
+    def __init__(self, listener: socket.socket | None = None) -> None:
+        """`listener`: a bound, listening TCP socket to serve on (one made in another network
+        namespace, say); default: a port of 127.0.0.1 here."""
+        self.listener = listener
+        self.cond = threading.Condition()
+        self.rv = 1
+        self.objects: dict[str, dict[tuple[str, str], dict]] = {k: {} for k in COLLECTIONS}
+        self._encoded: dict[str, list[bytes] | None] = dict.fromkeys(COLLECTIONS)   # each kind's items, sorted
+        self.log: list[tuple[int, str, str, dict]] = []   # (rv, kind, type, object)
+        self.compacted = 0          # watches from a version below this get 410
+        self.generation = {"bookmark": 0, "expire": 0, "drop": 0}
+        self.requests: list[tuple[str, dict[str, str]]] = []   # (kind, query) of every request
+        self._open: set[socket.socket] = set()
+        self._watching: dict[str, int] = dict.fromkeys(COLLECTIONS, 0)
+        self.port = 0
+        self.httpd: ThreadingHTTPServer | None = None
+        self.start()
+
+    # ---- life cycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Serve (again, on the same port after stop())."""
+        api = self
+
+        class Handler(_Handler):
+            fake = api
+        if self.listener is not None:
+            httpd = ThreadingHTTPServer(self.listener.getsockname()[:2], Handler, bind_and_activate=False)
+            httpd.socket.close()
+            httpd.socket = self.listener
+        else:
+            httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        httpd.daemon_threads = True
+        self.port = httpd.server_address[1]
+        self.httpd = httpd
+        threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    def stop(self) -> None:
+        """The API server gone: no listener, every open connection cut."""
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self.httpd = None
+        self.drop_watches()
+        with self.cond:
+            for s in list(self._open):
+                _cut(s)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kubeconfig(self, path: str) -> str:
+        return write_kubeconfig(path, self.url)
+
+    # ---- objects -------------------------------------------------------------------------------
+    def put(self, kind: str, obj: dict) -> int:
+        """Create or replace an object (ADDED or MODIFIED to watchers); its new resourceVersion."""
+        with self.cond:
+            self.rv += 1
+            obj = json.loads(json.dumps(obj))
+            obj["metadata"]["resourceVersion"] = str(self.rv)
+            key = _key(obj)
+            typ = "MODIFIED" if key in self.objects[kind] else "ADDED"
+            self.objects[kind][key] = obj
+            self._encoded[kind] = None
+            self.log.append((self.rv, kind, typ, obj))
+            self.cond.notify_all()
+            return self.rv
+
+    def delete(self, kind: str, namespace: str, name: str) -> int:
+        with self.cond:
+            obj = self.objects[kind].pop((namespace, name))
+            self._encoded[kind] = None
+            self.rv += 1
+            obj = dict(obj, metadata=dict(obj["metadata"], resourceVersion=str(self.rv)))
+            self.log.append((self.rv, kind, "DELETED", obj))
+            self.cond.notify_all()
+            return self.rv
+
+    def put_quietly(self, kind: str, obj: dict) -> None:
+        """Change an object without telling any watcher (what a watch misses while it is away)."""
+        with self.cond:
+            self.rv += 1
+            obj = json.loads(json.dumps(obj))
+            obj["metadata"]["resourceVersion"] = str(self.rv)
+            self.objects[kind][_key(obj)] = obj
+            self._encoded[kind] = None
+
+    def delete_quietly(self, kind: str, namespace: str, name: str) -> None:
+        with self.cond:
+            self.rv += 1
+            self.objects[kind].pop((namespace, name))
+            self._encoded[kind] = None
+
+    # ---- faults --------------------------------------------------------------------------------
+    def bookmark(self) -> int:
+        """A BOOKMARK at a new resourceVersion to every open watch; that version."""
+        with self.cond:
+            self.rv += 1
+            self.generation["bookmark"] += 1
+            self.cond.notify_all()
+            return self.rv
+
+    def compact(self) -> None:
+        """Forget the history: a watch from any version before now gets 410 Gone."""
+        with self.cond:
+            self.rv += 1
+            self.compacted = self.rv
+            self.log.clear()
+
+    def expire_watches(self) -> None:
+        """Every open watch gets an ERROR event with a 410 Status, then its stream ends."""
+        with self.cond:
+            self.compact()
+            self.generation["expire"] += 1
+            self.cond.notify_all()
+
+    def drop_watches(self) -> None:
+        """Cut every open watch's connection mid-stream (no end chunk)."""
+        with self.cond:
+            self.generation["drop"] += 1
+            self.cond.notify_all()
+
+    def watches(self, kind: str) -> list[dict[str, str]]:
+        """The queries of the watch requests made for `kind` so far."""
+        with self.cond:
+            return [q for k, q in self.requests if k == kind and q.get("watch") == "true"]
+
+    def watching(self, kind: str) -> int:
+        """How many watches of `kind` are open now (each sees the faults from here on)."""
+        with self.cond:
+            return self._watching[kind]
+
+    def lists(self, kind: str) -> int:
+        with self.cond:
+            return sum(1 for k, q in self.requests if k == kind and q.get("watch") != "true" and "continue" not in q)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    fake: FakeKubeAPI
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def setup(self) -> None:
+        super().setup()
+        # headers and body go out in separate writes: without this, Nagle and the client's delayed
+        # ACK hold every second response on a kept-alive connection for 40 ms (Go's server sets it too)
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self.fake.cond:
+            self.fake._open.add(self.connection)
+
+    def finish(self) -> None:
+        with self.fake.cond:
+            self.fake._open.discard(self.connection)
+        try:
+            super().finish()
+        except OSError:
+            pass
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        kind = _BY_PATH.get(url.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        if kind is None:
+            return self._json(404, _status(404, "NotFound", f"{url.path} is not served by this stand-in"))
+        with self.fake.cond:
+            self.fake.requests.append((kind, query))
+        try:
+            if query.get("watch") == "true":
+                return self._watch(kind, query)
+            self._list(kind, query)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True   # the client went away (or the test cut it): nothing to say
+
+    def _json(self, code: int, body: dict) -> None:
+        self._send(code, json.dumps(body).encode())
+
+    def _send(self, code: int, data: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _list(self, kind: str, query: dict[str, str]) -> None:
+        fake = self.fake
+        _, list_kind, version = COLLECTIONS[kind]
+        with fake.cond:
+            if "continue" in query:
+                rv, start = (int(x) for x in query["continue"].split(":"))
+            else:
+                rv, start = fake.rv, 0
+            if fake._encoded[kind] is None:   # kept until the kind changes: serving stays cheap
+                fake._encoded[kind] = [json.dumps(fake.objects[kind][k]).encode() for k in sorted(fake.objects[kind])]
+            items = fake._encoded[kind]
+        limit = int(query.get("limit") or 0) or len(items) + 1
+        meta = {"resourceVersion": str(rv)}
+        if start + limit < len(items):
+            meta["continue"] = f"{rv}:{start + limit}"
+        head = json.dumps({"kind": list_kind, "apiVersion": version, "metadata": meta}).encode()
+        self._send(200, head[:-1] + b', "items": [' + b", ".join(items[start:start + limit]) + b"]}")
+
+    def _watch(self, kind: str, query: dict[str, str]) -> None:
+        fake = self.fake
+        since = int(query.get("resourceVersion") or 0)
+        deadline = time.monotonic() + float(query.get("timeoutSeconds") or 1800)
+        bookmarks = query.get("allowWatchBookmarks") == "true"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        with fake.cond:
+            seen = dict(fake.generation)
+            if since < fake.compacted:
+                gone = f"too old resource version: {since} ({fake.compacted})"
+                self._chunk({"type": "ERROR", "object": _status(410, "Expired", gone)})
+                return self._end()
+            fake._watching[kind] += 1
+        try:
+            self._stream(kind, since, seen, deadline, bookmarks)
+        finally:
+            with fake.cond:
+                fake._watching[kind] -= 1
+
+    def _stream(self, kind: str, cursor: int, seen: dict, deadline: float, bookmarks: bool) -> None:
+        fake = self.fake
+        while True:
+            with fake.cond:
+                fake.cond.wait_for(lambda: fake.generation != seen or time.monotonic() >= deadline
+                                   or any(rv > cursor and k == kind for rv, k, _, _ in fake.log[-50:]), 0.2)
+                gen = dict(fake.generation)
+                events = [(rv, t, o) for rv, k, t, o in fake.log if rv > cursor and k == kind]
+                current = fake.rv
+            if gen["drop"] != seen["drop"]:
+                return _cut(self.connection)
+            for rv, typ, obj in events:
+                self._chunk({"type": typ, "object": obj})
+                cursor = rv
+            if gen["expire"] != seen["expire"]:
+                self._chunk({"type": "ERROR", "object": _status(410, "Expired", "the watch expired")})
+                return self._end()
+            if gen["bookmark"] != seen["bookmark"] and bookmarks:
+                self._chunk({"type": "BOOKMARK", "object": {
+                    "kind": COLLECTIONS[kind][1][:-4], "apiVersion": COLLECTIONS[kind][2],
+                    "metadata": {"resourceVersion": str(current)}}})
+                cursor = max(cursor, current)
+            seen = gen
+            if time.monotonic() >= deadline:
+                return self._end()
+
+    def _chunk(self, event: dict) -> None:
+        data = json.dumps(event).encode() + b"\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _end(self) -> None:
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+
+def write_kubeconfig(path: str, server: str) -> str:
+    """A kubeconfig for the official client: `server`, no credentials (this stand-in asks for none)."""
+    with open(path, "w") as f:
+        json.dump({"apiVersion": "v1", "kind": "Config", "current-context": "fake",
+                   "clusters": [{"name": "fake", "cluster": {"server": server}}],
+                   "users": [{"name": "fake", "user": {}}],
+                   "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}]}, f)
+    return path
+
+
+def _cut(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _status(code: int, reason: str, message: str) -> dict:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code}
+
+
+# ---- objects from the client's own models -------------------------------------------------------
+
+def _plain(model) -> dict:
+    from kubernetes.client import ApiClient
+    return ApiClient().sanitize_for_serialization(model)
+
+
+def node(name: str, internal_ip: str, pod_cidrs: list[str]) -> dict:
+    from kubernetes.client import V1Node, V1NodeAddress, V1NodeSpec, V1NodeStatus, V1ObjectMeta
+    return _plain(V1Node(api_version="v1", kind="Node", metadata=V1ObjectMeta(name=name),
+                         spec=V1NodeSpec(pod_cidr=pod_cidrs[0] if pod_cidrs else None, pod_cidrs=pod_cidrs),
+                         status=V1NodeStatus(addresses=[V1NodeAddress(type="InternalIP", address=internal_ip),
+                                                        V1NodeAddress(type="Hostname", address=name)])))
+
+
+def pod(name: str, ips: list[str], node_name: str | None, *, namespace: str = "default",
+        runtime_class: str | None = "quark", phase: str = "Running", labels: dict | None = None,
+        host_network: bool = False) -> dict:
+    from kubernetes.client import V1Container, V1ObjectMeta, V1Pod, V1PodIP, V1PodSpec, V1PodStatus
+    return _plain(V1Pod(
+        api_version="v1", kind="Pod",
+        metadata=V1ObjectMeta(name=name, namespace=namespace, labels=labels or {"app": name}, uid=f"uid-{name}"),
+        spec=V1PodSpec(containers=[V1Container(name="c", image="busybox")], node_name=node_name,
+                       runtime_class_name=runtime_class, host_network=host_network or None),
+        status=V1PodStatus(phase=phase, pod_ip=ips[0] if ips else None, pod_ips=[V1PodIP(ip=i) for i in ips])))
+
+
+def service(name: str, cluster_ip: str, ports: list[tuple[str | None, int, int]], *, namespace: str = "default",
+            affinity: str | None = None, internal_policy: str | None = None) -> dict:
+    """ports: (name, port, targetPort)."""
+    from kubernetes.client import V1ObjectMeta, V1Service, V1ServicePort, V1ServiceSpec
+    return _plain(V1Service(
+        api_version="v1", kind="Service", metadata=V1ObjectMeta(name=name, namespace=namespace),
+        spec=V1ServiceSpec(cluster_ip=cluster_ip, cluster_ips=[cluster_ip], type="ClusterIP",
+                           session_affinity=affinity, internal_traffic_policy=internal_policy,
+                           ports=[V1ServicePort(name=n, port=p, target_port=t, protocol="TCP") for n, p, t in ports],
+                           selector={"app": name})))
+
+
+def endpoint_slice(name: str, service_name: str, endpoints: list[tuple[str, bool | None, str | None]],
+                   ports: list[tuple[str | None, int]], *, namespace: str = "default",
+                   address_type: str = "IPv4") -> dict:
+    """endpoints: (address, ready, nodeName); ports: (name, port)."""
+    from kubernetes.client import (DiscoveryV1EndpointPort, V1Endpoint, V1EndpointConditions, V1EndpointSlice,
+                                   V1ObjectMeta)
+    return _plain(V1EndpointSlice(
+        api_version="discovery.k8s.io/v1", kind="EndpointSlice", address_type=address_type,
+        metadata=V1ObjectMeta(name=name, namespace=namespace,
+                              labels={"kubernetes.io/service-name": service_name}),
+        endpoints=[V1Endpoint(addresses=[a], conditions=V1EndpointConditions(ready=r), node_name=n)
+                   for a, r, n in endpoints],
+        ports=[DiscoveryV1EndpointPort(name=n, port=p, protocol="TCP") for n, p in ports]))

@@ -1,0 +1,381 @@
+"""Routes from the Kubernetes API server: a `RouteSource` (routes.py) that lists and watches Nodes,
+Pods, Services and EndpointSlices with the official `kubernetes` client and keeps tsord's RouteTable
+current.
+
+What goes into the table:
+  nodes     name, InternalIP + the tsords' port (`Config.tsord_port`) as the node's tsord, podCIDRs
+            (kept for information: a node's CIDR is not routed, its runc pods stay native)
+  pods      quark pods only: spec.runtimeClassName == the configured runtime class, phase Running,
+            scheduled on a node, not on the host network; by each of status.podIPs, with their
+            namespace and labels (what NetworkPolicy needs)
+  services  each TCP port of each ClusterIP (not headless, not ExternalName)
+  slices    EndpointSlices by their kubernetes.io/service-name label: ports and endpoints
+            (first address, ready, nodeName), what tsord picks a Service's endpoint from
+
+One thread per kind, each the informer's loop: list (in pages), then watch from the list's
+resourceVersion with bookmarks. A watch that ends at its timeout resumes from the last
+resourceVersion seen (an event's or a BOOKMARK's); one that drops, or an API server that cannot be
+reached, is retried with exponential backoff, resuming from that resourceVersion; 410 Gone (as the
+watch's HTTP status or as an ERROR event) means that version is compacted away: relist, and the
+relist replaces that kind in the table whole, so objects deleted meanwhile go too. While the API
+server is away the table stays as it was: pods it knew keep their paths, pods it never saw are
+unknown to tsord and connect natively.
+
+Objects are read as JSON, not deserialised into the client's models: a model per object would cost
+~1 ms each, too slow for 10,000 pods (bench/routes_k8s.py).
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tsor.config import HostPort, Kubernetes
+from tsor.errors import ConfigError
+from tsor.routes import EndpointSlice, Network, Node, Pod, RouteTable, ServicePort
+
+log = logging.getLogger("tsor.routes_k8s")
+
+PAGE = 500                  # objects per list request (the API server's chunking)
+WATCH_SECONDS = 240         # the server ends each watch after this long; it is then resumed
+READ_TIMEOUT = 60           # no byte (not even a bookmark) for this long: the connection is dead
+CONNECT_TIMEOUT = 5
+BACKOFF = (0.5, 30.0)       # first and longest wait before retrying an API server that failed
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+
+Key = tuple[str, str]       # (namespace, name); namespace "" for nodes
+
+
+class Gone(Exception):
+    """410: the resourceVersion is too old; relist."""
+
+
+class Kind:
+    """One watched kind: how to list it, and how its objects become table entries."""
+
+    def __init__(self, name: str, list_fn: Callable[..., Any], convert: Callable[[dict], Any],
+                 sync: Callable[[dict[Key, Any]], None], apply: Callable[[Key, Any], None]) -> None:
+        self.name, self.list_fn, self.convert, self.sync, self.apply = name, list_fn, convert, sync, apply
+        self.resource_version: str | None = None
+        self.synced = threading.Event()   # listed at least once
+        self.relists = 0
+        self.events = 0
+        self.errors = 0
+
+    def entry(self, obj: dict) -> Any:
+        """The table entry of an object; None (not routed) for one the conversion cannot read, so
+        that one odd object never stops a list or, replayed after every retry, a watch."""
+        try:
+            return self.convert(obj)
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            log.warning("routes from Kubernetes: %s %s/%s not understood, not routed: %s", self.name,
+                        *_key(obj), e)
+            return None
+
+
+def _ip(value: object) -> str | None:
+    """An address in its canonical text (the table's keys), None if it is not one. inet_pton: a
+    tenth of ipaddress's cost, which counts at 10,000 pods."""
+    if not isinstance(value, str):
+        return None
+    for fam in (socket.AF_INET, socket.AF_INET6) if ":" not in value else (socket.AF_INET6,):
+        try:
+            return socket.inet_ntop(fam, socket.inet_pton(fam, value))
+        except OSError:
+            continue
+    return None
+
+
+def _key(obj: dict) -> Key:
+    meta = obj.get("metadata") or {}
+    return (meta.get("namespace") or "", meta.get("name") or "")
+
+
+# ---- API objects -> table entries (None: not something the table holds) --------------------------
+
+def node_entry(obj: dict, port: int) -> Node | None:
+    meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
+    ips = [_ip(a.get("address")) for a in status.get("addresses") or () if a.get("type") == "InternalIP"]
+    address = next((HostPort(ip, port) for ip in ips if ip), None)
+    cidrs = spec.get("podCIDRs") or ([spec["podCIDR"]] if spec.get("podCIDR") else [])
+    nets: list[Network] = []
+    for c in cidrs:
+        try:
+            nets.append(ipaddress.ip_network(c, strict=False))
+        except (ValueError, TypeError):
+            pass
+    return Node(meta.get("name", ""), address, (), tuple(nets))
+
+
+def pod_entry(obj: dict, runtime_class: str) -> Pod | None:
+    meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
+    if (spec.get("runtimeClassName") != runtime_class or status.get("phase") != "Running"
+            or not spec.get("nodeName") or spec.get("hostNetwork")):
+        return None
+    ips = [p.get("ip") for p in status.get("podIPs") or ()] or [status.get("podIP")]
+    valid = [ip for ip in map(_ip, ips) if ip]
+    if not valid:
+        return None
+    return Pod(meta.get("namespace", ""), meta.get("name", ""), spec["nodeName"], tuple(valid),
+               dict(meta.get("labels") or {}))
+
+
+def service_entry(obj: dict) -> dict[tuple[str, int], ServicePort] | None:
+    meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+    if spec.get("type") == "ExternalName":
+        return None
+    ips = spec.get("clusterIPs") or ([spec["clusterIP"]] if spec.get("clusterIP") else [])
+    out = {}
+    for ip in map(_ip, ips):
+        if ip is None:   # "None" (headless) is not an address
+            continue
+        for p in spec.get("ports") or ():
+            if (p.get("protocol") or "TCP") != "TCP" or not isinstance(p.get("port"), int):
+                continue
+            out[(ip, p["port"])] = ServicePort(meta.get("namespace", ""), meta.get("name", ""), p.get("name") or "",
+                                               spec.get("sessionAffinity") == "ClientIP",
+                                               spec.get("internalTrafficPolicy") == "Local")
+    return out or None
+
+
+def slice_entry(obj: dict) -> EndpointSlice | None:
+    meta = obj.get("metadata") or {}
+    service = (meta.get("labels") or {}).get(SERVICE_NAME_LABEL)
+    family = {"IPv4": socket.AF_INET, "IPv6": socket.AF_INET6}.get(obj.get("addressType"))
+    if not service or family is None:
+        return None
+    ports = tuple((p.get("name") or "", p["port"], p.get("protocol") or "TCP")
+                  for p in obj.get("ports") or () if isinstance(p.get("port"), int))
+    endpoints = []
+    for e in obj.get("endpoints") or ():
+        address = _ip((e.get("addresses") or [None])[0])   # kube-proxy, too, takes only the first
+        if address is None:
+            continue
+        # the API: a readiness not reported (null) is to be taken as ready
+        ready = (e.get("conditions") or {}).get("ready") is not False
+        endpoints.append((address, ready, e.get("nodeName")))
+    return EndpointSlice(meta.get("namespace", ""), service, family, ports, tuple(endpoints))
+
+
+# ---- the source ---------------------------------------------------------------------------------
+
+def api_client(settings: Kubernetes) -> Any:
+    """An ApiClient from the kubeconfig named in tsor.yaml, or the in-cluster service account."""
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+    conf = client.Configuration()
+    try:
+        if settings.kubeconfig:
+            config.load_kube_config(config_file=settings.kubeconfig, context=settings.context,
+                                    client_configuration=conf, persist_config=False)
+        else:
+            config.load_incluster_config(client_configuration=conf)
+    except (ConfigException, OSError, ValueError, TypeError) as e:
+        field = "kubernetes.kubeconfig" if settings.kubeconfig else "kubernetes"
+        where = settings.kubeconfig or "in-cluster configuration"
+        raise ConfigError(where, field, f"cannot load the Kubernetes client configuration: {e}") from None
+    return client.ApiClient(conf)
+
+
+class KubernetesSource:
+    """Keeps a RouteTable current from the API server (see the module's docstring)."""
+
+    def __init__(self, settings: Kubernetes, tsord_port: int, client: Any = None, *,
+                 backoff: tuple[float, float] = BACKOFF, watch_seconds: int = WATCH_SECONDS,
+                 read_timeout: float = READ_TIMEOUT, first_sync: float = 5.0) -> None:
+        self.settings, self.tsord_port = settings, tsord_port
+        self._client = client
+        self.backoff, self.watch_seconds, self.read_timeout = backoff, watch_seconds, read_timeout
+        self.first_sync = first_sync
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._responses: set[Any] = set()
+        self._lock = threading.Lock()
+        self.kinds: list[Kind] = []
+
+    def start(self, table: RouteTable) -> None:
+        try:
+            from kubernetes import client
+        except ImportError:
+            raise ConfigError("tsor.yaml", "kubernetes", "routes from Kubernetes need the `kubernetes` Python "
+                                                         "client: pip install 'quark-runtime[k8s]'") from None
+        self.table = table
+        if self._client is None:
+            self._client = api_client(self.settings)
+        core, discovery = client.CoreV1Api(self._client), client.DiscoveryV1Api(self._client)
+        port, rc = self.tsord_port, self.settings.runtime_class
+        self.kinds = [
+            Kind("nodes", core.list_node, lambda o: node_entry(o, port),
+                 lambda m: table.sync(nodes=[n for n in m.values() if n is not None]),
+                 lambda k, n: table.set_node(k[1], n)),
+            Kind("pods", core.list_pod_for_all_namespaces, lambda o: pod_entry(o, rc),
+                 lambda m: table.sync(pods=[p for p in m.values() if p is not None]), table.set_pod),
+            Kind("services", core.list_service_for_all_namespaces, service_entry,
+                 lambda m: table.sync(services={k: v for k, v in m.items() if v is not None}), table.set_service),
+            Kind("endpointslices", discovery.list_endpoint_slice_for_all_namespaces, slice_entry,
+                 lambda m: table.sync(slices={k: v for k, v in m.items() if v is not None}),
+                 lambda k, s: table.set_slice(k[0], k[1], s)),
+        ]
+        for kind in self.kinds:
+            t = threading.Thread(target=self._run, args=(kind,), name=f"k8s-{kind.name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        # tsord serves at once either way; waiting a little lets its first connections see the routes
+        deadline = time.monotonic() + self.first_sync
+        for kind in self.kinds:
+            if not kind.synced.wait(max(0.0, deadline - time.monotonic())):
+                log.warning("routes from Kubernetes: %s not listed yet; their connections go native meanwhile",
+                            kind.name)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            responses = list(self._responses)
+        for resp in responses:   # unblocks the watch threads' reads
+            _shutdown(resp)
+
+    def status(self) -> dict[str, dict]:
+        return {k.name: {"synced": k.synced.is_set(), "resource_version": k.resource_version,
+                         "relists": k.relists, "events": k.events, "errors": k.errors} for k in self.kinds}
+
+    # ---- one kind: list, watch, and again ------------------------------------------------------
+    def _run(self, kind: Kind) -> None:
+        delay = self.backoff[0]
+        while not self._stop.is_set():
+            events = kind.events
+            try:
+                if kind.resource_version is None:
+                    self._list(kind)
+                if self._watch(kind):
+                    delay = self.backoff[0]
+                    continue   # ended at its timeout, or delivered events before it dropped: resume now
+                reason = "the watch ended early"
+            except Gone:
+                if kind.resource_version is not None:
+                    log.info("routes from Kubernetes: %s: resourceVersion %s is gone, relisting",
+                             kind.name, kind.resource_version)
+                    kind.resource_version = None
+                    continue
+                reason = "410 Gone while listing"   # again and again: not at full speed
+            except Exception as e:   # the API server down or dropping: keep the routes, try again
+                reason = _describe(e)
+                if kind.events > events:   # a watch that worked for a while: a fresh failure
+                    delay = self.backoff[0]
+            if self._stop.is_set():
+                return
+            kind.errors += 1
+            log.warning("routes from Kubernetes: %s: %s; retrying in %.1f s (routes kept as they are)",
+                        kind.name, reason, delay)
+            # jitter: a restarted API server is not met by every node's tsord in the same instant
+            self._stop.wait(delay * random.uniform(0.8, 1.2))
+            delay = min(delay * 2, self.backoff[1])
+
+    def _list(self, kind: Kind) -> None:
+        from kubernetes.client.rest import ApiException
+        try:
+            self._list_pages(kind)
+        except ApiException as e:
+            if e.status == 410:   # a continue token expired between pages: list again from the start
+                raise Gone() from None
+            raise
+
+    def _list_pages(self, kind: Kind) -> None:
+        entries: dict[Key, Any] = {}
+        cont, rv = None, None
+        while True:
+            kw = {"limit": PAGE, "_preload_content": False,
+                  "_request_timeout": (CONNECT_TIMEOUT, self.read_timeout)}
+            if cont:
+                kw["_continue"] = cont
+            resp = kind.list_fn(**kw)
+            try:
+                page = json.loads(resp.data)
+            finally:
+                resp.release_conn()
+            for obj in page.get("items") or ():
+                entries[_key(obj)] = kind.entry(obj)
+            meta = page.get("metadata") or {}
+            rv = meta.get("resourceVersion") or rv
+            cont = meta.get("continue")
+            if not cont:
+                break
+        kind.sync(entries)
+        kind.resource_version = rv
+        kind.relists += 1
+        kind.synced.set()
+        log.info("routes from Kubernetes: %s listed at resourceVersion %s: %d objects",
+                 kind.name, rv, len(entries))
+
+    def _watch(self, kind: Kind) -> bool:
+        """Apply one watch's events. True: it ended at its timeout or delivered something (resume at
+        once); False: it ended early without an event (a drop: back off). Raises Gone on 410."""
+        from kubernetes.client.rest import ApiException
+        from kubernetes.watch.watch import iter_resp_lines
+        t0 = time.monotonic()
+        try:
+            resp = kind.list_fn(watch=True, resource_version=kind.resource_version, allow_watch_bookmarks=True,
+                                timeout_seconds=self.watch_seconds, _preload_content=False,
+                                _request_timeout=(CONNECT_TIMEOUT, self.read_timeout))
+        except ApiException as e:
+            if e.status == 410:
+                raise Gone() from None
+            raise
+        with self._lock:
+            self._responses.add(resp)
+        seen = False
+        try:
+            for line in iter_resp_lines(resp):
+                if self._stop.is_set():
+                    return True
+                if not line:
+                    continue
+                self._event(kind, json.loads(line))
+                seen = True
+        finally:
+            with self._lock:
+                self._responses.discard(resp)
+            resp.release_conn()
+        return seen or time.monotonic() - t0 >= self.watch_seconds * 0.9
+
+    def _event(self, kind: Kind, ev: dict) -> None:
+        typ, obj = ev.get("type"), ev.get("object")
+        if not isinstance(obj, dict) or not isinstance(obj.get("metadata") or {}, dict):
+            log.warning("routes from Kubernetes: %s: a %s event without an object, ignored", kind.name, typ)
+            return
+        rv = (obj.get("metadata") or {}).get("resourceVersion")
+        if typ == "ERROR":
+            if obj.get("code") == 410:
+                raise Gone()
+            raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message')}")
+        if typ in ("ADDED", "MODIFIED"):
+            kind.apply(_key(obj), kind.entry(obj))
+        elif typ == "DELETED":
+            kind.apply(_key(obj), None)
+        elif typ != "BOOKMARK":
+            raise RuntimeError(f"unknown watch event type {typ!r}")
+        kind.events += 1
+        if rv:
+            kind.resource_version = rv
+
+
+def _shutdown(resp: Any) -> None:
+    try:
+        if hasattr(resp, "shutdown"):
+            resp.shutdown()
+        else:
+            resp.close()
+    except Exception:
+        pass
+
+
+def _describe(e: Exception) -> str:
+    from kubernetes.client.rest import ApiException
+    if isinstance(e, ApiException):
+        return f"API server answered {e.status} {e.reason}"
+    return f"{type(e).__name__}: {e}"
