@@ -32,6 +32,7 @@ from tsor.errors import ConfigError, NotAllowed, ProtocolError
 from tsor.gate import Gate, Pending
 from tsor.identity import Identity, ProcVerifier, Verifier
 from tsor.metrics import Metrics, MetricsServer
+from tsor.netpol import ALLOW, UNKNOWN, PodRef
 from tsor.pods import Pod, PodRegistry, check_claim
 from tsor.transport.local import LocalTransport
 from tsor.transport.rdma_link import RdmaTransport
@@ -373,6 +374,8 @@ class Daemon:
             # a Service ClusterIP:port goes to one of its endpoints (the reply names none of this:
             # the application's peer stays the address it dialled, as with kube-proxy's DNAT)
             dst = self._endpoint(dst, fam)
+        if own and dst is not None and not self._policy_allows(sess, own[0], dst):
+            dst = None   # NetworkPolicy denies it, or tsord cannot tell: the node's enforcement decides
         if own and dst is not None:
             src = (own[0], msg.src_port)
             try:
@@ -403,6 +406,25 @@ class Daemon:
                     sess.send(protocol.reply(mid, path=path, src=src), [sock.fileno()])
         except OSError:
             pass
+
+    def _policy_allows(self, sess: Session, src_ip: str, dst: Endpoint) -> bool:
+        """With routes from Kubernetes, whether the NetworkPolicies allow this connection (TSoR
+        would carry it past the node's enforcement; tsor/netpol.py). Both ends must be quark pods
+        the route source knows; anything else, or a policy tsord cannot evaluate, is native."""
+        policy = self.routes.policy
+        if policy is None:
+            return True   # routes from a file: no Kubernetes, no NetworkPolicy
+        src_pod, dst_pod = self.routes.pods.get(unmapped(src_ip)), self.routes.pods.get(unmapped(dst[0]))
+        if src_pod is None or dst_pod is None:
+            verdict, why = UNKNOWN, f"{src_ip if src_pod is None else dst[0]} is no quark pod the API server lists"
+        else:
+            verdict, why = policy.decide(PodRef(src_pod.namespace, src_pod.name, src_pod.labels, src_ip),
+                                         PodRef(dst_pod.namespace, dst_pod.name, dst_pod.labels, dst[0],
+                                                dict(dst_pod.ports)), dst[1])
+        if verdict != ALLOW:
+            self.metrics.policy_native(verdict)
+            log.debug("connect %s -> %s:%d native: %s (%s)", sess.name, dst[0], dst[1], verdict, why)
+        return verdict == ALLOW
 
     def _endpoint(self, dst: Endpoint, family: int) -> Endpoint | None:
         """Where a connect to `dst` goes: `dst` itself, or for a Service ClusterIP:port one of its ready

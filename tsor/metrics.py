@@ -52,6 +52,7 @@ class Metrics:
         self.setup_seconds = dict.fromkeys(PATHS, 0.0)
         self.protocol_errors = 0
         self.refused_claims = 0
+        self._policy_native = {"deny": 0, "unknown": 0}   # connections NetworkPolicy kept native
         self.gauges: Callable[[], dict[str, int]] = dict
         self.byte_counts: Callable[[], dict[tuple[str, str], int]] = dict
         self.rdma_links: Callable[[], dict[str, dict]] = dict   # RdmaTransport.status()
@@ -66,6 +67,10 @@ class Metrics:
     def delivered(self, path: str) -> None:
         with self._lock:
             self.incoming[path] += 1
+
+    def policy_native(self, verdict: str) -> None:
+        with self._lock:
+            self._policy_native[verdict] += 1
 
     def error(self, kind: str) -> None:
         with self._lock:
@@ -85,12 +90,18 @@ class Metrics:
                         ("tsor_setup_seconds_total", "Time spent setting connections up, by path.",
                          dict(self.setup_seconds))]
             errors, refused = self.protocol_errors, self.refused_claims
+            policy = dict(self._policy_native)
         for name, doc, values in per_path:
             fam = CounterMetricFamily(name, doc, labels=["path"])
             for p, n in values.items():
                 fam.add_metric([p], n)
             yield fam
         yield CounterMetricFamily("tsor_protocol_errors_total", "Malformed messages from sandboxes.", value=errors)
+        fam = CounterMetricFamily("tsor_policy_native_total", "Connections left native because NetworkPolicy "
+                                  "denies them (deny) or tsord cannot evaluate it (unknown).", labels=["verdict"])
+        for v, n in policy.items():
+            fam.add_metric([v], n)
+        yield fam
         yield CounterMetricFamily("tsor_refused_total",
                                   "Requests refused: claims of addresses a sandbox does not own.", value=refused)
         fam = CounterMetricFamily("tsor_bytes_total", "Bytes this node's pods sent/received, by path (tcp and "

@@ -83,7 +83,12 @@ class PolicySet:
         self._lock = threading.Lock()
         self.policies: dict[tuple[str, str], dict] = {}    # (namespace, name) -> the object (API JSON)
         self.namespaces: dict[str, dict[str, str]] = {}    # name -> labels
-        self.synced = False   # both lists done at least once: until then every answer is UNKNOWN
+        self._listed: set[str] = set()   # "policies", "namespaces": listed at least once
+
+    @property
+    def synced(self) -> bool:
+        """Both lists done at least once: until then every answer is UNKNOWN."""
+        return self._listed >= {"policies", "namespaces"}
 
     # ---- updates (from list and watch events) ------------------------------------------------------
     def put_policy(self, obj: dict) -> None:
@@ -105,15 +110,30 @@ class PolicySet:
         with self._lock:
             self.namespaces.pop(name, None)
 
-    def replace(self, policies: list[dict], namespaces: list[dict]) -> None:
-        """A fresh list of both (a relist): the set is synced from here on."""
+    def sync_policies(self, objs: list[dict]) -> None:
+        """A fresh list of the policies (a relist)."""
+        fresh = {}
+        for obj in objs:
+            meta = obj.get("metadata") or {}
+            fresh[(meta.get("namespace", "default"), meta.get("name", ""))] = obj
         with self._lock:
-            self.policies, self.namespaces = {}, {}
-        for ns in namespaces:
-            self.put_namespace(ns)
-        for p in policies:
-            self.put_policy(p)
-        self.synced = True
+            self.policies = fresh
+            self._listed.add("policies")
+
+    def sync_namespaces(self, objs: list[dict]) -> None:
+        """A fresh list of the namespaces (a relist)."""
+        fresh = {}
+        for obj in objs:
+            meta = obj.get("metadata") or {}
+            fresh[meta.get("name", "")] = {NAME_LABEL: meta.get("name", ""), **(meta.get("labels") or {})}
+        with self._lock:
+            self.namespaces = fresh
+            self._listed.add("namespaces")
+
+    def replace(self, policies: list[dict], namespaces: list[dict]) -> None:
+        """Both lists at once."""
+        self.sync_namespaces(namespaces)
+        self.sync_policies(policies)
 
     # ---- the question ----------------------------------------------------------------------------
     def decide(self, src: PodRef, dst: PodRef, port: int) -> tuple[str, str]:

@@ -47,6 +47,7 @@ class Pod:
     node: str
     ips: tuple[str, ...]
     labels: Mapping[str, str] = field(default_factory=dict)
+    ports: Mapping[str, int] = field(default_factory=dict)   # its containers' named TCP ports (policies name them)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class RouteTable:
         self._service_keys: dict[tuple[str, str], tuple[tuple[str, int], ...]] = {}
         self._slices: dict[tuple[str, str], dict[str, EndpointSlice]] = {}   # (ns, service) -> by slice name
         self._slice_owner: dict[tuple[str, str], tuple[str, str]] = {}     # (ns, slice) -> (ns, service)
+        # NetworkPolicies (tsor/netpol.py), kept by the Kubernetes source: None where routes come from a
+        # file, whose nodes are no Kubernetes cluster
+        self.policy = None
         self.replace(nodes)
 
     # ---- the static file: CIDRs of nodes ---------------------------------------------------------

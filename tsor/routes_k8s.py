@@ -38,6 +38,7 @@ from typing import Any
 
 from tsor.config import HostPort, Kubernetes
 from tsor.errors import ConfigError
+from tsor.netpol import PolicySet
 from tsor.routes import EndpointSlice, Network, Node, Pod, RouteTable, ServicePort
 
 log = logging.getLogger("tsor.routes_k8s")
@@ -50,6 +51,11 @@ BACKOFF = (0.5, 30.0)       # first and longest wait before retrying an API serv
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 Key = tuple[str, str]       # (namespace, name); namespace "" for nodes
+
+
+# every (API group, resource) the source lists and watches: deploy/rbac.yaml must grant them
+WATCHED = (("", "nodes"), ("", "pods"), ("", "services"), ("discovery.k8s.io", "endpointslices"),
+           ("networking.k8s.io", "networkpolicies"), ("", "namespaces"))
 
 
 class Gone(Exception):
@@ -122,8 +128,10 @@ def pod_entry(obj: dict, runtime_class: str) -> Pod | None:
     valid = [ip for ip in map(_ip, ips) if ip]
     if not valid:
         return None
+    ports = {p["name"]: p["containerPort"] for c in spec.get("containers") or () for p in c.get("ports") or ()
+             if p.get("name") and isinstance(p.get("containerPort"), int) and (p.get("protocol") or "TCP") == "TCP"}
     return Pod(meta.get("namespace", ""), meta.get("name", ""), spec["nodeName"], tuple(valid),
-               dict(meta.get("labels") or {}))
+               dict(meta.get("labels") or {}), ports)
 
 
 def service_entry(obj: dict) -> dict[tuple[str, int], ServicePort] | None:
@@ -209,7 +217,9 @@ class KubernetesSource:
         if self._client is None:
             self._client = api_client(self.settings)
         core, discovery = client.CoreV1Api(self._client), client.DiscoveryV1Api(self._client)
+        networking = client.NetworkingV1Api(self._client)
         port, rc = self.tsord_port, self.settings.runtime_class
+        policy = table.policy = PolicySet()
         self.kinds = [
             Kind("nodes", core.list_node, lambda o: node_entry(o, port),
                  lambda m: table.sync(nodes=[n for n in m.values() if n is not None]),
@@ -221,6 +231,13 @@ class KubernetesSource:
             Kind("endpointslices", discovery.list_endpoint_slice_for_all_namespaces, slice_entry,
                  lambda m: table.sync(slices={k: v for k, v in m.items() if v is not None}),
                  lambda k, s: table.set_slice(k[0], k[1], s)),
+            # NetworkPolicy: tsord accelerates only what the policies allow (tsor/netpol.py)
+            Kind("networkpolicies", networking.list_network_policy_for_all_namespaces, lambda o: o,
+                 lambda m: policy.sync_policies([o for o in m.values() if o is not None]),
+                 lambda k, o: policy.put_policy(o) if o is not None else policy.delete_policy(*k)),
+            Kind("namespaces", core.list_namespace, lambda o: o,
+                 lambda m: policy.sync_namespaces([o for o in m.values() if o is not None]),
+                 lambda k, o: policy.put_namespace(o) if o is not None else policy.delete_namespace(k[1])),
         ]
         for kind in self.kinds:
             t = threading.Thread(target=self._run, args=(kind,), name=f"k8s-{kind.name}", daemon=True)

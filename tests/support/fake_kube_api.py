@@ -2,8 +2,8 @@
 
 No Kubernetes API server can be installed on these machines, so the route source
 (tsor/routes_k8s.py) is tested with the official client against this: a local HTTP/1.1 server that
-answers the list and watch requests of four collections (nodes, pods, services, endpointslices) in
-the API's wire format:
+answers the list and watch requests of six collections (nodes, pods, services, endpointslices,
+networkpolicies, namespaces) in the API's wire format:
 
   GET /api/v1/pods?limit=N&continue=T     a JSON list, metadata.resourceVersion (and continue)
   GET ...?watch=true&resourceVersion=N&allowWatchBookmarks=true&timeoutSeconds=S
@@ -32,6 +32,8 @@ COLLECTIONS = {
     "pods": ("/api/v1/pods", "PodList", "v1"),
     "services": ("/api/v1/services", "ServiceList", "v1"),
     "endpointslices": ("/apis/discovery.k8s.io/v1/endpointslices", "EndpointSliceList", "discovery.k8s.io/v1"),
+    "networkpolicies": ("/apis/networking.k8s.io/v1/networkpolicies", "NetworkPolicyList", "networking.k8s.io/v1"),
+    "namespaces": ("/api/v1/namespaces", "NamespaceList", "v1"),
 }
 _BY_PATH = {path: kind for kind, (path, _, _) in COLLECTIONS.items()}
 
@@ -378,3 +380,15 @@ def endpoint_slice(name: str, service_name: str, endpoints: list[tuple[str, bool
         endpoints=[V1Endpoint(addresses=[a], conditions=V1EndpointConditions(ready=r), node_name=n)
                    for a, r, n in endpoints],
         ports=[DiscoveryV1EndpointPort(name=n, port=p, protocol="TCP") for n, p in ports]))
+
+
+def network_policy(name: str, spec, *, namespace: str = "default") -> dict:
+    """spec: a V1NetworkPolicySpec (the client's model)."""
+    from kubernetes.client import V1NetworkPolicy, V1ObjectMeta
+    return _plain(V1NetworkPolicy(api_version="networking.k8s.io/v1", kind="NetworkPolicy",
+                                  metadata=V1ObjectMeta(name=name, namespace=namespace), spec=spec))
+
+
+def namespace(name: str, labels: dict | None = None) -> dict:
+    from kubernetes.client import V1Namespace, V1ObjectMeta
+    return _plain(V1Namespace(api_version="v1", kind="Namespace", metadata=V1ObjectMeta(name=name, labels=labels)))

@@ -70,9 +70,8 @@ def test_rbac_covers_what_tsord_watches_and_the_node_label():
     objs = manifests()
     allowed = {(g, r, v) for rule in objs["ClusterRole/quark-node"].rules
                for g in rule.api_groups for r in rule.resources for v in rule.verbs}
-    watched = {("", "nodes"), ("", "pods"), ("", "services"), ("discovery.k8s.io", "endpointslices"),
-               ("networking.k8s.io", "networkpolicies")}
-    for group, resource in watched:
+    from tsor.routes_k8s import WATCHED
+    for group, resource in WATCHED:
         for verb in ("get", "list", "watch"):
             assert (group, resource, verb) in allowed, (group, resource, verb)
     assert ("", "nodes", "patch") in allowed          # install.py labels its node

@@ -363,3 +363,48 @@ def test_a_service_endpoint_on_another_quark_node_takes_the_tcp_path(api, tsord)
     eventually(lambda: a.routes.lookup("10.2.0.7") is None)
     assert connects(cli, ("10.2.0.7", 8080)) == ["fallback"]
     assert Counter(a.metrics.connections)["tcp"] == 1
+
+
+# ---- NetworkPolicy: tsord carries only what the policies allow ------------------------------------
+
+def test_network_policy_allow_deny_and_cannot_decide(api, tsord):
+    """TSoR bypasses the node's policy enforcement, so tsord asks the policies first (tsor/netpol.py):
+    allowed -> TSoR's path; denied or undecidable -> native, where the node enforces them."""
+    from kubernetes.client import (V1IPBlock, V1LabelSelector, V1NetworkPolicyIngressRule, V1NetworkPolicyPeer,
+                                   V1NetworkPolicyPort, V1NetworkPolicySpec)
+    api.put("namespaces", k8s.namespace("default"))
+    d = tsord(owned={"srv": {"10.1.0.7"}, "cli": {"10.1.0.5"}})
+    loop = Loop()
+    cli, srv = pods_on_a(api, loop, d, ("cli", "10.1.0.5"), ("srv", "10.1.0.7"))
+    srv.call(protocol.Listen(1, "0.0.0.0", 8080))
+
+    def settles(path: str) -> None:   # watch events apply asynchronously
+        deadline = time.monotonic() + 10
+        while connects(cli, ("10.1.0.7", 8080)) != [path]:
+            assert time.monotonic() < deadline, f"connections did not take the {path} path"
+            time.sleep(0.05)
+
+    def native(verdict: str) -> float:
+        from prometheus_client import generate_latest
+        text = generate_latest(d.metrics.registry()).decode()
+        return parse(text).get(f'tsor_policy_native_total{{verdict="{verdict}"}}', 0.0)
+
+    srv_pods = V1LabelSelector(match_labels={"app": "srv"})
+    settles("local")                                                  # no policy: not isolated
+    api.put("networkpolicies", k8s.network_policy("deny-srv", V1NetworkPolicySpec(
+        pod_selector=srv_pods, policy_types=["Ingress"])))
+    settles("fallback")                                               # isolated, nothing allowed
+    assert native("deny") >= 1
+    api.put("networkpolicies", k8s.network_policy("allow-cli", V1NetworkPolicySpec(
+        pod_selector=srv_pods, ingress=[V1NetworkPolicyIngressRule(
+            _from=[V1NetworkPolicyPeer(pod_selector=V1LabelSelector(match_labels={"app": "cli"}))],
+            ports=[V1NetworkPolicyPort(port=8080, protocol="TCP")])])))
+    settles("local")                                                  # the rules add up
+    assert connects(cli, ("10.1.0.7", 9999)) == ["fallback"]          # another port stays denied
+    api.delete("networkpolicies", "default", "allow-cli")
+    api.put("networkpolicies", k8s.network_policy("by-block", V1NetworkPolicySpec(
+        pod_selector=srv_pods, ingress=[V1NetworkPolicyIngressRule(
+            _from=[V1NetworkPolicyPeer(ip_block=V1IPBlock(cidr="10.1.0.0/16"))])])))
+    before = native("unknown")
+    settles("fallback")                          # an ipBlock covering a pod: implementations differ
+    assert native("unknown") > before

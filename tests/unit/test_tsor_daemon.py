@@ -109,7 +109,7 @@ def node(tmp_path):
         """`kubernetes`: routes from that API server (the source tsor.yaml's `kubernetes` chooses), not `nodes`."""
         sock = str(tmp_path / f"{name}.sock")
         d = Daemon(Config(node=name, socket=sock, listen=listen, metrics=metrics, cluster_secret=secret,
-                          kubernetes=kubernetes),
+                          kubernetes=kubernetes, state_dir=str(tmp_path / f"{name}-state")),
                    verifier=FakeVerifier(owned or {}), route_source=None if kubernetes else StaticRoutes(list(nodes)))
         d.start()
         started.append(d)
