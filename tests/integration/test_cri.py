@@ -1,0 +1,258 @@
+"""Pods on quark through containerd 1.6's CRI, driven as kubelet drives them (gRPC, CRI v1).
+
+A private containerd with the CRI plugin on (tests/integration/cri_env.py): runtime handlers `quark`
+and `runc`, a locally built pause image, bridge + host-local CNI on a private subnet. Covered:
+the pod lifecycle (RunPodSandbox .. RemovePodSandbox, with the pod IP from CNI), containers in a pod
+(status, logs, stats, ExecSync, streaming Exec with and without a terminal, Attach, PortForward),
+two containers sharing the pod's network namespace, TCP between a quark pod and a runc pod both
+ways, and the faults: RemovePodSandbox under running containers, a bad container spec.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import time
+
+import pytest
+
+try:
+    from tests.integration import cri_env
+except ImportError:  # pytest put tests/integration itself on sys.path
+    import cri_env
+
+pytestmark = [pytest.mark.root, pytest.mark.timeout(600),
+              pytest.mark.skipif(cri_env.skip_reason() is not None, reason=cri_env.skip_reason() or "")]
+
+if cri_env.skip_reason() is None:
+    import grpc
+
+    from tests.support.cri import cri_v1_pb2 as pb
+    from tests.support.cri.client import CriClient
+    from tests.support.cri.stream import ERROR, STDERR, STDIN, STDOUT, Stream
+
+IMAGE = cri_env.BUSYBOX_IMAGE
+HTTPD = ["sh", "-c", "mkdir -p /www && echo hello-$NAME > /www/index.html && exec httpd -f -p 8080 -h /www"]
+
+
+@pytest.fixture(scope="module")
+def cd():
+    d = cri_env.CriContainerd()
+    try:
+        d.start()
+        d.import_images()
+        yield d
+    finally:
+        d.close()
+
+
+@pytest.fixture
+def cri(cd):
+    with CriClient(cd.address, cgroup_parent=cri_env.CGROUP_PARENT, log_root=str(cd.log_dir)) as c:
+        yield c
+        c.remove_all_pods()
+
+
+def quark_state(cd, cid: str) -> str:
+    """Where quark keeps a container's state under this containerd (shim/paths.py's quark_root)."""
+    return str(cd.state / "quark" / cri_env.NAMESPACE / cid)
+
+
+def wait_for(what, predicate, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def log_text(config, name: str) -> str:
+    """A container's CRI log (`<time> <stream> <F|P> <line>` per line) as the lines' text."""
+    path = os.path.join(config.log_directory, name, "0.log")
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(line.split(" ", 3)[3] + ("\n" if line.split(" ", 3)[2] == "F" else "")
+                           for line in f.read().splitlines() if line.count(" ") >= 3)
+    except FileNotFoundError:
+        return ""
+
+
+def http_get(cri, cid: str, url: str) -> str:
+    # no `wget -T`: under quark it dies of SIGSEGV (a QKernel bug, reported); ExecSync's timeout bounds it
+    r = cri.exec_sync(cid, ["wget", "-qO-", url], timeout=30)
+    assert r.exit_code == 0, f"wget {url}: {r.stderr!r}"
+    return r.stdout.decode()
+
+
+def start_httpd(cri, pod, config, name: str) -> str:
+    cid = cri.create_container(pod, config, name, IMAGE, HTTPD, envs={"NAME": name})
+    cri.start_container(cid)
+    wait_for(f"{name}'s httpd", lambda: cri.exec_sync(cid, ["sh", "-c", "netstat -ltn | grep -q :8080"]).exit_code == 0)
+    return cid
+
+
+def test_pod_lifecycle_on_quark(cd, cri):
+    pod, config = cri.run_pod("life", "quark")
+    status = cri.pod_status(pod).status
+    assert status.state == pb.SANDBOX_READY and status.runtime_handler == "quark"
+    assert ipaddress.ip_address(status.network.ip) in ipaddress.ip_network(cri_env.SUBNET)
+    assert os.path.isdir(quark_state(cd, pod)), "the pause container is not a quark container"
+
+    cid = cri.create_container(pod, config, "main", IMAGE, ["sh", "-c", "echo first-line; hostname; exec sleep 300"])
+    assert cri.container_status(cid).state == pb.CONTAINER_CREATED
+    cri.start_container(cid)
+    st = cri.container_status(cid)
+    assert st.state == pb.CONTAINER_RUNNING and st.started_at > 0 and st.image.image == IMAGE
+    assert os.path.isdir(quark_state(cd, cid))
+    assert wait_for("the container's output", lambda: "first-line\nlife\n" in log_text(config, "main"))
+
+    listed = {c.id: c for c in cri.list_containers(pod)}
+    assert listed[cid].state == pb.CONTAINER_RUNNING and listed[cid].metadata.name == "main"
+    assert [p.id for p in cri.list_pods()] == [pod]
+
+    stats = cri.call("ContainerStats", pb.ContainerStatsRequest(container_id=cid)).stats
+    assert stats.attributes.id == cid
+    assert stats.memory.working_set_bytes.value > 0 and stats.cpu.usage_core_nano_seconds.value > 0
+
+    cri.stop_pod(pod)
+    assert cri.container_status(cid).state == pb.CONTAINER_EXITED
+    assert cri.pod_status(pod).status.state == pb.SANDBOX_NOTREADY
+    cri.stop_pod(pod)   # kubelet repeats it: must stay a no-op
+    cri.remove_pod(pod)
+    assert cri.list_pods() == [] and cri.list_containers() == []
+    assert not os.path.exists(quark_state(cd, cid)) and not os.path.exists(quark_state(cd, pod))
+    with pytest.raises(grpc.RpcError) as e:
+        cri.pod_status(pod)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    cri.remove_pod(pod)  # idempotent
+
+
+def test_exec_sync_output_and_exit_code(cri):
+    pod, config = cri.run_pod("execsync", "quark")
+    cid = cri.create_container(pod, config, "main", IMAGE, ["sleep", "300"])
+    cri.start_container(cid)
+    r = cri.exec_sync(cid, ["sh", "-c", "echo out; echo err >&2; exit 7"])
+    assert (r.stdout, r.stderr, r.exit_code) == (b"out\n", b"err\n", 7)
+    r = cri.exec_sync(cid, ["sh", "-c", "tty; cat /proc/1/cmdline | tr '\\0' ' '"])
+    assert r.stdout == b"not a tty\nsleep 300 ", r   # its own PID namespace: PID 1 is its command
+    with pytest.raises(grpc.RpcError) as e:
+        cri.exec_sync(cid, ["/no/such/program"])
+    assert "/no/such/program" in e.value.details()
+
+
+def test_exec_stream_with_and_without_tty(cri):
+    pod, config = cri.run_pod("exec", "quark")
+    cid = cri.create_container(pod, config, "main", IMAGE, ["sleep", "300"])
+    cri.start_container(cid)
+    url = cri.call("Exec", pb.ExecRequest(container_id=cid, cmd=["sh", "-c", "tty; echo out; echo err >&2; exit 3"],
+                                          stdout=True, stderr=True)).url
+    with Stream(url) as s:
+        out = s.read_until_close()
+        assert (out.get(STDOUT), out.get(STDERR)) == (b"not a tty\nout\n", b"err\n")
+        assert s.status()["details"]["causes"][0]["message"] == "3"
+    # with a terminal, as `kubectl exec -it`: stdin in, one merged stream out
+    url = cri.call("Exec", pb.ExecRequest(container_id=cid, cmd=["sh", "-c", "tty; read x; echo got-$x; exit 4"],
+                                          tty=True, stdin=True, stdout=True)).url
+    with Stream(url) as s:
+        s.send(STDIN, b"hi\r")
+        out = s.read_until_close()
+        assert b"/dev/pts/" in out.get(STDOUT, b"") and b"got-hi" in out.get(STDOUT, b""), out
+        assert s.status()["details"]["causes"][0]["message"] == "4"
+
+
+def test_attach_to_container_stdin_and_stdout(cri):
+    pod, config = cri.run_pod("attach", "quark")
+    cid = cri.create_container(pod, config, "cat", IMAGE, ["cat"], stdin=True)
+    cri.start_container(cid)
+    url = cri.call("Attach", pb.AttachRequest(container_id=cid, stdin=True, stdout=True, stderr=True)).url
+    with Stream(url) as s:
+        s.send(STDIN, b"ping-attach\n")
+        assert b"ping-attach\n" in s.read_until(STDOUT, b"ping-attach\n", 30), s.out
+        assert ERROR not in s.out
+    assert wait_for("the attached input in the log", lambda: "ping-attach" in log_text(config, "cat"))
+
+
+def test_port_forward_into_quark_pod(cri):
+    pod, config = cri.run_pod("pf", "quark")
+    start_httpd(cri, pod, config, "pf")
+    url = cri.call("PortForward", pb.PortForwardRequest(pod_sandbox_id=pod, port=[8080])).url
+    with Stream(url) as s:
+        s.send(0, b"GET / HTTP/1.0\r\n\r\n")
+        data = s.read_until_close(30).get(0, b"")
+    assert data[:2] == (8080).to_bytes(2, "little")   # the port, first on each of its channels
+    assert data[2:].startswith(b"HTTP/1.") and data.endswith(b"\r\n\r\nhello-pf\n"), data
+
+
+def test_two_containers_share_the_pod_network(cri):
+    pod, config = cri.run_pod("pair", "quark")
+    ip = cri.pod_status(pod).status.network.ip
+    srv = start_httpd(cri, pod, config, "srv")
+    cli = cri.create_container(pod, config, "cli", IMAGE, ["sleep", "300"])
+    cri.start_container(cli)
+    assert http_get(cri, cli, "http://127.0.0.1:8080/") == "hello-srv\n"
+    assert http_get(cri, cli, f"http://{ip}:8080/") == "hello-srv\n"
+    # one network namespace: both see the pod's one address
+    for cid in (srv, cli):
+        assert f"inet {ip}/" in cri.exec_sync(cid, ["ip", "-4", "addr", "show", "eth0"]).stdout.decode()
+
+
+def test_quark_pod_and_runc_pod_talk_tcp_both_ways(cri):
+    qpod, qconf = cri.run_pod("qpod", "quark")
+    rpod, rconf = cri.run_pod("rpod", "runc")
+    assert cri.pod_status(rpod).status.runtime_handler == "runc"
+    qip, rip = (cri.pod_status(p).status.network.ip for p in (qpod, rpod))
+    assert qip != rip
+    qsrv = start_httpd(cri, qpod, qconf, "quark")
+    rsrv = start_httpd(cri, rpod, rconf, "runc")
+    assert http_get(cri, qsrv, f"http://{rip}:8080/") == "hello-runc\n"
+    assert http_get(cri, rsrv, f"http://{qip}:8080/") == "hello-quark\n"
+
+
+def test_remove_pod_with_running_containers_leaves_nothing(cd, cri):
+    pod, config = cri.run_pod("gone", "quark")
+    netns = cri.pod_status(pod, verbose=True).info.get("info", "")
+    cids = [cri.create_container(pod, config, f"c{i}", IMAGE, ["sleep", "300"]) for i in range(2)]
+    for cid in cids:
+        cri.start_container(cid)
+    netns_before = set(os.listdir("/var/run/netns"))
+    assert any(ns.startswith("cni-") and ns in netns for ns in netns_before)
+    cri.remove_pod(pod)   # no StopPodSandbox first: it must stop what runs
+    assert cri.list_pods() == [] and cri.list_containers() == []
+    for cid in [pod, *cids]:
+        assert not os.path.exists(quark_state(cd, cid)), cid
+    assert not [ns for ns in os.listdir("/var/run/netns") if ns in netns]
+    cgroups = [f"/sys/fs/cgroup/{h}{config.linux.cgroup_parent}/{cid}" for h in os.listdir("/sys/fs/cgroup")
+               for cid in [pod, *cids]]
+    assert [c for c in cgroups if os.path.exists(c)] == []
+    wait_for("the pod's shim to exit", lambda: not cd.shim_pids())
+    leftover = [p for p in _proc_cmdlines() if pod in p or any(c in p for c in cids)]
+    assert leftover == []
+
+
+def _proc_cmdlines() -> list[str]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                out.append(open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:
+                pass
+    return out
+
+
+def test_bad_container_specs_give_clear_grpc_errors(cri):
+    pod, config = cri.run_pod("bad", "quark")
+    with pytest.raises(grpc.RpcError) as e:
+        cri.create_container(pod, config, "noimage", "quark.test/not-there:1", ["true"])
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "quark.test/not-there:1" in e.value.details()
+    # a spec the runtime must refuse: the program does not exist in the image
+    cid = cri.create_container(pod, config, "noprog", IMAGE, ["/no/such/program"])
+    with pytest.raises(grpc.RpcError) as e:
+        cri.start_container(cid)
+    assert "/no/such/program" in e.value.details(), e.value.details()
+    assert cri.container_status(cid).state != pb.CONTAINER_RUNNING
+    # the pod is not harmed
+    ok = cri.create_container(pod, config, "ok", IMAGE, ["sleep", "300"])
+    cri.start_container(ok)
+    assert cri.exec_sync(ok, ["echo", "fine"]).stdout == b"fine\n"
