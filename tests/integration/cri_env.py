@@ -158,6 +158,22 @@ state = "{self.state}"
 """)
         self.netns_before = set(_netns())
 
+    def start(self) -> None:
+        """containerd up, then its CRI service too (it answers "server is not initialized yet" while
+        it loads its state, e.g. the pods that ran before a restart)."""
+        super().start()
+        from tests.support.cri.client import CriClient
+        deadline = time.monotonic() + 60
+        with CriClient(self.address) as cri:
+            while True:
+                try:
+                    cri.list_pods()
+                    return
+                except Exception as e:  # grpc.RpcError; grpc is imported only where the tests run
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"containerd's CRI did not come up: {e}\n{self.log_tail()}") from None
+                    time.sleep(0.1)
+
     def import_images(self) -> None:
         """Build the pause and busybox images here and import them into the k8s.io namespace."""
         img = self.base / "img"

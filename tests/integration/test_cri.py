@@ -5,7 +5,10 @@ and `runc`, a locally built pause image, bridge + host-local CNI on a private su
 the pod lifecycle (RunPodSandbox .. RemovePodSandbox, with the pod IP from CNI), containers in a pod
 (status, logs, stats, ExecSync, streaming Exec with and without a terminal, Attach, PortForward),
 two containers sharing the pod's network namespace, TCP between a quark pod and a runc pod both
-ways, and the faults: RemovePodSandbox under running containers, a bad container spec.
+ways, exit codes and reasons (Error, Completed after StopContainer, OOMKilled), DNS/hostname/env/
+user/read-only hostPath from the configs, UpdateContainerResources, a terminal container's log, and
+the faults: RemovePodSandbox under running containers, bad container specs, containerd restarted
+under a running pod.
 """
 from __future__ import annotations
 
@@ -90,6 +93,24 @@ def start_httpd(cri, pod, config, name: str) -> str:
     cri.start_container(cid)
     wait_for(f"{name}'s httpd", lambda: cri.exec_sync(cid, ["sh", "-c", "netstat -ltn | grep -q :8080"]).exit_code == 0)
     return cid
+
+
+def create(cri, pod, sandbox, name: str, command: list[str], **config) -> str:
+    """CreateContainer with ContainerConfig fields of the test's choosing (envs, mounts, linux, tty...)."""
+    conf = pb.ContainerConfig(metadata=pb.ContainerMetadata(name=name), image=pb.ImageSpec(image=IMAGE),
+                              command=command, log_path=f"{name}/0.log", **config)
+    return cri.call("CreateContainer", pb.CreateContainerRequest(pod_sandbox_id=pod, config=conf,
+                                                                 sandbox_config=sandbox)).container_id
+
+
+def exited(cri, cid: str) -> tuple[int, str]:
+    """(exit code, reason) once the container has exited."""
+    st = wait_for(f"{cid[:12]} to exit", lambda: (lambda s: s if s.state == pb.CONTAINER_EXITED else None)(
+        cri.container_status(cid)))
+    # (not finished_at >= started_at: containerd stamps started_at when Start returns, and a fast
+    # program's real exit time can precede it, with runc too)
+    assert st.finished_at > 0 and st.started_at > 0
+    return st.exit_code, st.reason
 
 
 def test_pod_lifecycle_on_quark(cd, cri):
@@ -256,3 +277,87 @@ def test_bad_container_specs_give_clear_grpc_errors(cri):
     ok = cri.create_container(pod, config, "ok", IMAGE, ["sleep", "300"])
     cri.start_container(ok)
     assert cri.exec_sync(ok, ["echo", "fine"]).stdout == b"fine\n"
+    # and goes away whole (the failed container's task was once left "created" and blocked this)
+    cri.teardown_pod(pod)
+    assert cri.list_pods() == [] and cri.list_containers() == []
+
+
+def test_exit_codes_stop_and_oom_reasons(cri):
+    pod, config = cri.run_pod("reasons", "quark")
+    failing = create(cri, pod, config, "failing", ["sh", "-c", "echo bye; exit 3"])
+    cri.start_container(failing)
+    assert exited(cri, failing) == (3, "Error")
+    # StopContainer sends SIGTERM and waits up to the timeout: a handler that exits 0 is "Completed"
+    graceful = create(cri, pod, config, "graceful", ["sh", "-c", "trap 'echo got-term; exit 0' TERM; "
+                                                                "while true; do sleep 0.1; done"])
+    cri.start_container(graceful)
+    time.sleep(0.5)
+    cri.call("StopContainer", pb.StopContainerRequest(container_id=graceful, timeout=20))
+    assert exited(cri, graceful) == (0, "Completed")
+    assert wait_for("got-term in the log", lambda: "got-term\n" in log_text(config, "graceful"))
+    cri.call("RemoveContainer", pb.RemoveContainerRequest(container_id=graceful))
+    assert graceful not in [c.id for c in cri.list_containers(pod)]
+    # over its memory limit: killed by the kernel's OOM killer, reported as kubelet expects
+    hog = create(cri, pod, config, "hog", ["sh", "-c", "echo start; x=$(head -c 200000000 /dev/zero | tr '\\0' a)"],
+                 linux=pb.LinuxContainerConfig(resources=pb.LinuxContainerResources(memory_limit_in_bytes=32 << 20)))
+    cri.start_container(hog)
+    assert exited(cri, hog) == (137, "OOMKilled")
+
+
+def test_pod_and_container_config_reach_the_container(cd, cri):
+    sandbox = cri.sandbox_config("conf")
+    sandbox.dns_config.servers.append("10.215.15.53")
+    sandbox.dns_config.searches.append("svc.cluster.local")
+    os.makedirs(sandbox.log_directory, exist_ok=True)
+    pod = cri.call("RunPodSandbox", pb.RunPodSandboxRequest(config=sandbox, runtime_handler="quark")).pod_sandbox_id
+    host_dir = cd.base / "volume"
+    host_dir.mkdir(mode=0o755)
+    (host_dir / "f").write_text("from-the-host\n")
+    cid = create(cri, pod, sandbox, "main", ["sleep", "300"], envs=[pb.KeyValue(key="FOO", value="bar")],
+                 mounts=[pb.Mount(container_path="/data", host_path=str(host_dir), readonly=True)],
+                 linux=pb.LinuxContainerConfig(security_context=pb.LinuxContainerSecurityContext(
+                     run_as_user=pb.Int64Value(value=1000))))
+    cri.start_container(cid)
+    assert cri.exec_sync(cid, ["cat", "/etc/resolv.conf"]).stdout == \
+        b"search svc.cluster.local\nnameserver 10.215.15.53\n"
+    r = cri.exec_sync(cid, ["sh", "-c", "hostname; echo $FOO; id -u; cat /data/f; touch /data/x"])
+    assert r.stdout == b"conf\nbar\n1000\nfrom-the-host\n" and b"Read-only file system" in r.stderr, r
+
+
+def test_update_container_resources(cri):
+    pod, config = cri.run_pod("update", "quark")
+    cid = create(cri, pod, config, "main", ["sleep", "300"], linux=pb.LinuxContainerConfig(
+        resources=pb.LinuxContainerResources(memory_limit_in_bytes=128 << 20, cpu_period=100000, cpu_quota=50000)))
+    cri.start_container(cid)
+    limit = ["cat", "/sys/fs/cgroup/memory/memory.limit_in_bytes"] if not os.path.exists(
+        "/sys/fs/cgroup/cgroup.controllers") else ["cat", "/sys/fs/cgroup/memory.max"]
+    assert cri.exec_sync(cid, limit).stdout == b"134217728\n"
+    cri.call("UpdateContainerResources", pb.UpdateContainerResourcesRequest(
+        container_id=cid, linux=pb.LinuxContainerResources(memory_limit_in_bytes=64 << 20, cpu_period=100000,
+                                                           cpu_quota=20000)))
+    assert cri.exec_sync(cid, limit).stdout == b"67108864\n"
+
+
+def test_tty_container_output_reaches_the_log(cri):
+    pod, config = cri.run_pod("ttyc", "quark")
+    cid = create(cri, pod, config, "t", ["sh", "-c", "tty; echo tty-out; exec sleep 300"], tty=True, stdin=True)
+    cri.start_container(cid)
+    assert wait_for("the terminal's output in the log", lambda: "tty-out" in log_text(config, "t"))
+    assert log_text(config, "t").startswith("/dev/pts/")
+
+
+def test_containerd_restart_keeps_pods(cd, cri):
+    pod, config = cri.run_pod("restart", "quark")
+    cid = cri.create_container(pod, config, "main", IMAGE, ["sleep", "300"])
+    cri.start_container(cid)
+    cd.restart()
+    with CriClient(cd.address) as again:   # a new connection, as kubelet's after containerd restarts
+        assert cri_state(again, pod) == pb.SANDBOX_READY
+        assert {c.id: c.state for c in again.list_containers(pod)} == {cid: pb.CONTAINER_RUNNING}
+        assert again.exec_sync(cid, ["echo", "alive"]).stdout == b"alive\n"
+        again.teardown_pod(pod)
+        assert again.list_pods() == []
+
+
+def cri_state(cri, pod: str) -> int:
+    return cri.pod_status(pod).status.state

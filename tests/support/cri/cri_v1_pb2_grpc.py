@@ -94,6 +94,11 @@ class RuntimeServiceStub:
                 request_serializer=tests_dot_support_dot_cri_dot_cri__v1__pb2.ContainerStatusRequest.SerializeToString,
                 response_deserializer=tests_dot_support_dot_cri_dot_cri__v1__pb2.ContainerStatusResponse.FromString,
                 _registered_method=True)
+        self.UpdateContainerResources = channel.unary_unary(
+                '/runtime.v1.RuntimeService/UpdateContainerResources',
+                request_serializer=tests_dot_support_dot_cri_dot_cri__v1__pb2.UpdateContainerResourcesRequest.SerializeToString,
+                response_deserializer=tests_dot_support_dot_cri_dot_cri__v1__pb2.UpdateContainerResourcesResponse.FromString,
+                _registered_method=True)
         self.ExecSync = channel.unary_unary(
                 '/runtime.v1.RuntimeService/ExecSync',
                 request_serializer=tests_dot_support_dot_cri_dot_cri__v1__pb2.ExecSyncRequest.SerializeToString,
@@ -196,6 +201,12 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateContainerResources(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ExecSync(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -288,6 +299,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.ContainerStatus,
                     request_deserializer=tests_dot_support_dot_cri_dot_cri__v1__pb2.ContainerStatusRequest.FromString,
                     response_serializer=tests_dot_support_dot_cri_dot_cri__v1__pb2.ContainerStatusResponse.SerializeToString,
+            ),
+            'UpdateContainerResources': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateContainerResources,
+                    request_deserializer=tests_dot_support_dot_cri_dot_cri__v1__pb2.UpdateContainerResourcesRequest.FromString,
+                    response_serializer=tests_dot_support_dot_cri_dot_cri__v1__pb2.UpdateContainerResourcesResponse.SerializeToString,
             ),
             'ExecSync': grpc.unary_unary_rpc_method_handler(
                     servicer.ExecSync,
@@ -639,6 +655,33 @@ class RuntimeService:
             '/runtime.v1.RuntimeService/ContainerStatus',
             tests_dot_support_dot_cri_dot_cri__v1__pb2.ContainerStatusRequest.SerializeToString,
             tests_dot_support_dot_cri_dot_cri__v1__pb2.ContainerStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateContainerResources(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/UpdateContainerResources',
+            tests_dot_support_dot_cri_dot_cri__v1__pb2.UpdateContainerResourcesRequest.SerializeToString,
+            tests_dot_support_dot_cri_dot_cri__v1__pb2.UpdateContainerResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,
