@@ -6,9 +6,9 @@ the pod lifecycle (RunPodSandbox .. RemovePodSandbox, with the pod IP from CNI),
 (status, logs, stats, ExecSync, streaming Exec with and without a terminal, Attach, PortForward),
 two containers sharing the pod's network namespace, TCP between a quark pod and a runc pod both
 ways, exit codes and reasons (Error, Completed after StopContainer, OOMKilled), DNS/hostname/env/
-user/read-only hostPath from the configs, UpdateContainerResources, a terminal container's log, and
-the faults: RemovePodSandbox under running containers, bad container specs, containerd restarted
-under a running pod.
+user/read-only hostPath from the configs, UpdateContainerResources, a terminal container's log,
+shared-PID and host-network pods, and the faults: RemovePodSandbox under running containers, bad
+container specs, containerd restarted under a running pod.
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def log_text(config, name: str) -> str:
 
 
 def http_get(cri, cid: str, url: str) -> str:
-    # no `wget -T`: under quark it dies of SIGSEGV (a QKernel bug, reported); ExecSync's timeout bounds it
+    # no `wget -T`: Debian busybox-static 1.35's dies of SIGSEGV with it (on the host too); ExecSync's timeout bounds it
     r = cri.exec_sync(cid, ["wget", "-qO-", url], timeout=30)
     assert r.exit_code == 0, f"wget {url}: {r.stderr!r}"
     return r.stdout.decode()
@@ -357,6 +357,33 @@ def test_containerd_restart_keeps_pods(cd, cri):
         assert again.exec_sync(cid, ["echo", "alive"]).stdout == b"alive\n"
         again.teardown_pod(pod)
         assert again.list_pods() == []
+
+
+@pytest.mark.parametrize("kind", ["shared-pid", "host-network"])
+def test_pod_namespace_options(cri, kind):
+    # shareProcessNamespace: the pod's containers see each other and the pause process; hostNetwork:
+    # no pod netns, no pod IP, the node's interfaces (kubelet leaves such a pod's hostname empty)
+    ns = (pb.NamespaceOption(network=pb.POD, pid=pb.POD, ipc=pb.POD) if kind == "shared-pid"
+          else pb.NamespaceOption(network=pb.NODE, pid=pb.CONTAINER, ipc=pb.POD))
+    sandbox = cri.sandbox_config(kind)
+    sandbox.linux.security_context.namespace_options.CopyFrom(ns)
+    if kind == "host-network":
+        sandbox.hostname = ""
+    os.makedirs(sandbox.log_directory, exist_ok=True)
+    pod = cri.call("RunPodSandbox", pb.RunPodSandboxRequest(config=sandbox, runtime_handler="quark")).pod_sandbox_id
+    linux = pb.LinuxContainerConfig(security_context=pb.LinuxContainerSecurityContext(namespace_options=ns))
+    cids = [create(cri, pod, sandbox, n, ["sleep", secs], linux=linux) for n, secs in (("a", "301"), ("b", "302"))]
+    for cid in cids:
+        cri.start_container(cid)
+    procs = cri.exec_sync(cids[1], ["ps", "-o", "args"]).stdout.decode().split("\n")
+    addrs = cri.exec_sync(cids[1], ["ip", "-4", "-o", "addr"]).stdout.decode()
+    ip = cri.pod_status(pod).status.network.ip
+    if kind == "shared-pid":
+        assert {"/pause", "sleep 301", "sleep 302"} <= set(procs), procs
+        assert f"inet {ip}/" in addrs
+    else:
+        assert "sleep 301" not in procs and "sleep 302" in procs
+        assert ip == "" and f"{cri_env.BRIDGE}    inet " in addrs, addrs
 
 
 def cri_state(cri, pod: str) -> int:
