@@ -105,7 +105,7 @@ def _free_port() -> int:
 class CriContainerd(ce.Containerd):
     """containerd with CRI on (handlers quark and runc), private CNI, locally built images."""
 
-    def __init__(self, with_quark_cni: bool = True) -> None:
+    def __init__(self, with_quark_cni: bool = True, quark_cni_path: str | None = None) -> None:
         super().__init__(namespace=NAMESPACE)
         # short: quark keeps <state>/quark/k8s.io/<64-hex id>/sv.sock, and sun_path holds 107 bytes
         # (/run/containerd, containerd's default, leaves room; a /tmp/qct-* tree must be as short)
@@ -118,7 +118,7 @@ class CriContainerd(ce.Containerd):
         self.log_dir.mkdir()
         for plugin in os.listdir(CNI_PLUGIN_DIR):
             os.symlink(os.path.join(CNI_PLUGIN_DIR, plugin), self.cni_bin / plugin)
-        self.quark_cni = quark_cni() if with_quark_cni else None
+        self.quark_cni = (quark_cni_path or quark_cni()) if with_quark_cni else None
         if self.quark_cni:
             os.symlink(self.quark_cni, self.cni_bin / "quark-cni")
         net = conflist(self.quark_cni)

@@ -50,9 +50,27 @@ def cd():
 
 @pytest.fixture
 def cri(cd):
-    with CriClient(cd.address, cgroup_parent=cri_env.CGROUP_PARENT, log_root=str(cd.log_dir)) as c:
+    with CheckedCri(cd) as c:
         yield c
         c.remove_all_pods()
+
+
+if cri_env.skip_reason() is None:
+    class CheckedCri(CriClient):
+        """A CriClient whose RunPodSandbox checks that a `quark` pod is a quark sandbox (its state is
+        under quark's root for this containerd) and a `runc` pod is not."""
+
+        def __init__(self, cd) -> None:
+            super().__init__(cd.address, cgroup_parent=cri_env.CGROUP_PARENT, log_root=str(cd.log_dir))
+            self.cd = cd
+
+        def call(self, name: str, request, timeout: float = 120.0):
+            resp = super().call(name, request, timeout)
+            if name == "RunPodSandbox":
+                is_quark = os.path.isdir(quark_state(self.cd, resp.pod_sandbox_id))
+                handler = request.runtime_handler
+                assert is_quark == (handler == "quark"), f"a {handler} pod; a quark sandbox: {is_quark}"
+            return resp
 
 
 def quark_state(cd, cid: str) -> str:
@@ -351,7 +369,7 @@ def test_containerd_restart_keeps_pods(cd, cri):
     cid = cri.create_container(pod, config, "main", IMAGE, ["sleep", "300"])
     cri.start_container(cid)
     cd.restart()
-    with CriClient(cd.address) as again:   # a new connection, as kubelet's after containerd restarts
+    with CheckedCri(cd) as again:   # a new connection, as kubelet's after containerd restarts
         assert cri_state(again, pod) == pb.SANDBOX_READY
         assert {c.id: c.state for c in again.list_containers(pod)} == {cid: pb.CONTAINER_RUNNING}
         assert again.exec_sync(cid, ["echo", "alive"]).stdout == b"alive\n"
@@ -388,3 +406,46 @@ def test_pod_namespace_options(cri, kind):
 
 def cri_state(cri, pod: str) -> int:
     return cri.pod_status(pod).status.state
+
+
+FAKE_QUARK_CNI = """#!/usr/bin/python3
+# stands in for quark-cni: records each call, passes prevResult through (as quark-cni's ADD does)
+import json, os, sys
+conf = json.load(sys.stdin)
+cmd = os.environ.get("CNI_COMMAND", "")
+with open(%r, "a") as log:
+    ips = " ".join(ip["address"] for ip in conf.get("prevResult", {}).get("ips", []))
+    log.write(f"{cmd} {os.environ.get('CNI_CONTAINERID', '')} {os.environ.get('CNI_NETNS', '')} "
+              f"{conf.get('failOpen')} {ips}\\n")
+if cmd == "VERSION":
+    print(json.dumps({"cniVersion": "1.0.0", "supportedVersions": ["0.4.0", "1.0.0"]}))
+elif cmd == "ADD":
+    print(json.dumps(conf["prevResult"]))
+"""
+
+
+def test_quark_cni_is_chained_after_bridge_when_present(tmp_path):
+    # the hook for quark-cni: when a working one is installed it runs after bridge + host-local
+    # with their result, on ADD and DEL of every pod
+    log = tmp_path / "calls.log"
+    plugin = tmp_path / "quark-cni"
+    plugin.write_text(FAKE_QUARK_CNI % str(log))
+    plugin.chmod(0o755)
+    assert cri_env.conflist(None)["plugins"][-1]["type"] == "bridge"
+    d = cri_env.CriContainerd(quark_cni_path=str(plugin))
+    try:
+        d.start()
+        d.import_images()
+        with CheckedCri(d) as cri:
+            pod, _ = cri.run_pod("chained", "quark")
+            ip = cri.pod_status(pod).status.network.ip
+            cri.teardown_pod(pod)
+    finally:
+        d.close()
+    calls = [line.split() for line in log.read_text().splitlines()]
+    # DEL comes more than once (containerd 1.6: at StopPodSandbox, and again, without a netns, at
+    # RemovePodSandbox): quark-cni's DEL must succeed when repeated
+    cmds = [c[:2] for c in calls if c[0] != "VERSION"]
+    assert cmds[0] == ["ADD", pod] and len(cmds) >= 2 and set(map(tuple, cmds[1:])) == {("DEL", pod)}, calls
+    add = next(c for c in calls if c[0] == "ADD")
+    assert add[2].startswith("/var/run/netns/cni-") and add[3] == "True" and add[4] == f"{ip}/24"
