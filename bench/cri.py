@@ -95,7 +95,7 @@ def main() -> int:
     try:
         d.start()
         d.import_images()
-        with CriClient(d.address, cgroup_parent=cri_env.CGROUP_PARENT, log_root=str(d.log_dir)) as cri:
+        with CriClient(d.address, cgroup_parent=d.cgroup_parent, log_root=str(d.log_dir)) as cri:
             for h in HANDLERS:            # warm-up: image snapshots, page cache, the factory
                 one_pod(cri, h, -1)
             for i in range(a.runs):       # interleaved, alternating who goes first, so drift hits both alike

@@ -9,14 +9,16 @@ subnet and bridge of this worktree's own, plus `quark-cni` chained after them wh
 127.0.0.1 on a free port. Images are imported with `ctr -n k8s.io images import`; nothing is pulled.
 
 What containerd's CRI makes outside the private tree (pod netns under /var/run/netns, the bridge and
-veths, cgroups under CGROUP_PARENT) is removed by `close`: pods first through CRI, then whatever
+veths, cgroups under its cgroup_parent) is removed by `close`: pods first through CRI, then whatever
 is still there.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -34,7 +36,7 @@ PAUSE_IMAGE = "quark.test/pause:w15f"
 BUSYBOX_IMAGE = "quark.test/busybox:w15f"
 BRIDGE = "qw15f-cri0"                    # names and subnet of our own: other sessions share the host
 SUBNET = "10.215.15.0/24"
-CGROUP_PARENT = "/quark-w15f-cri"
+CGROUP_PARENT = "/quark-w15f-cri"       # each containerd's pods go under CGROUP_PARENT-<its tree's suffix>
 NETWORK_NAME = "quark-w15f"
 
 # A pause process as kubelet's pause image has: PID 1 of the pod, exits on SIGINT/SIGTERM, reaps.
@@ -115,6 +117,7 @@ class CriContainerd(ce.Containerd):
         self.cni_conf.mkdir(parents=True)
         self.cni_bin.mkdir(parents=True)
         self.log_dir = self.base / "logs"
+        self.cgroup_parent = f"{CGROUP_PARENT}-{self.base.name.removeprefix('qct-')}"
         self.log_dir.mkdir()
         for plugin in os.listdir(CNI_PLUGIN_DIR):
             os.symlink(os.path.join(CNI_PLUGIN_DIR, plugin), self.cni_bin / plugin)
@@ -156,7 +159,6 @@ state = "{self.state}"
     conf_dir = "{self.cni_conf}"
     max_conf_num = 1
 """)
-        self.netns_before = set(_netns())
 
     def start(self) -> None:
         """containerd up, then its CRI service too (it answers "server is not initialized yet" while
@@ -190,13 +192,47 @@ state = "{self.state}"
                     cri.remove_all_pods()
             except Exception:  # containerd wedged: the sweep below still runs
                 pass
+        # only the netns this containerd made (its log names each in the CNI result; read before
+        # the tree goes): other sessions' containerds make cni-* ones in the same directory
+        made = set(re.findall(r"/var/run/netns/(cni-[0-9a-f-]+)", self.log_tail(lines=10**9)))
+        self.stop()
+        self.kill_leftovers()
         super().close()
-        for ns in set(_netns()) - self.netns_before:
-            if ns.startswith("cni-"):
+        for ns in made:
+            if ns in _netns():
                 subprocess.run(["umount", f"/var/run/netns/{ns}"], capture_output=True)
                 subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
         subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)
-        remove_cgroups(CGROUP_PARENT)
+        remove_cgroups(self.cgroup_parent)
+
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL what outlived containerd (killed, or wedged): the processes in its pods' cgroups
+        (containers of runc and quark alike) and those naming this tree (quark's supervisors, runc's
+        shims)."""
+        pids: set[int] = set()
+        for procs in Path(f"/sys/fs/cgroup/pids{self.cgroup_parent}").rglob("cgroup.procs"):
+            try:
+                pids.update(int(p) for p in procs.read_text().split())
+            except OSError:
+                pass
+        marker = str(self.base).encode()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    if marker in Path(f"/proc/{entry}/cmdline").read_bytes():
+                        pids.add(int(entry))
+                except OSError:
+                    pass
+        pids.discard(os.getpid())
+        for pid in sorted(pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+            time.sleep(0.05)
 
 
 def _netns() -> list[str]:

@@ -13,6 +13,7 @@ container specs, containerd restarted under a running pod.
 from __future__ import annotations
 
 import ipaddress
+import re
 import os
 import time
 
@@ -61,7 +62,7 @@ if cri_env.skip_reason() is None:
         under quark's root for this containerd) and a `runc` pod is not."""
 
         def __init__(self, cd) -> None:
-            super().__init__(cd.address, cgroup_parent=cri_env.CGROUP_PARENT, log_root=str(cd.log_dir))
+            super().__init__(cd.address, cgroup_parent=cd.cgroup_parent, log_root=str(cd.log_dir))
             self.cd = cd
 
         def call(self, name: str, request, timeout: float = 120.0):
@@ -449,3 +450,29 @@ def test_quark_cni_is_chained_after_bridge_when_present(tmp_path):
     assert cmds[0] == ["ADD", pod] and len(cmds) >= 2 and set(map(tuple, cmds[1:])) == {("DEL", pod)}, calls
     add = next(c for c in calls if c[0] == "ADD")
     assert add[2].startswith("/var/run/netns/cni-") and add[3] == "True" and add[4] == f"{ip}/24"
+
+
+def test_cleanup_after_containerd_is_killed():
+    # the test set-up's own promise: even when containerd dies under running pods (both runtimes),
+    # closing it leaves no process, mount, netns, bridge or cgroup behind
+    d = cri_env.CriContainerd(with_quark_cni=False)
+    try:
+        d.start()
+        d.import_images()
+        with CheckedCri(d) as cri:
+            for handler in ("quark", "runc"):
+                pod, config = cri.run_pod(f"killed-{handler}", handler)
+                cri.start_container(cri.create_container(pod, config, "main", IMAGE, ["sleep", "777"]))
+        d.proc.kill()
+        d.proc.wait()
+    finally:
+        base = str(d.base)
+        made = set(re.findall(r"/var/run/netns/(cni-[0-9a-f-]+)", d.log_tail(lines=10**9)))
+        d.close()
+    assert len(made) == 2
+    assert [p for p in _proc_cmdlines() if base in p or p.startswith("sleep 777")] == []
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        assert [line for line in f if base in line] == []
+    assert made.isdisjoint(os.listdir("/var/run/netns"))
+    assert not os.path.exists(f"/sys/class/net/{cri_env.BRIDGE}")
+    assert [h for h in os.listdir("/sys/fs/cgroup") if os.path.exists(f"/sys/fs/cgroup/{h}{d.cgroup_parent}")] == []

@@ -20,7 +20,7 @@ TIMEOUT = 120.0   # seconds per call: a 2-core host shared with other test runs
 class CriClient:
     """RuntimeService and ImageService stubs on one channel to a containerd socket."""
 
-    def __init__(self, address: str, cgroup_parent: str = "/quark-w15f-cri", log_root: str = "/tmp") -> None:
+    def __init__(self, address: str, cgroup_parent: str = "/quark-cri-tests", log_root: str = "/tmp") -> None:
         self.channel = grpc.insecure_channel(f"unix://{address}")
         self.runtime = pb_grpc.RuntimeServiceStub(self.channel)
         self.image = pb_grpc.ImageServiceStub(self.channel)
