@@ -85,9 +85,7 @@ def main() -> int:
         print(f"bench/cri.py: cannot run: {reason}", file=sys.stderr)
         return 1
     from tests.support.cri.client import CriClient
-    d = cri_env.CriContainerd(with_quark_cni=False)
-    if a.shim_dir:
-        d.env["PATH"] = f"{a.shim_dir}:{d.env['PATH']}"
+    d = cri_env.CriContainerd(with_quark_cni=False, shim_dir=a.shim_dir)
     shim = os.path.join(a.shim_dir or ce._BIN, "containerd-shim-quark-v1")
     result: dict = {"command": "python bench/cri.py " + " ".join(sys.argv[1:]), "shim": os.path.realpath(shim),
                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}

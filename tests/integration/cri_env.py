@@ -107,8 +107,14 @@ def _free_port() -> int:
 class CriContainerd(ce.Containerd):
     """containerd with CRI on (handlers quark and runc), private CNI, locally built images."""
 
-    def __init__(self, with_quark_cni: bool = True, quark_cni_path: str | None = None) -> None:
+    def __init__(self, with_quark_cni: bool = True, quark_cni_path: str | None = None,
+                 shim_dir: str | None = None) -> None:
         super().__init__(namespace=NAMESPACE)
+        # another containerd-shim-quark-v1 first on containerd's PATH (QUARK_SHIM_DIR, e.g. a main
+        # checkout's build/bin: the C front end, served by the sandbox factory)
+        shim_dir = shim_dir or os.environ.get("QUARK_SHIM_DIR")
+        if shim_dir:
+            self.env["PATH"] = f"{shim_dir}:{self.env['PATH']}"
         # short: quark keeps <state>/quark/k8s.io/<64-hex id>/sv.sock, and sun_path holds 107 bytes
         # (/run/containerd, containerd's default, leaves room; a /tmp/qct-* tree must be as short)
         self.state = self.base / "s"
