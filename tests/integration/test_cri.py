@@ -179,6 +179,13 @@ def test_exec_sync_output_and_exit_code(cri):
     with pytest.raises(grpc.RpcError) as e:
         cri.exec_sync(cid, ["/no/such/program"])
     assert "/no/such/program" in e.value.details()
+    # an exec probe past its timeout: DeadlineExceeded, and the process is killed, not left behind
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        cri.exec_sync(cid, ["sleep", "31"], timeout=2)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 15
+    wait_for("the timed-out exec to be killed",
+             lambda: "sleep 31" not in cri.exec_sync(cid, ["ps", "-o", "args"]).stdout.decode())
 
 
 def test_exec_stream_with_and_without_tty(cri):
