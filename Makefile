@@ -103,6 +103,7 @@ trampoline:
 proto: install
 	$(PY) -m pip install -q -e '.[proto]'
 	$(PY) -m shim.pb.generate
+	$(PY) -m tests.support.cri.generate
 
 clean:
 	rm -rf $(VENV) *.egg-info build

@@ -34,6 +34,7 @@ log = logging.getLogger("quark.shim.service")
 
 SERVICE = "containerd.task.v2.Task"
 FORCED_DELETE_EXIT_WAIT_S = 10.0
+START_FAILURE_EXIT_WAIT_S = 5.0   # the init's exit after a failed start: its output drain and the wait
 
 
 class TaskService(ProcessTable):
@@ -128,6 +129,10 @@ class TaskService(ProcessTable):
             with self.lock:
                 p.starting = False
             self._flush_pending_exit(c, p)
+            # a failed start ends the init (as runc's does); containerd's CRI then kills (answered
+            # "not running") and deletes the task, and its client refuses to delete one still
+            # "created": answer once the exit is recorded, so the task is stopped by then
+            p.exited.wait(START_FAILURE_EXIT_WAIT_S)
             raise
         with self.lock:
             p.status = types.RUNNING

@@ -175,18 +175,28 @@ def _tar_add(tar: tarfile.TarFile, name: str, *, data: bytes | None = None, mode
 
 def busybox_image_tar(path: Path, name: str = IMAGE) -> Path:
     """An OCI image layout tar (index.json, manifest, config, one tar.gz layer) of busybox-static."""
-    busybox = Path(BUSYBOX).read_bytes()
     applets = subprocess.run([BUSYBOX, "--list"], capture_output=True, check=True).stdout.decode().split()
+    return oci_image_tar(
+        path, name,
+        files={"bin/busybox": (Path(BUSYBOX).read_bytes(), 0o755),
+               "etc/passwd": (b"root:x:0:0:root:/root:/bin/sh\n", 0o644),
+               "etc/group": (b"root:x:0:\n", 0o644)},
+        dirs=("bin", "dev", "etc", "proc", "sys", "tmp", "root", "usr", "usr/bin", "sbin"),
+        symlinks={f"bin/{a}": "busybox" for a in applets if a != "busybox"}, cmd=["sh"])
+
+
+def oci_image_tar(path: Path, name: str, *, files: dict[str, tuple[bytes, int]], dirs: tuple[str, ...] = (),
+                  symlinks: dict[str, str] | None = None, entrypoint: list[str] | None = None,
+                  cmd: list[str] | None = None) -> Path:
+    """An OCI image layout tar of one tar.gz layer holding dirs, files {path: (data, mode)} and symlinks."""
     layer = io.BytesIO()
     with tarfile.open(fileobj=layer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for d in ("bin", "dev", "etc", "proc", "sys", "tmp", "root", "usr", "usr/bin", "sbin"):
+        for d in dirs:
             _tar_add(tar, d, mode=0o1777 if d == "tmp" else 0o755)
-        _tar_add(tar, "bin/busybox", data=busybox, kind=tarfile.REGTYPE)
-        for a in applets:
-            if a != "busybox":
-                _tar_add(tar, f"bin/{a}", kind=tarfile.SYMTYPE, link="busybox", mode=0o777)
-        _tar_add(tar, "etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\n", kind=tarfile.REGTYPE, mode=0o644)
-        _tar_add(tar, "etc/group", data=b"root:x:0:\n", kind=tarfile.REGTYPE, mode=0o644)
+        for f, (data, mode) in files.items():
+            _tar_add(tar, f, data=data, kind=tarfile.REGTYPE, mode=mode)
+        for link, target in (symlinks or {}).items():
+            _tar_add(tar, link, kind=tarfile.SYMTYPE, link=target, mode=0o777)
     raw = layer.getvalue()
     gz = gzip.compress(raw, mtime=0)
     blobs: dict[str, bytes] = {}
@@ -196,9 +206,13 @@ def busybox_image_tar(path: Path, name: str = IMAGE) -> Path:
         blobs[digest] = data
         return {"digest": digest, "size": len(data)}
 
+    image_config: dict = {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "WorkingDir": "/"}
+    if entrypoint is not None:
+        image_config["Entrypoint"] = entrypoint
+    if cmd is not None:
+        image_config["Cmd"] = cmd
     config = json.dumps({
-        "architecture": "amd64", "os": "linux",
-        "config": {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "Cmd": ["sh"], "WorkingDir": "/"},
+        "architecture": "amd64", "os": "linux", "config": image_config,
         "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(raw).hexdigest()]},
     }).encode()
     manifest = json.dumps({

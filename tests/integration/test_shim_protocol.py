@@ -35,6 +35,7 @@ class FakeQuark:
         self.status: dict[tuple[str, int | None], int] = {}
         self.next_pid = 3_999_000
         self.exit_on_start = False
+        self.fail_start = False
         self.ps_seconds = 0.0   # how long Pids takes
 
     def _exit_event(self, cid: str, pid: int | None) -> threading.Event:
@@ -54,6 +55,9 @@ class FakeQuark:
 
     def start(self, cid):
         self.calls.append(("start", cid))
+        if self.fail_start:   # the program is missing: quark's init exits a little after start fails
+            threading.Timer(0.3, self.finish, (cid, None, 127)).start()
+            raise RpcError(Code.UNKNOWN, "quark start: exec: '/no/such/program': executable file not found")
         if self.exit_on_start:
             self.finish(cid, None, 3)
             time.sleep(0.3)  # the exit is noticed before start returns
@@ -263,6 +267,22 @@ def test_exit_racing_start_is_published_after_start(shim):
     assert wait_for(lambda: len(events) == 3)
     assert topics(events) == ["/tasks/create", "/tasks/start", "/tasks/exit"]
     assert events[2].exit_status == 3
+
+
+def test_failed_start_answers_once_the_task_is_stopped(shim):
+    # containerd's CRI kills and deletes a task whose start failed; its client refuses to delete a
+    # task still "created" ("task must be stopped before deletion"), which left the container
+    # behind and RemovePodSandbox failing
+    path, quark, events, bundle, _ = shim
+    _create(path, bundle)
+    quark.fail_start = True
+    with pytest.raises(RpcError) as e:
+        call(path, "Start", pb.StartRequest(id="c1"), pb.StartResponse)
+    assert "/no/such/program" in str(e.value)
+    state = call(path, "State", pb.StateRequest(id="c1"), pb.StateResponse)
+    assert (state.status, state.exit_status) == (types.STOPPED, 127)
+    call(path, "Delete", pb.DeleteRequest(id="c1"), pb.DeleteResponse)
+    assert topics(events) == ["/tasks/create", "/tasks/exit", "/tasks/delete"]
 
 
 def test_exec_pause_resume_stats_update_and_shutdown(shim):
