@@ -686,15 +686,25 @@ class RdmaEngine:
     def open(self, link: Link, src: Endpoint, dst: Endpoint, timeout: float) -> socket.socket | None:
         """The client application's end of a new connection over `link`; None when the peer has
         no taker, the link is down or full, or no answer came in time."""
-        fut = self.call(lambda: link.open(src, dst))
-        if fut is None:
-            return None
+        # one wake of the caller, when the answer comes: the OPEN is posted from the loop thread
+        # without waiting for it there first (that round trip was a quarter of a connection's hops)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        opened: list[concurrent.futures.Future] = []
+
+        def start() -> None:
+            fut = link.open(src, dst)
+            if fut is None:
+                done.set_result(None)
+                return
+            opened.append(fut)
+            fut.add_done_callback(lambda f: done.done() or done.set_result(f.result()))
+        self.soon(start)
         try:
-            return fut.result(timeout)
+            return done.result(timeout)
         except concurrent.futures.TimeoutError:
-            self.call(lambda: link.cancel(fut))
-            if fut.done() and fut.result() is not None:   # accepted just as we gave up
-                fut.result().close()
+            self.call(lambda: opened and link.cancel(opened[0]))
+            if done.done() and done.result() is not None:   # accepted just as we gave up
+                done.result().close()
             return None
 
     def link_down(self, link: Link) -> None:
