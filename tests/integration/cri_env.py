@@ -14,6 +14,7 @@ is still there.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 try:
@@ -86,15 +88,16 @@ def quark_cni() -> str | None:
     return path if probe.returncode == 0 and b"supportedVersions" in probe.stdout else None
 
 
-def conflist(quark_cni_path: str | None) -> dict:
-    """The CNI network: bridge + host-local on SUBNET, then quark-cni when given (the hook)."""
+def conflist(quark_cni_path: str | None, quark_cni_conf: dict | None = None) -> dict:
+    """The CNI network: bridge + host-local on SUBNET, then quark-cni when given (the hook), with
+    `failOpen: true` unless quark_cni_conf (its own keys: failOpen, tsorSocket) says otherwise."""
     plugins: list[dict] = [{
         "type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False, "hairpinMode": True,
         "ipam": {"type": "host-local", "ranges": [[{"subnet": SUBNET}]], "routes": [{"dst": "0.0.0.0/0"}],
                  "dataDir": "DATADIR"},
     }]
     if quark_cni_path:
-        plugins.append({"type": "quark-cni", "failOpen": True})
+        plugins.append({"type": "quark-cni", "failOpen": True, **(quark_cni_conf or {})})
     return {"cniVersion": "1.0.0", "name": NETWORK_NAME, "plugins": plugins}
 
 
@@ -108,7 +111,9 @@ class CriContainerd(ce.Containerd):
     """containerd with CRI on (handlers quark and runc), private CNI, locally built images."""
 
     def __init__(self, with_quark_cni: bool = True, quark_cni_path: str | None = None,
-                 shim_dir: str | None = None) -> None:
+                 shim_dir: str | None = None, quark_cni_conf: dict | None = None) -> None:
+        """`quark_cni_conf`: quark-cni's keys in the conflist (e.g. a test's own tsord:
+        {"failOpen": False, "tsorSocket": PATH}); default failOpen true, tsord's default socket."""
         super().__init__(namespace=NAMESPACE)
         # another containerd-shim-quark-v1 first on containerd's PATH (QUARK_SHIM_DIR, e.g. a main
         # checkout's build/bin: the C front end, served by the sandbox factory)
@@ -130,7 +135,7 @@ class CriContainerd(ce.Containerd):
         self.quark_cni = (quark_cni_path or quark_cni()) if with_quark_cni else None
         if self.quark_cni:
             os.symlink(self.quark_cni, self.cni_bin / "quark-cni")
-        net = conflist(self.quark_cni)
+        net = conflist(self.quark_cni, quark_cni_conf)
         net["plugins"][0]["ipam"]["dataDir"] = str(self.base / "cni" / "ipam")
         (self.cni_conf / "10-quark-w15f.conflist").write_text(json.dumps(net, indent=2))
         self.stream_port = _free_port()
@@ -239,6 +244,18 @@ state = "{self.state}"
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def running(**kw) -> Iterator[CriContainerd]:
+    """A CriContainerd(**kw) started, its images imported; closed (everything removed) on leaving."""
+    d = CriContainerd(**kw)
+    try:
+        d.start()
+        d.import_images()
+        yield d
+    finally:
+        d.close()
 
 
 def _netns() -> list[str]:

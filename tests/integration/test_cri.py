@@ -40,13 +40,8 @@ HTTPD = ["sh", "-c", "mkdir -p /www && echo hello-$NAME > /www/index.html && exe
 
 @pytest.fixture(scope="module")
 def cd():
-    d = cri_env.CriContainerd()
-    try:
-        d.start()
-        d.import_images()
+    with cri_env.running() as d:
         yield d
-    finally:
-        d.close()
 
 
 @pytest.fixture

@@ -1,0 +1,246 @@
+"""TSoR through CRI: quark pods run by the real containerd (tests/integration/cri_env.py) talk over
+TSoR's local path, and quark-cni registers them with the node's tsord.
+
+The test runs a tsord of its own (socket, metrics socket and state_dir under its tmp dir, host
+network namespace, as a node's) and a containerd whose conflist chains quark-cni after bridge +
+host-local with `failOpen: false` and `tsorSocket` naming that tsord, so a pod starts only once
+tsord holds its registration. The pods carry the annotation `io.quark.tsor.socket` (it reaches the
+bundle through the quark handler's pod_annotations), so their sandboxes register with that tsord
+too. What proves the path is tsord's own counter, `tsor_connections_total{path="local"}`; without
+the annotation the same connection is plain TCP and the counter stays where it was. With routes from
+Kubernetes (the API stand-in, tests/support/fake_kube_api.py) a client dials a Service ClusterIP
+that only the stand-in knows (no kube-proxy here): only TSoR can carry it, over the local path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+try:
+    from tests.integration import cri_env
+except ImportError:  # pytest put tests/integration itself on sys.path
+    import cri_env
+
+REPO = str(Path(__file__).resolve().parents[2])
+NODE = "w15g-node"                  # tsord's node name, and the pods' nodeName in the API stand-in
+# a ClusterIP no interface holds, inside the pods' own subnet (host-local hands out addresses from the
+# bottom; a test makes a handful): should TSoR not carry it, the connect dies on the bridge's ARP
+# instead of leaving the host
+CLUSTER_IP = "10.215.15.250"
+LOCAL = 'tsor_connections_total{path="local"}'
+
+
+def _skip_reason() -> str | None:
+    reason = cri_env.skip_reason()
+    if reason:
+        return reason
+    if cri_env.quark_cni() is None:
+        return "quark-cni is not installed (QUARK_CNI or PATH; pip install -e . provides the console script)"
+    import qkernel.request
+    if not hasattr(qkernel.request, "InstallFd"):
+        return "QKernel's TSoR wiring (fd installation, sys_socket handlers) is not in this tree yet"
+    return None
+
+
+SKIP = _skip_reason()
+pytestmark = [pytest.mark.root, pytest.mark.timeout(900), pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+
+if SKIP is None:
+    from tests.integration.test_cri import IMAGE, CheckedCri, start_httpd, wait_for
+    from tests.support import fake_kube_api as k8s
+    from tests.support.cri import cri_v1_pb2 as pb
+    from tsor import SOCKET_ANNOTATION
+    from tsor.metrics import fetch, parse
+
+
+class Tsord:
+    """One tsord of the test's own, run from this checkout (`python -m tsor.daemon`), stopped by pid."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.socket = str(base / "tsord.sock")
+        self.metrics = str(base / "metrics.sock")
+        self.state_dir = base / "state"
+        self.log_path = base / "tsord.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, kubeconfig: str | None = None) -> None:
+        cfg = self.base / "tsor.yaml"
+        cfg.write_text(json.dumps({"node": NODE, "socket": self.socket, "metrics": f"unix:{self.metrics}",
+                                   "state_dir": str(self.state_dir),
+                                   **({"kubernetes": {"kubeconfig": kubeconfig}} if kubeconfig else {})}))
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tsor.daemon", "--config", str(cfg), "--debug"],
+                                         stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO,
+                                         env=dict(os.environ, PYTHONPATH=REPO))
+        deadline = time.monotonic() + 60   # the kubernetes client takes seconds to import on a busy host
+        while not (os.path.exists(self.socket) and os.path.exists(self.metrics)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tsord did not start:\n{self.log()}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        p, self.proc = self.proc, None
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+        for path in (self.socket, self.metrics):
+            if os.path.exists(path):
+                os.unlink(path)
+
+    def counters(self) -> dict[str, float]:
+        return parse(fetch(self.metrics))
+
+    def registered(self) -> dict[str, dict]:
+        """The pods quark-cni registered, by sandbox id, as tsord keeps them (state_dir/pods.json)."""
+        try:
+            saved = json.loads((self.state_dir / "pods.json").read_text())
+        except FileNotFoundError:
+            return {}
+        return {p["sandbox"]: p for p in saved["pods"]}
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tsor")
+
+
+@pytest.fixture(scope="module")
+def cd(base):
+    # quark-cni fails closed here: a pod starts only once this test's tsord holds its registration
+    with cri_env.running(quark_cni_conf={"failOpen": False, "tsorSocket": str(base / "tsord.sock")}) as d:
+        yield d
+
+
+@pytest.fixture
+def tsord(base):
+    t = Tsord(base)
+    try:
+        yield t
+    finally:
+        t.stop()
+        print(t.log()[-4000:])   # shown when the test fails
+
+
+@pytest.fixture
+def cri(cd, tsord):
+    with CheckedCri(cd) as c:
+        yield c
+        c.remove_all_pods()   # while tsord still runs: quark-cni's DEL deregisters
+
+
+def tsor_pod(cri, name: str, annotate_socket: str | None) -> tuple[str, pb.PodSandboxConfig, str]:
+    """RunPodSandbox (handler quark), with the annotation naming `annotate_socket` when given:
+    (pod id, config, pod IP)."""
+    annotations = {SOCKET_ANNOTATION: annotate_socket} if annotate_socket else {}
+    pod, config = cri.run_pod(name, "quark", annotations=annotations)
+    return pod, config, cri.pod_status(pod).status.network.ip
+
+
+def run_client(cri, pod: str, config, name: str, urls: list[str]) -> str:
+    """A container in `pod` that fetches each URL once (busybox wget) and exits: its log."""
+    script = "; ".join(f"wget -qO- {u} || echo FAILED-{u}" for u in urls)
+    cid = cri.create_container(pod, config, name, IMAGE, ["sh", "-c", script])
+    cri.start_container(cid)
+    st = wait_for(f"{name} to exit", lambda: (lambda s: s if s.state == pb.CONTAINER_EXITED else None)(
+        cri.container_status(cid)), timeout=120)
+    with open(os.path.join(config.log_directory, name, "0.log"), encoding="utf-8") as f:
+        out = "".join(line.split(" ", 3)[3] + "\n" for line in f.read().splitlines() if line.count(" ") >= 3)
+    assert st.exit_code == 0, out
+    return out
+
+
+def routes_synced(m: dict[str, float]) -> bool:
+    """tsord's route source has listed every kind and holds both pods and the Service."""
+    synced = [v for k, v in m.items() if k.startswith("tsor_route_source_synced")]
+    return m.get("tsor_route_pods") == 2 and m.get("tsor_route_services", 0) >= 1 and bool(synced) and all(synced)
+
+
+def test_two_quark_pods_use_the_local_path_and_quark_cni_registers_them(cd, tsord, cri):
+    tsord.start()
+    before = tsord.counters()
+    srv, srv_conf, srv_ip = tsor_pod(cri, "tsor-srv", tsord.socket)
+    cli, cli_conf, cli_ip = tsor_pod(cri, "tsor-cli", tsord.socket)
+    # quark-cni's ADD: each pod by its sandbox id, netns, CRI's pod IP, and its name/namespace/uid
+    # from CNI_ARGS, checked by tsord against the kernel
+    pods = tsord.registered()
+    for pod, conf, ip in ((srv, srv_conf, srv_ip), (cli, cli_conf, cli_ip)):
+        assert pod in pods, f"{conf.metadata.name} not registered: {pods}"
+        reg = pods[pod]
+        assert (reg["name"], reg["namespace"], reg["uid"], reg["ips"]) == \
+            (conf.metadata.name, "default", conf.metadata.uid, [ip]), reg
+        assert reg["netns"].startswith("/var/run/netns/cni-") and reg["ifname"] == "eth0", reg
+    assert tsord.counters()["tsor_pods"] == before["tsor_pods"] + 2
+
+    start_httpd(cri, srv, srv_conf, "srv")
+    n = 3
+    out = run_client(cri, cli, cli_conf, "cli", [f"http://{srv_ip}:8080/"] * n)
+    assert out == "hello-srv\n" * n, out
+    after = tsord.counters()
+    # every connection took the local path (an AF_UNIX pair tsord handed out), none went native
+    assert after.get(LOCAL, 0.0) == before.get(LOCAL, 0.0) + n, tsord.log()[-3000:]
+    assert f"{srv_ip}:8080: local" in tsord.log()
+
+    # quark-cni's DEL at StopPodSandbox/RemovePodSandbox: the registrations go with the pods
+    for pod in (srv, cli):
+        cri.teardown_pod(pod)
+    assert not {srv, cli} & set(tsord.registered())
+    assert tsord.counters()["tsor_pods"] == before["tsor_pods"]
+
+
+def test_without_the_socket_annotation_pods_talk_plain_tcp(cd, tsord, cri):
+    # the control: the same pods and connections, but their sandboxes are not told of this tsord
+    # (no tsord at the default socket either), so the connection is native TCP over the bridge;
+    # quark-cni registers the pods all the same: the conflist, not the pod, decides that
+    tsord.start()
+    before = tsord.counters()
+    srv, srv_conf, srv_ip = tsor_pod(cri, "plain-srv", None)
+    cli, cli_conf, _ = tsor_pod(cri, "plain-cli", None)
+    assert {srv, cli} <= set(tsord.registered())
+    start_httpd(cri, srv, srv_conf, "srv")
+    assert run_client(cri, cli, cli_conf, "cli", [f"http://{srv_ip}:8080/"]) == "hello-srv\n"
+    after = tsord.counters()
+    assert after.get(LOCAL, 0.0) == before.get(LOCAL, 0.0)
+    assert after["tsor_sandboxes"] == 0
+
+
+def test_a_service_clusterip_reaches_a_quark_pod_over_the_local_path(cd, tsord, cri, base):
+    api = k8s.FakeKubeAPI()
+    try:
+        api.put("nodes", k8s.node(NODE, "10.215.15.1", [cri_env.SUBNET]))
+        tsord.start(kubeconfig=api.kubeconfig(str(base / "kubeconfig")))   # before the pods: quark-cni fails closed
+        srv, srv_conf, srv_ip = tsor_pod(cri, "web-0", tsord.socket)
+        cli, cli_conf, cli_ip = tsor_pod(cri, "shop-0", tsord.socket)
+        # what the API server would hold for these pods on this node: runtimeClassName quark, their
+        # CRI addresses, and a Service selecting the server with its EndpointSlice
+        api.put("pods", k8s.pod("web-0", [srv_ip], NODE, labels={"app": "web"}))
+        api.put("pods", k8s.pod("shop-0", [cli_ip], NODE, labels={"app": "shop"}))
+        api.put("services", k8s.service("web", CLUSTER_IP, [("http", 80, 8080)]))
+        api.put("endpointslices", k8s.endpoint_slice("web-1", "web", [(srv_ip, True, NODE)], [("http", 8080)]))
+        wait_for("tsord's routes from the API stand-in", lambda: routes_synced(tsord.counters()), timeout=120)
+        start_httpd(cri, srv, srv_conf, "web")
+        before = tsord.counters().get(LOCAL, 0.0)
+        out = run_client(cri, cli, cli_conf, "shop", [f"http://{CLUSTER_IP}:80/"])
+        assert out == "hello-web\n", out + tsord.log()[-3000:]
+        assert tsord.counters().get(LOCAL, 0.0) == before + 1
+        assert f"{CLUSTER_IP}:80 ({srv_ip}:8080): local" in tsord.log()
+    finally:
+        api.stop()
