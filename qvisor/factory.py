@@ -650,7 +650,8 @@ def _preload() -> None:
     for verb in SERVED | {"run"}:
         importlib.import_module(f"qvisor.commands.{cli.COMMANDS[verb][0]}")
     for name in ("qvisor.container", "qvisor.validate", "qvisor.spec", "qvisor.supervisor", "qvisor.hooks",
-                 "qvisor.procview", "qvisor.hibernate", "qvisor.readiness", "qvisor.swap",
+                 "qvisor.procview", "qvisor.fuse", "qvisor.security", "qvisor.hibernate", "qvisor.readiness",
+                 "qvisor.swap", "qkernel.fastpath",
                  "qkernel", "qkernel.seccomp_platform", "qkernel.policy", "tsor.intercept", "tsor.sandbox",
                  "qvisor.cgroups.v1", "qvisor.cgroups.v2", "yaml", "seccomp"):
         try:
