@@ -128,8 +128,6 @@ def request(argv: list[str], stdio: tuple[int, int, int] = (0, 1, 2), env: dict[
             os.close(cwd)
     try:
         reply = s.recv(4096)
-        if reply[:1] == b"X":
-            _wait_worker_gone(s)
     except ConnectionResetError:
         return None   # the factory exited with our request still queued: nothing of it ran
     except OSError:
@@ -144,18 +142,6 @@ def request(argv: list[str], stdio: tuple[int, int, int] = (0, 1, 2), env: dict[
     # the worker ran (part of) the verb and died: running it again could do it twice
     from qlib.errors import QuarkError
     raise QuarkError(f"{prog}: the factory's worker ended without an exit status")
-
-
-def _wait_worker_gone(s: socket.socket) -> None:
-    """The worker sends its exit status, then exits, and its end of the socket closes as it does:
-    waiting for that end of file means no process of the verb is left when the caller goes on
-    (as with the CLI, whose verb runs in its own process). At most 5 s."""
-    s.settimeout(5)
-    try:
-        while s.recv(64):
-            pass
-    except OSError:
-        pass
 
 
 def _umask() -> int:
@@ -532,6 +518,7 @@ class Factory:
                 sys.stderr.flush()
             except (OSError, ValueError):
                 pass
+            _forget_the_caller()
             try:
                 conn.send(b"X%d" % code)
             except OSError:
@@ -563,6 +550,24 @@ class Factory:
             L.set_cmdline([prog, *argv], env)
         except OSError as e:   # cosmetic (ps); a kernel without PR_SET_MM_MAP
             log.debug("cmdline not set: %s", e)
+
+
+def _forget_the_caller() -> None:
+    """The verb is done; before the caller hears so, drop what this process holds of it: its stdio
+    (a pipe reader sees end of file now), its cwd (a bundle the caller is in) and its command line
+    (`ps` and /proc/PID/cmdline name the bundle). The exit that follows takes a few ms for a process
+    this size (its page tables); the caller does not wait for it."""
+    for fd in (0, 1, 2):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    try:
+        os.chdir("/")
+        from qlib import linux as L
+        L.set_cmdline(["quark-factory-worker"], {})
+    except OSError:
+        pass
 
 
 def _rehearse() -> None:

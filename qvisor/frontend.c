@@ -19,7 +19,6 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,27 +98,6 @@ static int detached(int argc, char **argv)
         if (in(argv[i], detach_flags))
             return 1;
     return 0;
-}
-
-/* The worker sends its exit status, then exits; its end of the socket closes as it does (after its
-   memory, argv included, is gone). Waiting for that end of file means that when `quark` returns no
-   process of the verb is left, as with the Python CLI, whose verb runs in the process itself. */
-static void wait_worker_gone(int s)
-{
-    char buf[64];
-    struct pollfd p = {.fd = s, .events = POLLIN};
-    for (;;) {
-        int r = poll(&p, 1, 5000);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0)
-            return;   /* a worker that outlives its verb by 5 s is not waited for */
-        ssize_t n = recv(s, buf, sizeof buf, 0);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return;
-    }
 }
 
 int main(int argc, char **argv)
@@ -207,7 +185,6 @@ int main(int argc, char **argv)
     }
     if (n > 1 && reply[0] == 'X') {
         reply[n] = 0;
-        wait_worker_gone(s);
         return atoi(reply + 1) & 0xff;
     }
     /* the worker ran (part of) the verb and died: running it again could do it twice */
