@@ -105,15 +105,18 @@ def free_port() -> int:
 def node(tmp_path):
     started = []
 
-    def make(name="node-a", owned=None, nodes=(), listen=None, metrics=None, secret=SECRET, kubernetes=None):
-        """`kubernetes`: routes from that API server (the source tsor.yaml's `kubernetes` chooses), not `nodes`."""
+    def make(name="node-a", owned=None, nodes=(), listen=None, metrics=None, secret=SECRET, kubernetes=None,
+             transport=(("*", "auto"),)):
+        """`kubernetes`: routes from that API server (the source tsor.yaml's `kubernetes` chooses), not `nodes`.
+        `transport`: tsor.yaml's node-to-node transport, as Config holds it."""
         sock = str(tmp_path / f"{name}.sock")
         d = Daemon(Config(node=name, socket=sock, listen=listen, metrics=metrics, cluster_secret=secret,
-                          kubernetes=kubernetes, state_dir=str(tmp_path / f"{name}-state")),
+                          kubernetes=kubernetes, transport=transport, state_dir=str(tmp_path / f"{name}-state")),
                    verifier=FakeVerifier(owned or {}), route_source=None if kubernetes else StaticRoutes(list(nodes)))
         d.start()
         started.append(d)
         return d
+    make.dir = tmp_path   # for files of the test's own beside the daemons'
     yield make
     for d in started:
         d.stop()

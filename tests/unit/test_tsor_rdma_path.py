@@ -14,43 +14,23 @@ import time
 import pytest
 
 from qlib.eventloop import Loop
-from tests.unit.test_tsor_daemon import (
-    SECRET,
-    FakeVerifier,
-    Sandbox,
-    StaticRoutes,
-    free_port,
-)
+from tests.unit.test_tsor_daemon import SECRET, Sandbox, free_port, node  # noqa: F401 (node: a fixture)
 from tsor import protocol
-from tsor.config import Config, HostPort, load
+from tsor.config import HostPort, load
 from tsor.daemon import Daemon
 from tsor.errors import ConfigError
 from tsor.metrics import parse
 from tsor.routes import Node
 
 
-@pytest.fixture
-def node(tmp_path):
-    started = []
-
-    def make(name, owned, nodes, listen, transport):
-        d = Daemon(Config(node=name, socket=str(tmp_path / f"{name}.sock"), listen=listen, cluster_secret=SECRET,
-                          transport=transport, metrics=str(tmp_path / f"{name}-metrics.sock")),
-                   verifier=FakeVerifier(owned), route_source=StaticRoutes(list(nodes)))
-        d.start()
-        started.append(d)
-        return d
-    yield make
-    for d in started:
-        d.stop()
-
-
 def two_nodes(node, transport_a, transport_b):
     pa, pb = free_port(), free_port()
     nodes = [Node("node-a", HostPort("127.0.0.1", pa), (ipaddress.ip_network("10.1.0.0/24"),)),
              Node("node-b", HostPort("127.0.0.1", pb), (ipaddress.ip_network("10.2.0.0/24"),))]
-    a = node("node-a", {"cli": {"10.1.0.5"}}, nodes, HostPort("127.0.0.1", pa), transport_a)
-    b = node("node-b", {"srv": {"10.2.0.7"}}, nodes, HostPort("127.0.0.1", pb), transport_b)
+    a = node("node-a", {"cli": {"10.1.0.5"}}, nodes, HostPort("127.0.0.1", pa),
+             metrics=str(node.dir / "node-a-metrics.sock"), transport=transport_a)
+    b = node("node-b", {"srv": {"10.2.0.7"}}, nodes, HostPort("127.0.0.1", pb),
+             metrics=str(node.dir / "node-b-metrics.sock"), transport=transport_b)
     loop = Loop()
     srv = Sandbox(loop, b.cfg.socket, "srv", ["10.2.0.7"])
     cli = Sandbox(loop, a.cfg.socket, "cli", ["10.1.0.5"])
