@@ -288,11 +288,7 @@ class Daemon:
         try:
             ident = self.verifier.verify(sess.peer_pid, hello)
             with self._lock:
-                for other in self.sessions:
-                    if (other is not sess and other.identity is not None
-                            and other.identity.netns != ident.netns and other.identity.addrs & ident.addrs):
-                        raise NotAllowed(f"addresses {sorted(other.identity.addrs & ident.addrs)} "
-                                         f"belong to sandbox {other.identity.sandbox}")
+                self._refuse_held_by_another_sandbox(ident.addrs, ident.netns, besides=sess)
                 pod = self.pods.claimed_elsewhere(set(ident.addrs), ident.netns)
                 if pod is not None:
                     raise NotAllowed(f"addresses {sorted(ident.addrs & set(pod.ips))} belong to pod {pod.label}")
@@ -305,6 +301,17 @@ class Daemon:
         log.info("sandbox %s registered%s: %s", ident.sandbox, f" (pod {pod.label})" if pod else "",
                  ", ".join(sorted(ident.addrs)) or "no addresses")
         sess.send(protocol.reply(mid, ok=True, node=self.cfg.node))
+
+    def _refuse_held_by_another_sandbox(self, addrs: set[str] | frozenset[str], netns: int,
+                                        besides: Session | None = None) -> None:
+        """NotAllowed if a registered sandbox (other than `besides`) of another network namespace
+        holds one of `addrs` (the caller holds self._lock)."""
+        for other in self.sessions:
+            if other is besides or other.identity is None:
+                continue
+            taken = other.identity.addrs & addrs
+            if taken and other.identity.netns != netns:
+                raise NotAllowed(f"addresses {sorted(taken)} belong to sandbox {other.identity.sandbox}")
 
     # ---- pods registered by quark-cni (cni/plugin.py) ------------------------------------------
     def _pod_request(self, msg: object) -> dict:
@@ -334,10 +341,7 @@ class Daemon:
                     raise NotAllowed(f"pod {pod.label} was registered with netns {pod.netns} and {list(pod.ips)}")
                 return {"ok": True}
             with self._lock:
-                for other in self.sessions:
-                    taken = other.identity.addrs & set(ips) if other.identity is not None else set()
-                    if taken and other.identity.netns != inode:
-                        raise NotAllowed(f"addresses {sorted(taken)} belong to sandbox {other.identity.sandbox}")
+                self._refuse_held_by_another_sandbox(set(ips), inode)
             pod = Pod(msg.sandbox, msg.ifname, msg.netns, inode, ips, msg.name, msg.namespace, msg.uid)
             self.pods.add(pod)
         except NotAllowed as e:
@@ -374,23 +378,24 @@ class Daemon:
             # a Service ClusterIP:port goes to one of its endpoints (the reply names none of this:
             # the application's peer stays the address it dialled, as with kube-proxy's DNAT)
             dst = self._endpoint(dst, fam)
-        if own and dst is not None and not self._policy_allows(sess, own[0], dst):
-            dst = None   # NetworkPolicy denies it, or tsord cannot tell: the node's enforcement decides
         if own and dst is not None:
             src = (own[0], msg.src_port)
-            try:
-                if dst in self.listeners:
-                    path, sock = "local", self.local.connect(None, src, dst)
-                else:
-                    node = self.routes.lookup(dst[0])
-                    if node is not None and node.name != self.cfg.node:
-                        if self.rdma.usable(node):
-                            path, sock = "rdma", self.rdma.connect(node, src, dst)
-                        else:
-                            path, sock = "tcp", self.remote.connect(node, src, dst)
-            except OSError as e:
-                log.warning("connect %s -> %s failed: %s", sess.name, dst, e)
-                sock = None
+            local = dst in self.listeners
+            node = None if local else self.routes.lookup(dst[0])
+            carried = local or (node is not None and node.name != self.cfg.node)
+            # a TSoR path skips the node's packet filters: only what NetworkPolicy allows takes one
+            # (denied, or tsord cannot tell: native, where the node's enforcement decides)
+            if carried and self._policy_allows(sess, own[0], dst):
+                try:
+                    if local:
+                        path, sock = "local", self.local.connect(None, src, dst)
+                    elif self.rdma.usable(node):
+                        path, sock = "rdma", self.rdma.connect(node, src, dst)
+                    else:
+                        path, sock = "tcp", self.remote.connect(node, src, dst)
+                except OSError as e:
+                    log.warning("connect %s -> %s failed: %s", sess.name, dst, e)
+                    sock = None
         if sock is None:
             path = "fallback"
         self.metrics.connected(path, time.monotonic() - t0)
@@ -408,9 +413,9 @@ class Daemon:
             pass
 
     def _policy_allows(self, sess: Session, src_ip: str, dst: Endpoint) -> bool:
-        """With routes from Kubernetes, whether the NetworkPolicies allow this connection (TSoR
-        would carry it past the node's enforcement; tsor/netpol.py). Both ends must be quark pods
-        the route source knows; anything else, or a policy tsord cannot evaluate, is native."""
+        """With routes from Kubernetes, whether the NetworkPolicies allow a connection TSoR would
+        carry (tsor/netpol.py). Both ends must be quark pods the route source knows; anything else,
+        or a policy tsord cannot evaluate, is native."""
         policy = self.routes.policy
         if policy is None:
             return True   # routes from a file: no Kubernetes, no NetworkPolicy
