@@ -107,10 +107,9 @@ class PodRegistry:
         """Register `pod` (replacing an earlier registration of the same sandbox and interface);
         NotAllowed if another pod's namespace holds one of its addresses."""
         with self._lock:
-            for other in self._pods.values():
-                shared = set(other.ips) & set(pod.ips)
-                if other.key != pod.key and other.netns_inode != pod.netns_inode and shared:
-                    raise NotAllowed(f"addresses {sorted(shared)} belong to pod {other.label}")
+            other = self._held_elsewhere(set(pod.ips), pod.netns_inode, besides=pod.key)
+            if other is not None:
+                raise NotAllowed(f"addresses {sorted(set(other.ips) & set(pod.ips))} belong to pod {other.label}")
             if pod.key not in self._pods and len(self._pods) >= MAX_PODS:
                 raise NotAllowed(f"{MAX_PODS} pods are registered already")
             self._pods[pod.key] = pod
@@ -129,7 +128,11 @@ class PodRegistry:
     def claimed_elsewhere(self, addrs: set[str], inode: int) -> Pod | None:
         """A pod of another network namespace registered with one of `addrs`."""
         with self._lock:
-            return next((p for p in self._pods.values() if p.netns_inode != inode and addrs & set(p.ips)), None)
+            return self._held_elsewhere(addrs, inode)
+
+    def _held_elsewhere(self, addrs: set[str], inode: int, besides: str | None = None) -> Pod | None:
+        return next((p for p in self._pods.values()
+                     if p.key != besides and p.netns_inode != inode and addrs & set(p.ips)), None)
 
     def by_netns(self, inode: int) -> Pod | None:
         with self._lock:
