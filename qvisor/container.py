@@ -75,7 +75,8 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     try:
         shutil.copyfile(os.path.join(bundle, "config.json"), store.path(container_id, CONFIG_COPY))
         st = ContainerState(id=container_id, bundle=bundle, created=now_rfc3339(),
-                            annotations=security.reported(spec.annotations, report), rootfs=spec.root.path, platform=platform,
+                            annotations=security.reported(spec.annotations, report), rootfs=spec.root.path,
+                            platform=platform,
                             cgroup_path=cgroups.open_cgroup(spec.linux.cgroups_path or
                                                             cgroups.default_path(container_id)).path)
         r, w = os.pipe2(os.O_CLOEXEC)
