@@ -333,7 +333,9 @@ def test_a_slot_is_not_reused_while_the_acceptor_still_delivers_its_last_bytes()
             assert c.recv(4) == b"pong" and s.recv(1) == b""
             c.close()
             s.close()
-            wait_for(lambda: n.channels(n.a, n.la) == 0)
+            # the opener may take this slot again only after the acceptor's RELEASE, which trails
+            # the close: wait for it, or a link of two slots a side is (correctly) full
+            wait_for(lambda: n.channels(n.a, n.la) == 0 and n.a.call(lambda: len(n.la.unreleased)) == 1)
         assert drain(server) == (len(data), hashlib.sha256(data).hexdigest())
         server.close()
         client.close()
