@@ -1,5 +1,6 @@
 """The compiled fast path (qkernel/fastpath.c), loaded with ctypes: the seccomp receiver loop that
-answers TCP_NODELAY/TCP_CORK on TSoR's local-path sockets without Python.
+answers TCP_NODELAY/TCP_CORK on TSoR's local-path sockets without Python, and TSoR's connect-time
+check that a socket is not also held elsewhere in the task.
 
 `make install` builds qkernel/_fastpath.so (gcc). Without it, or when it is older than its source,
 `load()` answers None and every trapped call goes through Python as before: same answers, slower.
@@ -32,6 +33,7 @@ class FastPath:
         lib.qfp_remove.argtypes = [ctypes.c_uint64]
         lib.qfp_init.argtypes = [ctypes.c_int, ctypes.c_uint32]
         lib.qfp_answered.restype = ctypes.c_uint64
+        lib.qfp_held_elsewhere.argtypes = [ctypes.c_uint32, ctypes.c_int, ctypes.c_uint64]
 
     def init(self, setsockopt_nr: int, audit_arch: int) -> None:
         self._lib.qfp_init(setsockopt_nr, audit_arch)
@@ -58,6 +60,11 @@ class FastPath:
 
     def set(self, inode: int, opt: int, value: bool) -> bool:
         return self._lib.qfp_set(inode, opt, int(value)) == 0
+
+    def held_elsewhere(self, pid: int, fd: int, ino: int) -> bool:
+        """tsor/_sys.py's held_elsewhere, compiled: is the socket at the task's fd also another fd
+        of the task, or in one of its epoll sets (or are its fds unreadable)?"""
+        return self._lib.qfp_held_elsewhere(pid, fd, ino) != 0
 
     @property
     def answered(self) -> int:

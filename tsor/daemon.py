@@ -33,6 +33,7 @@ from tsor.gate import Gate, Pending
 from tsor.identity import Identity, ProcVerifier, Verifier
 from tsor.metrics import Metrics, MetricsServer
 from tsor.netpol import ALLOW, UNKNOWN, PodRef
+from tsor.peers import Generation
 from tsor.pods import Pod, PodRegistry, check_claim
 from tsor.transport.local import LocalTransport
 from tsor.transport.rdma_link import RdmaTransport
@@ -51,6 +52,7 @@ class Session:
     def __init__(self, daemon: "Daemon", sock: socket.socket, peer_pid: int) -> None:
         self.daemon, self.sock, self.peer_pid = daemon, sock, peer_pid
         self.identity: Identity | None = None
+        self.direct = False     # takes routes and channels to other sandboxes' listeners (tsor/peers.py)
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._waiting: dict[int, concurrent.futures.Future] = {}
@@ -101,6 +103,10 @@ class Daemon:
         self.verifier = verifier or ProcVerifier()
         self.metrics = Metrics()
         self.routes = routesmod.RouteTable()
+        # the route generation supervisors check before connecting directly (tsor/peers.py): any
+        # change of the routes or NetworkPolicies bumps it
+        self.generation = Generation()
+        self.routes.changed = self.generation.bump
         self.route_source = route_source or _route_source(cfg)
         self.pods = PodRegistry(os.path.join(cfg.state_dir, "pods.json"))
         self.own_netns = os.stat("/proc/self/ns/net").st_ino
@@ -177,6 +183,7 @@ class Daemon:
         for sess in list(self.sessions):
             sess.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.generation.close()
         log.info("tsord stopped")
 
     # ---- new connections: no thread until the hello checks out -----------------------------------
@@ -281,6 +288,8 @@ class Daemon:
         elif isinstance(msg, protocol.Connect):
             if not self._stopped.is_set():
                 self.pool.submit(self._connect, sess, mid, msg)
+        elif isinstance(msg, protocol.Tally):   # counts of connections made over channels; no reply
+            self.metrics.tallied("local", msg.connections, msg.incoming)
         else:
             sess.send(protocol.reply(mid, error=f"{type(msg).__name__.lower()} is not a request to tsord"))
 
@@ -293,6 +302,7 @@ class Daemon:
                 if pod is not None:
                     raise NotAllowed(f"addresses {sorted(ident.addrs & set(pod.ips))} belong to pod {pod.label}")
                 sess.identity = ident
+                sess.direct = hello.direct
         except NotAllowed as e:
             self.metrics.error("claim")
             log.warning("registration of %s refused: %s", hello.sandbox, e)
@@ -300,7 +310,10 @@ class Daemon:
         pod = self.pods.by_netns(ident.netns)
         log.info("sandbox %s registered%s: %s", ident.sandbox, f" (pod {pod.label})" if pod else "",
                  ", ".join(sorted(ident.addrs)) or "no addresses")
-        sess.send(protocol.reply(mid, ok=True, node=self.cfg.node))
+        if sess.direct:   # the route generation's page goes with the answer
+            sess.send(protocol.reply(mid, ok=True, node=self.cfg.node, direct=True), [self.generation.fd])
+        else:
+            sess.send(protocol.reply(mid, ok=True, node=self.cfg.node))
 
     def _refuse_held_by_another_sandbox(self, addrs: set[str] | frozenset[str], netns: int,
                                         besides: Session | None = None) -> None:
@@ -370,7 +383,9 @@ class Daemon:
     # ---- connections ---------------------------------------------------------------------------
     def _connect(self, sess: Session, mid: int, msg: protocol.Connect) -> None:
         t0 = time.monotonic()
+        generation = self.generation.value   # before anything is decided: a change meanwhile voids the route
         dst = (unmapped(msg.dst[0]), msg.dst[1])
+        dialled = dst
         fam = family_of(dst[0])
         own = sorted(a for a in sess.identity.addrs if family_of(a) == fam)
         path, sock = "fallback", None
@@ -408,9 +423,36 @@ class Daemon:
                 with sock:
                     if path == "tcp":
                         self.bytes.track(sock)
-                    sess.send(protocol.reply(mid, path=path, src=src), [sock.fileno()])
+                    route = self._route(sess, dst, generation) if path == "local" and dst == dialled else None
+                    if route is None:
+                        sess.send(protocol.reply(mid, path=path, src=src), [sock.fileno()])
+                    else:
+                        fields, channel = route
+                        with channel:
+                            sess.send(protocol.reply(mid, path=path, src=src, direct=fields),
+                                      [sock.fileno(), channel.fileno()])
         except OSError:
             pass
+
+    def _route(self, sess: Session, dst: Endpoint, generation: int) -> tuple[dict, socket.socket] | None:
+        """For a local-path connect to a pod address (never a Service's): a route and a channel end
+        to the listening sandbox, whose supervisor gets the other end now (tsor/peers.py); None when
+        either sandbox cannot take one."""
+        entry = self.listeners.get(dst)
+        if entry is None or not sess.direct:
+            return None
+        server, token = entry
+        if not server.direct or server.identity is None:
+            return None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            with theirs:
+                server.send(protocol.encode(next(server._ids), protocol.Peer(sess.name, sorted(sess.identity.addrs))),
+                            [theirs.fileno()])
+        except OSError:
+            ours.close()
+            return None
+        return {"token": token, "generation": generation, "sandbox": server.name}, ours
 
     def _policy_allows(self, sess: Session, src_ip: str, dst: Endpoint) -> bool:
         """With routes from Kubernetes, whether the NetworkPolicies allow a connection TSoR would

@@ -153,7 +153,8 @@ class SocketIntercept:
                 raise _Native   # UDP (DNS), a connected socket, ...: native, before any /proc scan
             if s.family == socket.AF_INET6 and ":" not in ip and s.getsockopt(SOL_IPV6, socket.IPV6_V6ONLY):
                 raise _Native
-            if _sys.held_elsewhere(call.pid, fd, ino):
+            if (self.fast.held_elsewhere(call.pid, fd, ino) if self.fast is not None
+                    else _sys.held_elsewhere(call.pid, fd, ino)):
                 # dup'ed or already in an epoll set (nginx registers before connect): swapping the
                 # socket would leave those references on the old one, so this connection stays native
                 raise _Native

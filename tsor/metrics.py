@@ -68,6 +68,12 @@ class Metrics:
         with self._lock:
             self.incoming[path] += 1
 
+    def tallied(self, path: str, connections: int, incoming: int) -> None:
+        """Connections sandboxes made and took over their direct channels (tsor/peers.py)."""
+        with self._lock:
+            self.connections[path] += connections
+            self.incoming[path] += incoming
+
     def policy_native(self, verdict: str) -> None:
         with self._lock:
             self._policy_native[verdict] += 1

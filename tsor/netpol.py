@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ALLOW, DENY, UNKNOWN = "allow", "deny", "unknown"
@@ -84,6 +85,9 @@ class PolicySet:
         self.policies: dict[tuple[str, str], dict] = {}    # (namespace, name) -> the object (API JSON)
         self.namespaces: dict[str, dict[str, str]] = {}    # name -> labels
         self._listed: set[str] = set()   # "policies", "namespaces": listed at least once
+        # called after every change: tsord bumps its route generation (tsor/peers.py), so that no
+        # supervisor keeps connecting directly on a decision the change may have altered
+        self.changed: Callable[[], None] = _nothing
 
     @property
     def synced(self) -> bool:
@@ -95,20 +99,24 @@ class PolicySet:
         meta = obj.get("metadata") or {}
         with self._lock:
             self.policies[(meta.get("namespace", "default"), meta.get("name", ""))] = obj
+        self.changed()
 
     def delete_policy(self, namespace: str, name: str) -> None:
         with self._lock:
             self.policies.pop((namespace, name), None)
+        self.changed()
 
     def put_namespace(self, obj: dict) -> None:
         meta = obj.get("metadata") or {}
         name = meta.get("name", "")
         with self._lock:
             self.namespaces[name] = {NAME_LABEL: name, **(meta.get("labels") or {})}
+        self.changed()
 
     def delete_namespace(self, name: str) -> None:
         with self._lock:
             self.namespaces.pop(name, None)
+        self.changed()
 
     def sync_policies(self, objs: list[dict]) -> None:
         """A fresh list of the policies (a relist)."""
@@ -119,6 +127,7 @@ class PolicySet:
         with self._lock:
             self.policies = fresh
             self._listed.add("policies")
+        self.changed()
 
     def sync_namespaces(self, objs: list[dict]) -> None:
         """A fresh list of the namespaces (a relist)."""
@@ -129,6 +138,7 @@ class PolicySet:
         with self._lock:
             self.namespaces = fresh
             self._listed.add("namespaces")
+        self.changed()
 
     def replace(self, policies: list[dict], namespaces: list[dict]) -> None:
         """Both lists at once."""
@@ -243,3 +253,7 @@ def _in_block(block: dict, ip: str) -> bool:
                        if ipaddress.ip_network(e, strict=False).version == addr.version)
     except ValueError:
         raise _Unknown(f"ipBlock {block!r} is not a CIDR") from None
+
+
+def _nothing() -> None:
+    pass

@@ -4,11 +4,19 @@ SEQPACKET keeps each message and its fds one record, so nothing depends on how a
 A request is {"op": NAME, "id": N, ...fields}; its reply is {"re": N, ...}. Both sides send
 requests: the sandbox asks to connect and announces listeners; tsord offers incoming connections.
 
-    sandbox -> tsord  hello     {sandbox, pid, addrs}           -> {ok, node} | {error}
+    sandbox -> tsord  hello     {sandbox, pid, addrs, direct}   -> {ok, node, direct} + generation fd | {error}
                       listen    {token, addr, port, v6only}     -> {ok} | {error}
                       unlisten  {token}                         -> {ok}
-                      connect   {dst: [ip, port], src_port}     -> {path: local|tcp|rdma, src, fd} | {path: fallback}
+                      connect   {dst: [ip, port], src_port}     -> {path: local|tcp|rdma, src, [direct]} + fd
+                                                                   [+ channel fd] | {path: fallback}
+                      tally     {connections, incoming}         (no reply: counts of direct connections)
     tsord -> sandbox  incoming  {token, peer, local, path, greet} + fd -> {ok}
+                      peer      {sandbox, addrs} + channel fd   -> {ok}
+
+`direct` (tsor/peers.py): a sandbox that says it can is given, with a local-path answer, a route
+({token, generation, sandbox}) and a channel end to the listening sandbox, whose supervisor got the
+other end in a `peer` message; later connects to that address go over the channel as `incoming`
+records (the same record tsord sends) while tsord's route generation, shared at hello, is unchanged.
 
 A connect to a Service ClusterIP:port is answered like one to the endpoint tsord picked for it, but
 the reply never names that endpoint: the sandbox records the address the application dialled as the
@@ -48,6 +56,7 @@ class Hello:
     sandbox: str
     pid: int
     addrs: list[str]
+    direct: bool = False  # takes routes and channels to other sandboxes' listeners (tsor/peers.py)
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,18 @@ class Incoming:
     local: Endpoint
     path: str
     greet: bool = False  # write b"\x01" on the socket before queueing it (tcp path, see transport/tcp.py)
+
+
+@dataclass(frozen=True)
+class Peer:
+    sandbox: str         # the client sandbox the channel sent with this message serves
+    addrs: list[str]     # ... and its addresses, as tsord verified them: the only peers it may claim
+
+
+@dataclass(frozen=True)
+class Tally:
+    connections: int     # local-path connections this sandbox made over channels since its last tally
+    incoming: int        # ... and took from channels
 
 
 @dataclass(frozen=True)
@@ -114,7 +135,8 @@ class Ping:
 
 
 POD_REQUESTS = (PodAdd, PodDel, PodCheck, PodGc, Ping)
-MESSAGES = {cls.__name__.lower(): cls for cls in (Hello, Listen, Unlisten, Connect, Incoming, *POD_REQUESTS)}
+MESSAGES = {cls.__name__.lower(): cls for cls in (Hello, Listen, Unlisten, Connect, Incoming, Peer, Tally,
+                                                  *POD_REQUESTS)}
 
 
 def _endpoint(v: Any, field: str) -> Endpoint:

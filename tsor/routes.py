@@ -92,8 +92,21 @@ class RouteTable:
         self._slice_owner: dict[tuple[str, str], tuple[str, str]] = {}     # (ns, slice) -> (ns, service)
         # NetworkPolicies (tsor/netpol.py), kept by the Kubernetes source: None where routes come from a
         # file, whose nodes are no Kubernetes cluster
-        self.policy = None
+        self._policy = None
+        # called after every change (tsord bumps its route generation: tsor/peers.py)
+        self.changed: Callable[[], None] = _nothing
         self.replace(nodes)
+
+    @property
+    def policy(self):
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy) -> None:
+        self._policy = policy
+        if policy is not None:
+            policy.changed = lambda: self.changed()
+        self.changed()
 
     # ---- the static file: CIDRs of nodes ---------------------------------------------------------
     def replace(self, nodes: list[Node]) -> None:
@@ -108,6 +121,7 @@ class RouteTable:
         with self._lock:
             self._entries, self._hosts = entries, hosts
             self.nodes = {n.name: n for n in nodes}
+        self.changed()
 
     def lookup(self, ip: str) -> Node | None:
         """The node holding pod address `ip`, None when no route source knows it."""
@@ -144,6 +158,7 @@ class RouteTable:
                     by_service.setdefault((ns, sl.service), {})[name] = sl
                 self._slices = by_service
                 self._slice_owner = {(ns, name): (ns, sl.service) for (ns, name), sl in slices.items()}
+        self.changed()
 
     def set_node(self, name: str, node: Node | None) -> None:
         with self._lock:
@@ -153,6 +168,7 @@ class RouteTable:
             else:
                 nodes[name] = node
             self.nodes = nodes
+        self.changed()
 
     def set_pod(self, key: tuple[str, str], pod: Pod | None) -> None:
         """Add, change or (None) remove one quark pod."""
@@ -166,6 +182,7 @@ class RouteTable:
                 self._pod_keys[key] = pod
                 for ip in pod.ips:
                     self.pods[ip] = pod
+        self.changed()
 
     def set_service(self, key: tuple[str, str], ports: dict[tuple[str, int], ServicePort] | None) -> None:
         """Add, change or (None) remove the ClusterIP ports of one Service."""
@@ -175,6 +192,7 @@ class RouteTable:
             if ports:
                 self._service_keys[key] = tuple(ports)
                 self.services.update(ports)
+        self.changed()
 
     def set_slice(self, namespace: str, name: str, sl: EndpointSlice | None) -> None:
         """Add, change or (None) remove one EndpointSlice."""
@@ -190,6 +208,7 @@ class RouteTable:
                 key = (namespace, sl.service)
                 self._slices[key] = {**self._slices.get(key, {}), name: sl}
                 self._slice_owner[(namespace, name)] = key
+        self.changed()
 
     def service(self, ip: str, port: int) -> ServicePort | None:
         """The Service port at ClusterIP `ip`:`port`, None if that is not one."""
@@ -299,3 +318,7 @@ class StaticFile:
         log.info("routes reloaded from %s: %d nodes", self.path, len(nodes))
         if self.on_reload:
             self.on_reload(nodes)
+
+
+def _nothing() -> None:
+    pass

@@ -21,6 +21,7 @@ from typing import Callable
 from tsor import DEFAULT_SOCKET, SOCKET_ANNOTATION, _sys, protocol
 from tsor.addr import Endpoint, family_of, unmapped
 from tsor.errors import ProtocolError
+from tsor.peers import PeerLinks
 
 log = logging.getLogger("quark.tsor")
 RECONNECT_S = 1.0
@@ -36,9 +37,12 @@ class TsordClient:
 
     def __init__(self, loop, path: str, hello: protocol.Hello,
                  on_incoming: Callable[[protocol.Incoming, int], bool],
-                 on_up: Callable[[], None]) -> None:
+                 on_up: Callable[[], None],
+                 on_peer: Callable[[protocol.Peer, int], bool] | None = None,
+                 on_down: Callable[[], None] | None = None) -> None:
         self.loop, self.path, self.hello = loop, path, hello
-        self.on_incoming, self.on_up = on_incoming, on_up
+        self.on_incoming, self.on_up, self.on_peer, self.on_down = on_incoming, on_up, on_peer, on_down
+        self.generation_fd: int | None = None   # tsord's route generation page, from its hello answer
         self.sock: socket.socket | None = None
         self.node = ""
         self._ids = 0
@@ -77,13 +81,15 @@ class TsordClient:
         except (OSError, ProtocolError) as e:
             data, fds = b"", []
             log.debug("tsord at %s: %s", self.path, e)
-        for fd in fds:
-            os.close(fd)
         self._end_hello(s)
         try:
             _, answer = protocol.decode(data) if data else (0, {"error": "tsord closed the connection"})
         except ProtocolError as e:
             answer = {"error": f"malformed answer: {e}"}
+        if isinstance(answer, dict) and answer.get("ok") and answer.get("direct") is True and fds:
+            self.generation_fd = fds.pop(0)
+        for fd in fds:
+            os.close(fd)
         if not isinstance(answer, dict) or not answer.get("ok"):
             s.close()
             self.refusal = str(answer.get("error") if isinstance(answer, dict) else answer)
@@ -107,6 +113,11 @@ class TsordClient:
         self.loop.remove_reader(s.fileno())
         self._hello = None
 
+    def take_generation(self) -> int | None:
+        """The route generation page tsord shared at registration (the caller closes it), or None."""
+        fd, self.generation_fd = self.generation_fd, None
+        return fd
+
     def close(self) -> None:
         self._closed = True
         if self._hello is not None:
@@ -126,6 +137,14 @@ class TsordClient:
             self._down()
             return on_reply(None, [])
         self._waiting[self._ids] = on_reply
+
+    def notify(self, message: object) -> None:
+        """Send a record tsord does not answer (a tally); dropped while tsord is away."""
+        if self.sock is not None:
+            try:
+                protocol.send(self.sock, protocol.encode(0, message))
+            except OSError:
+                self._down()
 
     def _readable(self) -> None:
         while self.sock is not None:
@@ -159,6 +178,12 @@ class TsordClient:
                 ok = self.on_incoming(msg, fds[0])
                 os.close(fds[0])
                 self._send_reply(protocol.reply(mid, ok=ok))
+            elif isinstance(msg, protocol.Peer) and fds and self.on_peer is not None:
+                for extra in fds[1:]:
+                    os.close(extra)
+                ok = self.on_peer(msg, fds[0])
+                os.close(fds[0])
+                self._send_reply(protocol.reply(mid, ok=ok))
             else:
                 for fd in fds:
                     os.close(fd)
@@ -178,6 +203,8 @@ class TsordClient:
         waiting, self._waiting = self._waiting, {}
         for cb in waiting.values():
             cb(None, [])
+        if self.on_down is not None:
+            self.on_down()
         self._retry_later()
 
     def _retry_later(self) -> None:
@@ -237,8 +264,10 @@ class SandboxNet:
         self.sockets: dict[int, Redirected] = {}
         self.listeners: dict[int, Listener] = {}
         self.bells: dict[Endpoint, Queued] = {}
-        hello = protocol.Hello(sandbox, init_pid, self.addrs)
-        self.client = TsordClient(loop, path, hello, self._incoming, self._announce_all)
+        hello = protocol.Hello(sandbox, init_pid, self.addrs, direct=True)
+        self.client = TsordClient(loop, path, hello, self._incoming, self._up, self._serve_peer, self._tsord_down)
+        # direct channels to the other sandboxes' listeners on this node (tsor/peers.py)
+        self.peers = PeerLinks(loop, self.addrs, self._incoming_direct, self.client.notify)
         self._sweeping = False
 
     @classmethod
@@ -259,6 +288,8 @@ class SandboxNet:
         return net
 
     def close(self) -> None:
+        self.peers.flush_tally()   # tsord's counts include what went over channels
+        self.peers.reset()
         self.client.close()
         for q in self.bells.values():
             os.close(q.fd)
@@ -268,7 +299,29 @@ class SandboxNet:
 
     # ---- connect -------------------------------------------------------------------------------
     def connect(self, dst: Endpoint, src_port: int, on_reply: Reply) -> None:
-        self.client.request(protocol.Connect((unmapped(dst[0]), dst[1]), src_port), on_reply)
+        """Over a direct channel when a route holds for dst (answered at once), else by tsord."""
+        dst = (unmapped(dst[0]), dst[1])
+
+        if not self.peers.connect(dst, src_port, on_reply):
+            self.client.request(protocol.Connect(dst, src_port),
+                                lambda reply, fds: self._answered(dst, reply, fds, on_reply))
+
+    def _answered(self, dst: Endpoint, reply: dict | None, fds: list[int], on_reply: Reply) -> None:
+        if reply is not None and reply.get("direct") is not None and reply.get("path") == "local":
+            self.peers.adopt(dst, reply, fds)   # takes (and closes) the channel end, fds[1]
+            fds = fds[:1]
+        on_reply(reply, fds)
+
+    def _up(self) -> None:
+        self.peers.registered(self.client.take_generation())
+        self._announce_all()
+
+    def _tsord_down(self) -> None:
+        self.peers.flush_tally()
+        self.peers.reset()
+
+    def _serve_peer(self, msg: protocol.Peer, fd: int) -> bool:
+        return self.peers.serve(msg, fd)
 
     # called with a socket inode whose state the sweep dropped (the intercept's option table)
     on_forget: Callable[[int], None] | None = None
@@ -321,6 +374,20 @@ class SandboxNet:
             return False
         self.bells[key] = Queued(os.dup(fd), msg.peer, msg.local, msg.path, bell)
         return True
+
+    def _incoming_direct(self, msg: protocol.Incoming, fd: int) -> bool:
+        """An offer over a direct channel: as tsord's, once the listener is checked to cover the
+        address and port (tsord checked that itself for its offers)."""
+        lst = self.listeners.get(msg.token)
+        if lst is None or lst.local[1] != msg.local[1]:
+            return False
+        ip, dst = unmapped(lst.local[0]), unmapped(msg.local[0])
+        if _is_any(ip):
+            if family_of(dst) != lst.family and (lst.v6only or lst.family != socket.AF_INET6):
+                return False
+        elif ip != dst:
+            return False
+        return self._incoming(msg, fd)
 
     def take_bell(self, peer: Endpoint) -> Queued | None:
         """The TSoR connection whose doorbell came from `peer`, if that accepted connection is one."""

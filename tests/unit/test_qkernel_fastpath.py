@@ -100,3 +100,40 @@ def test_the_table_keeps_what_was_set_and_forgets_removed_sockets(fast):
     assert fast.set(12345, fastpath.TCP_CORK, True) and fast.get(12345, fastpath.TCP_CORK) == 1
     fast.remove(12345)
     assert fast.get(12345, fastpath.TCP_CORK) is None and not fast.set(12345, fastpath.TCP_CORK, True)
+
+
+@pytest.mark.parametrize("how", ["alone", "dup", "epoll", "epoll of another socket", "many fds and epolls"])
+def test_held_elsewhere_compiled_agrees_with_python(fast, how):
+    """TSoR's check before it swaps a connecting socket: a socket also reachable by another fd or
+    from an epoll set must not be swapped. The compiled check answers as tsor/_sys.py's does."""
+    import select
+
+    from tsor import _sys
+    keep = []
+    s = socket.socket()
+    other = socket.socket()
+    keep += [s, other]
+    if how == "dup":
+        keep.append(s.dup())
+    elif how.startswith("epoll"):
+        ep = select.epoll()
+        keep.append(ep)
+        ep.register(other if how == "epoll of another socket" else s, select.EPOLLIN)
+    elif how == "many fds and epolls":
+        for _ in range(5):
+            ep = select.epoll()
+            keep.append(ep)
+            for _ in range(40):
+                x = socket.socket()
+                keep.append(x)
+                ep.register(x, select.EPOLLIN)
+        ep.register(s, select.EPOLLOUT)   # in the last one
+    ino = os.fstat(s.fileno()).st_ino
+    try:
+        expected = how in ("dup", "epoll", "many fds and epolls")
+        assert _sys.held_elsewhere(os.getpid(), s.fileno(), ino) is expected
+        assert fast.held_elsewhere(os.getpid(), s.fileno(), ino) is expected
+        assert fast.held_elsewhere(2 ** 22 + 7, 3, ino) is True   # no such task: cannot tell, so not swapped
+    finally:
+        for x in keep:
+            x.close()
