@@ -70,10 +70,11 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
   level = "debug"
 """)
         self.env = dict(os.environ, PATH=f"{_BIN}:{VENV_BIN}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}")
+        self.wrap: list[str] = []   # a command containerd runs under (e.g. nsenter into a node's netns)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([CONTAINERD, "--config", str(self.config)], env=self.env,
+        self.proc = subprocess.Popen([*self.wrap, CONTAINERD, "--config", str(self.config)], env=self.env,
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
         deadline = time.monotonic() + 30

@@ -88,12 +88,13 @@ def quark_cni() -> str | None:
     return path if probe.returncode == 0 and b"supportedVersions" in probe.stdout else None
 
 
-def conflist(quark_cni_path: str | None, quark_cni_conf: dict | None = None) -> dict:
-    """The CNI network: bridge + host-local on SUBNET, then quark-cni when given (the hook), with
+def conflist(quark_cni_path: str | None, quark_cni_conf: dict | None = None, bridge: str = BRIDGE,
+             subnet: str = SUBNET) -> dict:
+    """The CNI network: bridge + host-local on `subnet`, then quark-cni when given (the hook), with
     `failOpen: true` unless quark_cni_conf (its own keys: failOpen, tsorSocket) says otherwise."""
     plugins: list[dict] = [{
-        "type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False, "hairpinMode": True,
-        "ipam": {"type": "host-local", "ranges": [[{"subnet": SUBNET}]], "routes": [{"dst": "0.0.0.0/0"}],
+        "type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False, "hairpinMode": True,
+        "ipam": {"type": "host-local", "ranges": [[{"subnet": subnet}]], "routes": [{"dst": "0.0.0.0/0"}],
                  "dataDir": "DATADIR"},
     }]
     if quark_cni_path:
@@ -111,10 +112,17 @@ class CriContainerd(ce.Containerd):
     """containerd with CRI on (handlers quark and runc), private CNI, locally built images."""
 
     def __init__(self, with_quark_cni: bool = True, quark_cni_path: str | None = None,
-                 shim_dir: str | None = None, quark_cni_conf: dict | None = None) -> None:
+                 shim_dir: str | None = None, quark_cni_conf: dict | None = None, *,
+                 bridge: str = BRIDGE, subnet: str = SUBNET, netns: str | None = None) -> None:
         """`quark_cni_conf`: quark-cni's keys in the conflist (e.g. a test's own tsord:
-        {"failOpen": False, "tsorSocket": PATH}); default failOpen true, tsord's default socket."""
+        {"failOpen": False, "tsorSocket": PATH}); default failOpen true, tsord's default socket.
+        `netns`: a named network namespace (a "node") containerd runs in (nsenter --net: the mount
+        namespace stays the host's, so pod netns under /var/run/netns are seen by everyone); the
+        bridge plugin, run by containerd, then makes `bridge` and the pods' veths in there."""
         super().__init__(namespace=NAMESPACE)
+        self.bridge, self.subnet, self.netns = bridge, subnet, netns
+        if netns:
+            self.wrap = ["nsenter", f"--net=/var/run/netns/{netns}", "--"]
         # another containerd-shim-quark-v1 first on containerd's PATH (QUARK_SHIM_DIR, e.g. a main
         # checkout's build/bin: the C front end, served by the sandbox factory)
         shim_dir = shim_dir or os.environ.get("QUARK_SHIM_DIR")
@@ -135,7 +143,7 @@ class CriContainerd(ce.Containerd):
         self.quark_cni = (quark_cni_path or quark_cni()) if with_quark_cni else None
         if self.quark_cni:
             os.symlink(self.quark_cni, self.cni_bin / "quark-cni")
-        net = conflist(self.quark_cni, quark_cni_conf)
+        net = conflist(self.quark_cni, quark_cni_conf, bridge, subnet)
         net["plugins"][0]["ipam"]["dataDir"] = str(self.base / "cni" / "ipam")
         (self.cni_conf / "10-quark-w15f.conflist").write_text(json.dumps(net, indent=2))
         self.stream_port = _free_port()
@@ -213,7 +221,8 @@ state = "{self.state}"
             if ns in _netns():
                 subprocess.run(["umount", f"/var/run/netns/{ns}"], capture_output=True)
                 subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
-        subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)
+        subprocess.run(["ip", *(["-n", self.netns] if self.netns else []), "link", "delete", self.bridge],
+                       capture_output=True)
         remove_cgroups(self.cgroup_parent)
 
 

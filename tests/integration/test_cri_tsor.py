@@ -155,16 +155,21 @@ def tsor_pod(cri, name: str, annotate_socket: str | None) -> tuple[str, pb.PodSa
     return pod, config, cri.pod_status(pod).status.network.ip
 
 
-def run_client(cri, pod: str, config, name: str, urls: list[str]) -> str:
-    """A container in `pod` that fetches each URL once (busybox wget) and exits: its log."""
-    script = "; ".join(f"wget -qO- {u} || echo FAILED-{u}" for u in urls)
+def run_script(cri, pod: str, config, name: str, script: str) -> tuple[int, str]:
+    """A container in `pod` running `sh -c script` to its end: (exit code, its log's text)."""
     cid = cri.create_container(pod, config, name, IMAGE, ["sh", "-c", script])
     cri.start_container(cid)
     st = wait_for(f"{name} to exit", lambda: (lambda s: s if s.state == pb.CONTAINER_EXITED else None)(
         cri.container_status(cid)), timeout=120)
     with open(os.path.join(config.log_directory, name, "0.log"), encoding="utf-8") as f:
         out = "".join(line.split(" ", 3)[3] + "\n" for line in f.read().splitlines() if line.count(" ") >= 3)
-    assert st.exit_code == 0, out
+    return st.exit_code, out
+
+
+def run_client(cri, pod: str, config, name: str, urls: list[str]) -> str:
+    """A container in `pod` that fetches each URL once (busybox wget) and exits: its log."""
+    code, out = run_script(cri, pod, config, name, "; ".join(f"wget -qO- {u} || echo FAILED-{u}" for u in urls))
+    assert code == 0, out
     return out
 
 
