@@ -10,6 +10,11 @@ too. What proves the path is tsord's own counter, `tsor_connections_total{path="
 the annotation the same connection is plain TCP and the counter stays where it was. With routes from
 Kubernetes (the API stand-in, tests/support/fake_kube_api.py) a client dials a Service ClusterIP
 that only the stand-in knows (no kube-proxy here): only TSoR can carry it, over the local path.
+NetworkPolicy through CRI: the stand-in holds a policy denying the client's ingress to the server,
+and the test installs the node's enforcement of it (no policy agent runs here: an iptables REJECT in
+the server pod's netns); the quark pod's connection goes native (tsor_policy_native_total{verdict=
+"deny"}) and fails exactly as a runc pod's does; once the policy allows it, the local path.
+Two nodes through CRI: test_cri_tsor_nodes.py.
 """
 from __future__ import annotations
 
@@ -248,4 +253,86 @@ def test_a_service_clusterip_reaches_a_quark_pod_over_the_local_path(cd, tsord, 
         assert tsord.counters().get(LOCAL, 0.0) == before + 1
         assert f"{CLUSTER_IP}:80 ({srv_ip}:8080): local" in tsord.log()
     finally:
+        api.stop()
+
+
+def refuse_in_pod(netns: str, sources: list[str], port: int, undo: bool = False) -> None:
+    """The node's enforcement of a denying NetworkPolicy, as a policy agent would install it (none
+    runs here): in the destination pod's network namespace, TCP to `port` from `sources` is
+    refused (REJECT with a reset: the client fails at once instead of timing out)."""
+    for src in sources:
+        subprocess.run(["nsenter", f"--net={netns}", "iptables", "-D" if undo else "-I", "INPUT", "-p", "tcp",
+                        "-s", src, "--dport", str(port), "-j", "REJECT", "--reject-with", "tcp-reset"],
+                       check=not undo, capture_output=True)
+
+
+def test_network_policy_through_cri_denied_goes_native_where_the_node_refuses_it_allowed_goes_local(
+        cd, tsord, cri, base):
+    from kubernetes.client import (V1LabelSelector, V1NetworkPolicyIngressRule, V1NetworkPolicyPeer,
+                                   V1NetworkPolicySpec)
+
+    def policy(allowed_app: str) -> dict:
+        """Ingress of app=web allowed only from pods labelled app=`allowed_app`."""
+        return k8s.network_policy("web-ingress", V1NetworkPolicySpec(
+            pod_selector=V1LabelSelector(match_labels={"app": "web"}), policy_types=["Ingress"],
+            ingress=[V1NetworkPolicyIngressRule(
+                _from=[V1NetworkPolicyPeer(pod_selector=V1LabelSelector(match_labels={"app": allowed_app}))])]))
+
+    def policy_events() -> float:
+        return tsord.counters().get('tsor_route_source_events_total{kind="networkpolicies"}', 0.0)
+
+    api = k8s.FakeKubeAPI()
+    srv_netns, refused = None, []
+    try:
+        api.put("nodes", k8s.node(NODE, "10.215.15.1", [cri_env.SUBNET]))
+        api.put("namespaces", k8s.namespace("default"))
+        api.put("networkpolicies", policy("frontend"))    # denies the shop pods below
+        tsord.start(kubeconfig=api.kubeconfig(str(base / "kubeconfig")))
+        srv, srv_conf, srv_ip = tsor_pod(cri, "web-0", tsord.socket)
+        cli, cli_conf, cli_ip = tsor_pod(cri, "shop-0", tsord.socket)
+        ref, ref_conf = cri.run_pod("shop-1", "runc")     # the reference: the same client under runc
+        ref_ip = cri.pod_status(ref).status.network.ip
+        api.put("pods", k8s.pod("web-0", [srv_ip], NODE, labels={"app": "web"}))
+        api.put("pods", k8s.pod("shop-0", [cli_ip], NODE, labels={"app": "shop"}))
+        api.put("pods", k8s.pod("shop-1", [ref_ip], NODE, labels={"app": "shop"}, runtime_class=None))
+
+        def synced() -> bool:
+            m = tsord.counters()
+            flags = [v for k, v in m.items() if k.startswith("tsor_route_source_synced")]
+            return m.get("tsor_route_pods") == 2 and len(flags) >= 6 and all(flags)
+        wait_for("tsord's routes and policies from the API stand-in", synced, timeout=120)
+        start_httpd(cri, srv, srv_conf, "web")
+        srv_netns = tsord.registered()[srv]["netns"]
+        refused = [cli_ip, ref_ip]
+        refuse_in_pod(srv_netns, refused, 8080)
+
+        # denied: the quark pod's connection is not carried by TSoR (which would pass the node's
+        # enforcement by): it goes native and meets the refusal exactly as the runc pod does
+        before = tsord.counters()
+        script = f"wget -qO- http://{srv_ip}:8080/ 2>&1; echo exit=$?"
+        q_code, q_out = run_script(cri, cli, cli_conf, "denied", script)
+        r_code, r_out = run_script(cri, ref, ref_conf, "denied", script)
+        assert "Connection refused" in r_out and "exit=1" in r_out, r_out
+        assert (q_code, q_out) == (r_code, r_out), (q_out, r_out, tsord.log()[-3000:])
+        after = tsord.counters()
+        assert after.get(LOCAL, 0.0) == before.get(LOCAL, 0.0)
+        deny = 'tsor_policy_native_total{verdict="deny"}'
+        assert after.get(deny, 0.0) == before.get(deny, 0.0) + 1, tsord.log()[-3000:]
+        assert f"{srv_ip}:8080 native: deny" in tsord.log()
+
+        # allowed: the policy now admits app=shop, and the node's enforcement follows it; the same
+        # connection takes the local path
+        seen = policy_events()
+        api.put("networkpolicies", policy("shop"))
+        wait_for("tsord to see the allowing policy", lambda: policy_events() > seen, timeout=60)
+        refuse_in_pod(srv_netns, refused, 8080, undo=True)
+        refused = []
+        before = tsord.counters()
+        assert run_client(cri, cli, cli_conf, "allowed", [f"http://{srv_ip}:8080/"]) == "hello-web\n"
+        after = tsord.counters()
+        assert after.get(LOCAL, 0.0) == before.get(LOCAL, 0.0) + 1, tsord.log()[-3000:]
+        assert after.get(deny, 0.0) == before.get(deny, 0.0)
+    finally:
+        if srv_netns and refused:
+            refuse_in_pod(srv_netns, refused, 8080, undo=True)
         api.stop()
