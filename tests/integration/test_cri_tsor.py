@@ -18,12 +18,8 @@ Two nodes through CRI: test_cri_tsor_nodes.py.
 """
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +29,6 @@ try:
 except ImportError:  # pytest put tests/integration itself on sys.path
     import cri_env
 
-REPO = str(Path(__file__).resolve().parents[2])
 NODE = "w15g-node"                  # tsord's node name, and the pods' nodeName in the API stand-in
 # a ClusterIP no interface holds, inside the pods' own subnet (host-local hands out addresses from the
 # bottom; a test makes a handful): should TSoR not carry it, the connect dies on the bridge's ARP
@@ -62,65 +57,6 @@ if SKIP is None:
     from tests.support import fake_kube_api as k8s
     from tests.support.cri import cri_v1_pb2 as pb
     from tsor import SOCKET_ANNOTATION
-    from tsor.metrics import fetch, parse
-
-
-class Tsord:
-    """One tsord of the test's own, run from this checkout (`python -m tsor.daemon`), stopped by pid."""
-
-    def __init__(self, base: Path) -> None:
-        self.base = base
-        self.socket = str(base / "tsord.sock")
-        self.metrics = str(base / "metrics.sock")
-        self.state_dir = base / "state"
-        self.log_path = base / "tsord.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, kubeconfig: str | None = None) -> None:
-        cfg = self.base / "tsor.yaml"
-        cfg.write_text(json.dumps({"node": NODE, "socket": self.socket, "metrics": f"unix:{self.metrics}",
-                                   "state_dir": str(self.state_dir),
-                                   **({"kubernetes": {"kubeconfig": kubeconfig}} if kubeconfig else {})}))
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tsor.daemon", "--config", str(cfg), "--debug"],
-                                         stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO,
-                                         env=dict(os.environ, PYTHONPATH=REPO))
-        deadline = time.monotonic() + 60   # the kubernetes client takes seconds to import on a busy host
-        while not (os.path.exists(self.socket) and os.path.exists(self.metrics)):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"tsord did not start:\n{self.log()}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        p, self.proc = self.proc, None
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-        for path in (self.socket, self.metrics):
-            if os.path.exists(path):
-                os.unlink(path)
-
-    def counters(self) -> dict[str, float]:
-        return parse(fetch(self.metrics))
-
-    def registered(self) -> dict[str, dict]:
-        """The pods quark-cni registered, by sandbox id, as tsord keeps them (state_dir/pods.json)."""
-        try:
-            saved = json.loads((self.state_dir / "pods.json").read_text())
-        except FileNotFoundError:
-            return {}
-        return {p["sandbox"]: p for p in saved["pods"]}
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +73,7 @@ def cd(base):
 
 @pytest.fixture
 def tsord(base):
-    t = Tsord(base)
+    t = cri_env.Tsord(base, NODE)
     try:
         yield t
     finally:
