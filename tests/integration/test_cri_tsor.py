@@ -13,7 +13,8 @@ that only the stand-in knows (no kube-proxy here): only TSoR can carry it, over 
 NetworkPolicy through CRI: the stand-in holds a policy denying the client's ingress to the server,
 and the test installs the node's enforcement of it (no policy agent runs here: an iptables REJECT in
 the server pod's netns); the quark pod's connection goes native (tsor_policy_native_total{verdict=
-"deny"}) and fails exactly as a runc pod's does; once the policy allows it, the local path.
+"deny"}) and fails exactly as a runc pod's does; once the policy allows it, the local path; a policy
+tsord cannot decide (an ipBlock covering a pod address) leaves it native ({verdict="unknown"}).
 Two nodes through CRI: test_cri_tsor_nodes.py.
 """
 from __future__ import annotations
@@ -202,9 +203,9 @@ def refuse_in_pod(netns: str, sources: list[str], port: int, undo: bool = False)
                        check=not undo, capture_output=True)
 
 
-def test_network_policy_through_cri_denied_goes_native_where_the_node_refuses_it_allowed_goes_local(
+def test_network_policy_through_cri_deny_goes_native_where_the_node_refuses_it_allow_local_undecided_native(
         cd, tsord, cri, base):
-    from kubernetes.client import (V1LabelSelector, V1NetworkPolicyIngressRule, V1NetworkPolicyPeer,
+    from kubernetes.client import (V1IPBlock, V1LabelSelector, V1NetworkPolicyIngressRule, V1NetworkPolicyPeer,
                                    V1NetworkPolicySpec)
 
     def policy(allowed_app: str) -> dict:
@@ -268,6 +269,21 @@ def test_network_policy_through_cri_denied_goes_native_where_the_node_refuses_it
         after = tsord.counters()
         assert after.get(LOCAL, 0.0) == before.get(LOCAL, 0.0) + 1, tsord.log()[-3000:]
         assert after.get(deny, 0.0) == before.get(deny, 0.0)
+
+        # cannot decide: an ipBlock covering the client's pod address (whether such a block applies
+        # to pod traffic is each network implementation's choice): native, and here nothing refuses it
+        seen = policy_events()
+        api.put("networkpolicies", k8s.network_policy("web-ingress", V1NetworkPolicySpec(
+            pod_selector=V1LabelSelector(match_labels={"app": "web"}), policy_types=["Ingress"],
+            ingress=[V1NetworkPolicyIngressRule(_from=[V1NetworkPolicyPeer(
+                ip_block=V1IPBlock(cidr=cri_env.SUBNET))])])))
+        wait_for("tsord to see the ipBlock policy", lambda: policy_events() > seen, timeout=60)
+        before = tsord.counters()
+        assert run_client(cri, cli, cli_conf, "undecided", [f"http://{srv_ip}:8080/"]) == "hello-web\n"
+        after = tsord.counters()
+        unknown = 'tsor_policy_native_total{verdict="unknown"}'
+        assert after.get(LOCAL, 0.0) == before.get(LOCAL, 0.0)
+        assert after.get(unknown, 0.0) == before.get(unknown, 0.0) + 1, tsord.log()[-3000:]
     finally:
         if srv_netns and refused:
             refuse_in_pod(srv_netns, refused, 8080, undo=True)
