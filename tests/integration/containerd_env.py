@@ -70,10 +70,11 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
   level = "debug"
 """)
         self.env = dict(os.environ, PATH=f"{_BIN}:{VENV_BIN}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}")
+        self.wrap: list[str] = []   # a command containerd runs under (e.g. nsenter into a node's netns)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([CONTAINERD, "--config", str(self.config)], env=self.env,
+        self.proc = subprocess.Popen([*self.wrap, CONTAINERD, "--config", str(self.config)], env=self.env,
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
         deadline = time.monotonic() + 30
@@ -173,15 +174,17 @@ def _tar_add(tar: tarfile.TarFile, name: str, *, data: bytes | None = None, mode
     tar.addfile(info, io.BytesIO(data) if data is not None else None)
 
 
-def busybox_image_tar(path: Path, name: str = IMAGE) -> Path:
-    """An OCI image layout tar (index.json, manifest, config, one tar.gz layer) of busybox-static."""
+def busybox_image_tar(path: Path, name: str = IMAGE, extra_files: dict[str, tuple[bytes, int]] | None = None,
+                      extra_dirs: tuple[str, ...] = ()) -> Path:
+    """An OCI image layout tar (index.json, manifest, config, one tar.gz layer) of busybox-static,
+    plus `extra_files` {path: (data, mode)} in `extra_dirs` (parents first)."""
     applets = subprocess.run([BUSYBOX, "--list"], capture_output=True, check=True).stdout.decode().split()
     return oci_image_tar(
         path, name,
         files={"bin/busybox": (Path(BUSYBOX).read_bytes(), 0o755),
                "etc/passwd": (b"root:x:0:0:root:/root:/bin/sh\n", 0o644),
-               "etc/group": (b"root:x:0:\n", 0o644)},
-        dirs=("bin", "dev", "etc", "proc", "sys", "tmp", "root", "usr", "usr/bin", "sbin"),
+               "etc/group": (b"root:x:0:\n", 0o644), **(extra_files or {})},
+        dirs=("bin", "dev", "etc", "proc", "sys", "tmp", "root", "usr", "usr/bin", "sbin", *extra_dirs),
         symlinks={f"bin/{a}": "busybox" for a in applets if a != "busybox"}, cmd=["sh"])
 
 

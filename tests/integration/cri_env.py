@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,11 +32,13 @@ try:
 except ImportError:  # pytest put tests/integration itself on sys.path
     import containerd_env as ce
 
+REPO = str(Path(__file__).resolve().parents[2])
 CNI_PLUGIN_DIR = "/usr/lib/cni"          # containernetworking-plugins
 GCC = shutil.which("gcc")
 NAMESPACE = "k8s.io"                     # the containerd namespace CRI uses
 PAUSE_IMAGE = "quark.test/pause:w15f"
 BUSYBOX_IMAGE = "quark.test/busybox:w15f"
+REDIS_IMAGE = "quark.test/redis:w15i"    # busybox + the host's redis-server/-benchmark (bench/cri_redis.py)
 BRIDGE = "qw15f-cri0"                    # names and subnet of our own: other sessions share the host
 SUBNET = "10.215.15.0/24"
 CGROUP_PARENT = "/quark-w15f-cri"       # each containerd's pods go under CGROUP_PARENT-<its tree's suffix>
@@ -88,12 +91,13 @@ def quark_cni() -> str | None:
     return path if probe.returncode == 0 and b"supportedVersions" in probe.stdout else None
 
 
-def conflist(quark_cni_path: str | None, quark_cni_conf: dict | None = None) -> dict:
-    """The CNI network: bridge + host-local on SUBNET, then quark-cni when given (the hook), with
+def conflist(quark_cni_path: str | None, quark_cni_conf: dict | None = None, bridge: str = BRIDGE,
+             subnet: str = SUBNET) -> dict:
+    """The CNI network: bridge + host-local on `subnet`, then quark-cni when given (the hook), with
     `failOpen: true` unless quark_cni_conf (its own keys: failOpen, tsorSocket) says otherwise."""
     plugins: list[dict] = [{
-        "type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False, "hairpinMode": True,
-        "ipam": {"type": "host-local", "ranges": [[{"subnet": SUBNET}]], "routes": [{"dst": "0.0.0.0/0"}],
+        "type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False, "hairpinMode": True,
+        "ipam": {"type": "host-local", "ranges": [[{"subnet": subnet}]], "routes": [{"dst": "0.0.0.0/0"}],
                  "dataDir": "DATADIR"},
     }]
     if quark_cni_path:
@@ -111,10 +115,17 @@ class CriContainerd(ce.Containerd):
     """containerd with CRI on (handlers quark and runc), private CNI, locally built images."""
 
     def __init__(self, with_quark_cni: bool = True, quark_cni_path: str | None = None,
-                 shim_dir: str | None = None, quark_cni_conf: dict | None = None) -> None:
+                 shim_dir: str | None = None, quark_cni_conf: dict | None = None, *,
+                 bridge: str = BRIDGE, subnet: str = SUBNET, netns: str | None = None) -> None:
         """`quark_cni_conf`: quark-cni's keys in the conflist (e.g. a test's own tsord:
-        {"failOpen": False, "tsorSocket": PATH}); default failOpen true, tsord's default socket."""
+        {"failOpen": False, "tsorSocket": PATH}); default failOpen true, tsord's default socket.
+        `netns`: a named network namespace (a "node") containerd runs in (nsenter --net: the mount
+        namespace stays the host's, so pod netns under /var/run/netns are seen by everyone); the
+        bridge plugin, run by containerd, then makes `bridge` and the pods' veths in there."""
         super().__init__(namespace=NAMESPACE)
+        self.bridge, self.subnet, self.netns = bridge, subnet, netns
+        if netns:
+            self.wrap = ["nsenter", f"--net=/var/run/netns/{netns}", "--"]
         # another containerd-shim-quark-v1 first on containerd's PATH (QUARK_SHIM_DIR, e.g. a main
         # checkout's build/bin: the C front end, served by the sandbox factory)
         shim_dir = shim_dir or os.environ.get("QUARK_SHIM_DIR")
@@ -135,7 +146,7 @@ class CriContainerd(ce.Containerd):
         self.quark_cni = (quark_cni_path or quark_cni()) if with_quark_cni else None
         if self.quark_cni:
             os.symlink(self.quark_cni, self.cni_bin / "quark-cni")
-        net = conflist(self.quark_cni, quark_cni_conf)
+        net = conflist(self.quark_cni, quark_cni_conf, bridge, subnet)
         net["plugins"][0]["ipam"]["dataDir"] = str(self.base / "cni" / "ipam")
         (self.cni_conf / "10-quark-w15f.conflist").write_text(json.dumps(net, indent=2))
         self.stream_port = _free_port()
@@ -187,12 +198,15 @@ state = "{self.state}"
                         raise RuntimeError(f"containerd's CRI did not come up: {e}\n{self.log_tail()}") from None
                     time.sleep(0.1)
 
-    def import_images(self) -> None:
-        """Build the pause and busybox images here and import them into the k8s.io namespace."""
+    def import_images(self, redis: bool = False) -> None:
+        """Build the pause and busybox images (and the redis one, when asked) here and import them
+        into the k8s.io namespace."""
         img = self.base / "img"
         img.mkdir(exist_ok=True)
         self.ctr("images", "import", str(pause_image_tar(img / "pause.tar")))
         self.ctr("images", "import", str(ce.busybox_image_tar(img / "busybox.tar", BUSYBOX_IMAGE)))
+        if redis:
+            self.ctr("images", "import", str(redis_image_tar(img / "redis.tar")), timeout=180)
 
     def close(self) -> None:
         """Remove every pod through CRI, then stop containerd and remove what CRI left on the host."""
@@ -213,7 +227,8 @@ state = "{self.state}"
             if ns in _netns():
                 subprocess.run(["umount", f"/var/run/netns/{ns}"], capture_output=True)
                 subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
-        subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)
+        subprocess.run(["ip", *(["-n", self.netns] if self.netns else []), "link", "delete", self.bridge],
+                       capture_output=True)
         remove_cgroups(self.cgroup_parent)
 
 
@@ -288,6 +303,32 @@ def _rmdir_retry(d: Path) -> None:
             time.sleep(0.1)
 
 
+REDIS_PROGRAMS = ("/usr/bin/redis-server", "/usr/bin/redis-benchmark")
+
+
+def redis_image_skip_reason() -> str | None:
+    missing = [p for p in REDIS_PROGRAMS if not os.access(p, os.X_OK)]
+    return f"{', '.join(missing)} missing (apt-get install redis-server redis-tools)" if missing else None
+
+
+def redis_image_tar(path: Path, name: str = REDIS_IMAGE) -> Path:
+    """The busybox image plus the host's redis-server and redis-benchmark with the shared objects
+    `ldd` names for them (built here from what is installed: nothing is pulled)."""
+    files: dict[str, tuple[bytes, int]] = {}
+    dirs: set[str] = set()
+    for prog in REDIS_PROGRAMS:
+        files[prog.lstrip("/")] = (Path(prog).read_bytes(), 0o755)
+        ldd = subprocess.run(["ldd", prog], capture_output=True, text=True, check=True).stdout
+        for lib in re.findall(r"(/\S+\.so[.\d]*) \(0x", ldd):   # "name => /path (0x..)" and "/lib64/ld-..."
+            files[lib.lstrip("/")] = (Path(lib).resolve().read_bytes(), 0o755)
+            parent = os.path.dirname(lib.lstrip("/"))
+            while parent and parent not in dirs:
+                dirs.add(parent)
+                parent = os.path.dirname(parent)
+    return ce.busybox_image_tar(path, name, extra_files=files,
+                                extra_dirs=tuple(sorted(d for d in dirs if d not in ("usr", "usr/bin"))))
+
+
 def pause_image_tar(path: Path, name: str = PAUSE_IMAGE) -> Path:
     """An OCI image layout tar of one static binary /pause (compiled here), entrypoint /pause."""
     src = path.with_suffix(".c")
@@ -297,3 +338,65 @@ def pause_image_tar(path: Path, name: str = PAUSE_IMAGE) -> Path:
     return ce.oci_image_tar(path, name, files={"pause": (exe.read_bytes(), 0o755)},
                             dirs=("dev", "proc", "sys", "etc"), entrypoint=["/pause"], cmd=[])
 
+
+class Tsord:
+    """One tsord of a test's (or benchmark's) own, as a node's in the host network namespace, run
+    from this checkout (`python -m tsor.daemon`); socket, metrics socket and state_dir under `base`;
+    stopped by pid."""
+
+    def __init__(self, base: Path, node: str) -> None:
+        self.base, self.node = base, node
+        self.socket = str(base / "tsord.sock")
+        self.metrics = str(base / "metrics.sock")
+        self.state_dir = base / "state"
+        self.log_path = base / "tsord.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, kubeconfig: str | None = None, debug: bool = True) -> None:
+        """`debug`: a log line per connection (the tests read them; a benchmark runs without)."""
+        cfg = self.base / "tsor.yaml"
+        cfg.write_text(json.dumps({"node": self.node, "socket": self.socket, "metrics": f"unix:{self.metrics}",
+                                   "state_dir": str(self.state_dir),
+                                   **({"kubernetes": {"kubeconfig": kubeconfig}} if kubeconfig else {})}))
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tsor.daemon", "--config", str(cfg),
+                                          *(["--debug"] if debug else [])],
+                                         stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO,
+                                         env=dict(os.environ, PYTHONPATH=REPO))
+        deadline = time.monotonic() + 60   # the kubernetes client takes seconds to import on a busy host
+        while not (os.path.exists(self.socket) and os.path.exists(self.metrics)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tsord did not start:\n{self.log()}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        p, self.proc = self.proc, None
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+        for path in (self.socket, self.metrics):
+            if os.path.exists(path):
+                os.unlink(path)
+
+    def counters(self) -> dict[str, float]:
+        from tsor.metrics import fetch, parse
+        return parse(fetch(self.metrics))
+
+    def registered(self) -> dict[str, dict]:
+        """The pods quark-cni registered, by sandbox id, as tsord keeps them (state_dir/pods.json)."""
+        try:
+            saved = json.loads((self.state_dir / "pods.json").read_text())
+        except FileNotFoundError:
+            return {}
+        return {p["sandbox"]: p for p in saved["pods"]}
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""

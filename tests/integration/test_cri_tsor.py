@@ -10,15 +10,17 @@ too. What proves the path is tsord's own counter, `tsor_connections_total{path="
 the annotation the same connection is plain TCP and the counter stays where it was. With routes from
 Kubernetes (the API stand-in, tests/support/fake_kube_api.py) a client dials a Service ClusterIP
 that only the stand-in knows (no kube-proxy here): only TSoR can carry it, over the local path.
+NetworkPolicy through CRI: the stand-in holds a policy denying the client's ingress to the server,
+and the test installs the node's enforcement of it (no policy agent runs here: an iptables REJECT in
+the server pod's netns); the quark pod's connection goes native (tsor_policy_native_total{verdict=
+"deny"}) and fails exactly as a runc pod's does; once the policy allows it, the local path; a policy
+tsord cannot decide (an ipBlock covering a pod address) leaves it native ({verdict="unknown"}).
+Two nodes through CRI: test_cri_tsor_nodes.py.
 """
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,6 @@ try:
 except ImportError:  # pytest put tests/integration itself on sys.path
     import cri_env
 
-REPO = str(Path(__file__).resolve().parents[2])
 NODE = "w15g-node"                  # tsord's node name, and the pods' nodeName in the API stand-in
 # a ClusterIP no interface holds, inside the pods' own subnet (host-local hands out addresses from the
 # bottom; a test makes a handful): should TSoR not carry it, the connect dies on the bridge's ARP
@@ -57,65 +58,6 @@ if SKIP is None:
     from tests.support import fake_kube_api as k8s
     from tests.support.cri import cri_v1_pb2 as pb
     from tsor import SOCKET_ANNOTATION
-    from tsor.metrics import fetch, parse
-
-
-class Tsord:
-    """One tsord of the test's own, run from this checkout (`python -m tsor.daemon`), stopped by pid."""
-
-    def __init__(self, base: Path) -> None:
-        self.base = base
-        self.socket = str(base / "tsord.sock")
-        self.metrics = str(base / "metrics.sock")
-        self.state_dir = base / "state"
-        self.log_path = base / "tsord.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, kubeconfig: str | None = None) -> None:
-        cfg = self.base / "tsor.yaml"
-        cfg.write_text(json.dumps({"node": NODE, "socket": self.socket, "metrics": f"unix:{self.metrics}",
-                                   "state_dir": str(self.state_dir),
-                                   **({"kubernetes": {"kubeconfig": kubeconfig}} if kubeconfig else {})}))
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tsor.daemon", "--config", str(cfg), "--debug"],
-                                         stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO,
-                                         env=dict(os.environ, PYTHONPATH=REPO))
-        deadline = time.monotonic() + 60   # the kubernetes client takes seconds to import on a busy host
-        while not (os.path.exists(self.socket) and os.path.exists(self.metrics)):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"tsord did not start:\n{self.log()}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        p, self.proc = self.proc, None
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-        for path in (self.socket, self.metrics):
-            if os.path.exists(path):
-                os.unlink(path)
-
-    def counters(self) -> dict[str, float]:
-        return parse(fetch(self.metrics))
-
-    def registered(self) -> dict[str, dict]:
-        """The pods quark-cni registered, by sandbox id, as tsord keeps them (state_dir/pods.json)."""
-        try:
-            saved = json.loads((self.state_dir / "pods.json").read_text())
-        except FileNotFoundError:
-            return {}
-        return {p["sandbox"]: p for p in saved["pods"]}
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +74,7 @@ def cd(base):
 
 @pytest.fixture
 def tsord(base):
-    t = Tsord(base)
+    t = cri_env.Tsord(base, NODE)
     try:
         yield t
     finally:
@@ -155,16 +97,21 @@ def tsor_pod(cri, name: str, annotate_socket: str | None) -> tuple[str, pb.PodSa
     return pod, config, cri.pod_status(pod).status.network.ip
 
 
-def run_client(cri, pod: str, config, name: str, urls: list[str]) -> str:
-    """A container in `pod` that fetches each URL once (busybox wget) and exits: its log."""
-    script = "; ".join(f"wget -qO- {u} || echo FAILED-{u}" for u in urls)
+def run_script(cri, pod: str, config, name: str, script: str) -> tuple[int, str]:
+    """A container in `pod` running `sh -c script` to its end: (exit code, its log's text)."""
     cid = cri.create_container(pod, config, name, IMAGE, ["sh", "-c", script])
     cri.start_container(cid)
     st = wait_for(f"{name} to exit", lambda: (lambda s: s if s.state == pb.CONTAINER_EXITED else None)(
         cri.container_status(cid)), timeout=120)
     with open(os.path.join(config.log_directory, name, "0.log"), encoding="utf-8") as f:
         out = "".join(line.split(" ", 3)[3] + "\n" for line in f.read().splitlines() if line.count(" ") >= 3)
-    assert st.exit_code == 0, out
+    return st.exit_code, out
+
+
+def run_client(cri, pod: str, config, name: str, urls: list[str]) -> str:
+    """A container in `pod` that fetches each URL once (busybox wget) and exits: its log."""
+    code, out = run_script(cri, pod, config, name, "; ".join(f"wget -qO- {u} || echo FAILED-{u}" for u in urls))
+    assert code == 0, out
     return out
 
 
@@ -243,4 +190,101 @@ def test_a_service_clusterip_reaches_a_quark_pod_over_the_local_path(cd, tsord, 
         assert tsord.counters().get(LOCAL, 0.0) == before + 1
         assert f"{CLUSTER_IP}:80 ({srv_ip}:8080): local" in tsord.log()
     finally:
+        api.stop()
+
+
+def refuse_in_pod(netns: str, sources: list[str], port: int, undo: bool = False) -> None:
+    """The node's enforcement of a denying NetworkPolicy, as a policy agent would install it (none
+    runs here): in the destination pod's network namespace, TCP to `port` from `sources` is
+    refused (REJECT with a reset: the client fails at once instead of timing out)."""
+    for src in sources:
+        subprocess.run(["nsenter", f"--net={netns}", "iptables", "-D" if undo else "-I", "INPUT", "-p", "tcp",
+                        "-s", src, "--dport", str(port), "-j", "REJECT", "--reject-with", "tcp-reset"],
+                       check=not undo, capture_output=True)
+
+
+def test_network_policy_through_cri_deny_goes_native_where_the_node_refuses_it_allow_local_undecided_native(
+        cd, tsord, cri, base):
+    from kubernetes.client import (V1IPBlock, V1LabelSelector, V1NetworkPolicyIngressRule, V1NetworkPolicyPeer,
+                                   V1NetworkPolicySpec)
+
+    def policy(allowed_app: str) -> dict:
+        """Ingress of app=web allowed only from pods labelled app=`allowed_app`."""
+        return k8s.network_policy("web-ingress", V1NetworkPolicySpec(
+            pod_selector=V1LabelSelector(match_labels={"app": "web"}), policy_types=["Ingress"],
+            ingress=[V1NetworkPolicyIngressRule(
+                _from=[V1NetworkPolicyPeer(pod_selector=V1LabelSelector(match_labels={"app": allowed_app}))])]))
+
+    def policy_events() -> float:
+        return tsord.counters().get('tsor_route_source_events_total{kind="networkpolicies"}', 0.0)
+
+    api = k8s.FakeKubeAPI()
+    srv_netns, refused = None, []
+    try:
+        api.put("nodes", k8s.node(NODE, "10.215.15.1", [cri_env.SUBNET]))
+        api.put("namespaces", k8s.namespace("default"))
+        api.put("networkpolicies", policy("frontend"))    # denies the shop pods below
+        tsord.start(kubeconfig=api.kubeconfig(str(base / "kubeconfig")))
+        srv, srv_conf, srv_ip = tsor_pod(cri, "web-0", tsord.socket)
+        cli, cli_conf, cli_ip = tsor_pod(cri, "shop-0", tsord.socket)
+        ref, ref_conf = cri.run_pod("shop-1", "runc")     # the reference: the same client under runc
+        ref_ip = cri.pod_status(ref).status.network.ip
+        api.put("pods", k8s.pod("web-0", [srv_ip], NODE, labels={"app": "web"}))
+        api.put("pods", k8s.pod("shop-0", [cli_ip], NODE, labels={"app": "shop"}))
+        api.put("pods", k8s.pod("shop-1", [ref_ip], NODE, labels={"app": "shop"}, runtime_class=None))
+
+        def synced() -> bool:
+            m = tsord.counters()
+            flags = [v for k, v in m.items() if k.startswith("tsor_route_source_synced")]
+            return m.get("tsor_route_pods") == 2 and len(flags) >= 6 and all(flags)
+        wait_for("tsord's routes and policies from the API stand-in", synced, timeout=120)
+        start_httpd(cri, srv, srv_conf, "web")
+        srv_netns = tsord.registered()[srv]["netns"]
+        refused = [cli_ip, ref_ip]
+        refuse_in_pod(srv_netns, refused, 8080)
+
+        # denied: the quark pod's connection is not carried by TSoR (which would pass the node's
+        # enforcement by): it goes native and meets the refusal exactly as the runc pod does
+        before = tsord.counters()
+        script = f"wget -qO- http://{srv_ip}:8080/ 2>&1; echo exit=$?"
+        q_code, q_out = run_script(cri, cli, cli_conf, "denied", script)
+        r_code, r_out = run_script(cri, ref, ref_conf, "denied", script)
+        assert "Connection refused" in r_out and "exit=1" in r_out, r_out
+        assert (q_code, q_out) == (r_code, r_out), (q_out, r_out, tsord.log()[-3000:])
+        after = tsord.counters()
+        assert after.get(LOCAL, 0.0) == before.get(LOCAL, 0.0)
+        deny = 'tsor_policy_native_total{verdict="deny"}'
+        assert after.get(deny, 0.0) == before.get(deny, 0.0) + 1, tsord.log()[-3000:]
+        assert f"{srv_ip}:8080 native: deny" in tsord.log()
+
+        # allowed: the policy now admits app=shop, and the node's enforcement follows it; the same
+        # connection takes the local path
+        seen = policy_events()
+        api.put("networkpolicies", policy("shop"))
+        wait_for("tsord to see the allowing policy", lambda: policy_events() > seen, timeout=60)
+        refuse_in_pod(srv_netns, refused, 8080, undo=True)
+        refused = []
+        before = tsord.counters()
+        assert run_client(cri, cli, cli_conf, "allowed", [f"http://{srv_ip}:8080/"]) == "hello-web\n"
+        after = tsord.counters()
+        assert after.get(LOCAL, 0.0) == before.get(LOCAL, 0.0) + 1, tsord.log()[-3000:]
+        assert after.get(deny, 0.0) == before.get(deny, 0.0)
+
+        # cannot decide: an ipBlock covering the client's pod address (whether such a block applies
+        # to pod traffic is each network implementation's choice): native, and here nothing refuses it
+        seen = policy_events()
+        api.put("networkpolicies", k8s.network_policy("web-ingress", V1NetworkPolicySpec(
+            pod_selector=V1LabelSelector(match_labels={"app": "web"}), policy_types=["Ingress"],
+            ingress=[V1NetworkPolicyIngressRule(_from=[V1NetworkPolicyPeer(
+                ip_block=V1IPBlock(cidr=cri_env.SUBNET))])])))
+        wait_for("tsord to see the ipBlock policy", lambda: policy_events() > seen, timeout=60)
+        before = tsord.counters()
+        assert run_client(cri, cli, cli_conf, "undecided", [f"http://{srv_ip}:8080/"]) == "hello-web\n"
+        after = tsord.counters()
+        unknown = 'tsor_policy_native_total{verdict="unknown"}'
+        assert after.get(LOCAL, 0.0) == before.get(LOCAL, 0.0)
+        assert after.get(unknown, 0.0) == before.get(unknown, 0.0) + 1, tsord.log()[-3000:]
+    finally:
+        if srv_netns and refused:
+            refuse_in_pod(srv_netns, refused, 8080, undo=True)
         api.stop()
