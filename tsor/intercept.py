@@ -174,16 +174,18 @@ class SocketIntercept:
         return d
 
     def _connected(self, call: Call, d: Reply, old: socket.socket, fd: int, ino: int, dst,
-                   nonblock: bool, cloexec: bool, reply: dict | None, fds: list[int]) -> None:
+                   nonblock: bool, cloexec: bool, reply: dict | None, fds: list[int]) -> bool:
+        """Install the connection tsord (or a direct channel) gave; False when the task does not get it."""
         for extra in fds[1:]:
             os.close(extra)
         new = fds[0] if fds else None
         try:
             if d.done:   # the task was interrupted or died meanwhile
-                return
+                return False
             if (not reply or reply.get("path") not in ("local", "tcp", "rdma") or new is None
                     or _sys.socket_inode(call.pid, fd) != ino):   # fd closed or reused meanwhile
-                return d.native()
+                d.native()
+                return False
             _set_nonblock(new, nonblock)
             sock = socket.socket(fileno=os.dup(new))
             with sock:
@@ -195,10 +197,12 @@ class SocketIntercept:
                 self._to_table(ino_new, state)
             new, handed = None, new
             d.install(handed, cloexec, nonblock)
+            return True
         except Exception:
             log.exception("TSoR connect for pid %d", call.pid)
             if not d.done:
                 d.native()
+            return False
         finally:
             if new is not None:
                 os.close(new)

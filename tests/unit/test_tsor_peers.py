@@ -215,3 +215,26 @@ def test_a_sandbox_that_does_not_say_direct_gets_no_route(node):
     r, fds = old.call(protocol.Connect(("10.0.0.1", 8080), 41000))
     assert r["path"] == "local" and "direct" not in r and len(fds) == 1
     os.close(fds[0])
+
+
+def test_no_offer_reaches_the_listener_when_the_connect_went_native_after_all(node):
+    """The application's end is handed over before the offer is sent; if the trapped connect was
+    answered natively instead (its fd changed meanwhile), the listener must not get a connection."""
+    d, srv, cli = pair(node)
+    cli.connect(("10.0.0.1", 8080), 41000)[1].close()
+    srv.run(lambda: srv.accepted)
+    srv.accepted.clear()
+    taken = []
+
+    def not_taken(reply, fds):
+        taken.append(reply)
+        os.close(fds[0])
+        return False
+    assert cli.peers.connect(("10.0.0.1", 8080), 41001, not_taken)
+    deadline = time.monotonic() + 0.3   # time for an offer to arrive, had one been sent
+    while time.monotonic() < deadline:
+        srv.loop.run_once(0.01)
+    assert taken and srv.accepted == []
+    reply, end = cli.connect(("10.0.0.1", 8080), 41002)   # the route still holds
+    srv.run(lambda: srv.accepted)
+    echo(srv, end, ("10.0.0.2", 41002))
