@@ -88,6 +88,8 @@ class SocketIntercept:
     def __init__(self, net: SandboxNet) -> None:
         self.net = net
         self._templates: dict[int, socket.socket] = {}
+        self._default_opts: dict[int, dict[tuple[int, int], bytes | int]] = {}
+        self._unix_same: frozenset[tuple[int, int]] | None = None
         # QKernel's compiled option table (qkernel/fastpath.py), when it has one: TCP_NODELAY and
         # TCP_CORK of local-path sockets live there, so the per-request calls never reach Python
         self.fast: Any = None
@@ -187,14 +189,19 @@ class SocketIntercept:
                 d.native()
                 return False
             _set_nonblock(new, nonblock)
-            sock = socket.socket(fileno=os.dup(new))
-            with sock:
+            # a local-path end is known to be AF_UNIX: saying so spares the three getsockopt calls
+            # with which socket() finds out (a connection costs ~40 syscalls here; each counts)
+            sock = (socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, new) if reply["path"] == "local"
+                    else socket.socket(fileno=new))
+            try:
                 state = Redirected(family=old.family, local=(reply["src"][0], reply["src"][1]), peer=dst,
                                    path=reply["path"], real_family=sock.family)
                 self._carry_options(old, sock, state)
                 ino_new = os.fstat(new).st_ino
                 self.net.redirected(ino_new, state)
                 self._to_table(ino_new, state)
+            finally:
+                sock.detach()
             new, handed = None, new
             d.install(handed, cloexec, nonblock)
             return True
@@ -209,20 +216,26 @@ class SocketIntercept:
             old.close()
 
     def _carry_options(self, old: socket.socket, new: socket.socket, state: Redirected) -> None:
-        """Options the application set before connect() hold on the socket that replaces its TCP one."""
-        default = self._template(old.family)
+        """Options the application set before connect() hold on the socket that replaces its TCP one.
+        On the local path an option still at TCP's default needs nothing: the record answers it from
+        the template, and a fresh AF_UNIX end already holds the same value (`_same_on_unix`)."""
+        default = self._defaults(old.family)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):   # set by the application, or TCP's default?
             own = old.getsockopt(SOL_SOCKET, opt)
-            if own != default.getsockopt(SOL_SOCKET, opt):
+            if own != default[(SOL_SOCKET, opt)]:
                 new.setsockopt(SOL_SOCKET, opt, own // 2)   # the kernel doubles what it is given
             elif opt == socket.SO_SNDBUF and new.family == socket.AF_UNIX:
                 new.setsockopt(SOL_SOCKET, opt, LOCAL_SNDBUF)
+        local = new.family == socket.AF_UNIX
         for level, opt in _CARRY:
             try:
                 value = old.getsockopt(level, opt, 64)
             except OSError:
                 continue   # e.g. IPV6 options of an AF_INET socket
-            if _emulated(state, level, opt):
+            emulated = _emulated(state, level, opt)
+            if local and value == default.get((level, opt)) and (emulated or (level, opt) in self._same_on_unix()):
+                continue
+            if emulated:
                 state.opts[(level, opt)] = value
                 continue
             try:
@@ -244,6 +257,36 @@ class SocketIntercept:
         if st is None:
             return None
         return sockaddr(st.family, st.peer if peer else st.local)
+
+    def _defaults(self, family: int) -> dict[tuple[int, int], bytes | int]:
+        """TCP's default of every option connect() carries over, for `family` (read once)."""
+        if family not in self._default_opts:
+            t, found = self._template(family), {}
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                found[(SOL_SOCKET, opt)] = t.getsockopt(SOL_SOCKET, opt)
+            for level, opt in _CARRY:
+                try:
+                    found[(level, opt)] = t.getsockopt(level, opt, 64)
+                except OSError:
+                    pass
+            self._default_opts[family] = found
+        return self._default_opts[family]
+
+    def _same_on_unix(self) -> frozenset[tuple[int, int]]:
+        """The carried SOL_SOCKET options whose default on a fresh AF_UNIX stream end is TCP's."""
+        if self._unix_same is None:
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            with a, b:
+                tcp = self._defaults(socket.AF_INET)
+                same = set()
+                for level, opt in _CARRY:
+                    try:
+                        if level == SOL_SOCKET and a.getsockopt(level, opt, 64) == tcp.get((level, opt)):
+                            same.add((level, opt))
+                    except OSError:
+                        pass
+            self._unix_same = frozenset(same)
+        return self._unix_same
 
     def _template(self, family: int) -> socket.socket:
         """A pristine TCP socket of `family` in the pod's network namespace: the defaults to answer."""
@@ -339,7 +382,7 @@ class SocketIntercept:
         return self.net.listeners.get(ino) if ino is not None else None
 
     def listener_socket(self, call: Call, fd: int, listener: Listener) -> socket.socket | None:
-        s = _dup(call, fd)
+        s = _dup(call, fd, listener.family)
         if s is None:
             return None
         if os.fstat(s.fileno()).st_ino != listener.token:
@@ -365,7 +408,9 @@ class SocketIntercept:
             if queued is not None:   # a doorbell: the application gets the TSoR connection
                 os.close(conn)
                 conn = queued.fd
-                with socket.socket(fileno=os.dup(conn)) as real:
+                real = (socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, conn) if queued.path == "local"
+                        else socket.socket(fileno=conn))
+                try:
                     if real.family == socket.AF_UNIX:
                         real.setsockopt(SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SNDBUF)
                     state = Redirected(family=listener.family, local=queued.local, peer=queued.peer,
@@ -373,6 +418,8 @@ class SocketIntercept:
                     ino_new = os.fstat(conn).st_ino
                     self.net.redirected(ino_new, state)
                     self._to_table(ino_new, state)
+                finally:
+                    real.detach()
                 raw = sockaddr(listener.family, queued.peer)
         except BaseException:
             os.close(conn)
@@ -386,8 +433,10 @@ def _inode(call: Call, fd: int) -> int | None:
     return _sys.socket_inode(call.pid, fd) if fd >= 0 else None
 
 
-def _dup(call: Call, fd: int) -> socket.socket | None:
-    """Our own duplicate of the task's fd (same open file), as a socket; None if it is not one."""
+def _dup(call: Call, fd: int, family: int | None = None) -> socket.socket | None:
+    """Our own duplicate of the task's fd (same open file), as a socket; None if it is not one.
+    `family`: what the caller knows it to be (a TCP socket of that family, checked by the caller),
+    which spares socket()'s own three getsockopt calls."""
     if fd < 0:
         return None
     try:
@@ -403,7 +452,7 @@ def _dup(call: Call, fd: int) -> socket.socket | None:
     finally:
         os.close(pidfd)
     try:
-        return socket.socket(fileno=dup)
+        return socket.socket(family, socket.SOCK_STREAM, 0, dup) if family is not None else socket.socket(fileno=dup)
     except OSError:
         os.close(dup)
         return None
