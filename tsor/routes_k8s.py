@@ -225,6 +225,32 @@ class KubernetesSource:
         self.kinds: list[Kind] = []
 
     def start(self, table: RouteTable) -> None:
+        self._setup(table)
+        for kind in self.kinds:
+            t = threading.Thread(target=self._run, args=(kind,), name=f"k8s-{kind.name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        # tsord serves at once either way; waiting a little lets its first connections see the routes
+        deadline = time.monotonic() + self.first_sync
+        for kind in self.kinds:
+            if not kind.synced.wait(max(0.0, deadline - time.monotonic())):
+                log.warning("routes from Kubernetes: %s not listed yet; their connections go native meanwhile",
+                            kind.name)
+
+    def list_once(self, table: RouteTable, names: tuple[str, ...]) -> None:
+        """List the kinds named into `table` once, as start() does first, and watch nothing (`quark
+        tsor check`). Raises what the list raises; describe() says it in a line."""
+        self._setup(table)
+        for kind in self.kinds:
+            if kind.name in names:
+                self._list(kind)
+
+    @property
+    def server(self) -> str:
+        """The API server's URL, from the client's configuration."""
+        return self._client.configuration.host
+
+    def _setup(self, table: RouteTable) -> None:
         try:
             import kubernetes.client  # noqa: F401 (whether the client is installed)
         except ImportError:
@@ -254,16 +280,6 @@ class KubernetesSource:
                  lambda m: policy.sync_namespaces([o for o in m.values() if o is not None]),
                  lambda k, o: policy.put_namespace(o) if o is not None else policy.delete_namespace(k[1])),
         ]
-        for kind in self.kinds:
-            t = threading.Thread(target=self._run, args=(kind,), name=f"k8s-{kind.name}", daemon=True)
-            t.start()
-            self._threads.append(t)
-        # tsord serves at once either way; waiting a little lets its first connections see the routes
-        deadline = time.monotonic() + self.first_sync
-        for kind in self.kinds:
-            if not kind.synced.wait(max(0.0, deadline - time.monotonic())):
-                log.warning("routes from Kubernetes: %s not listed yet; their connections go native meanwhile",
-                            kind.name)
 
     def stop(self) -> None:
         self._stop.set()
@@ -296,7 +312,7 @@ class KubernetesSource:
                     continue
                 reason = "410 Gone while listing"   # again and again: not at full speed
             except Exception as e:   # the API server down or dropping: keep the routes, try again
-                reason = _describe(e)
+                reason = describe(e)
                 if kind.events > events:   # a watch that worked for a while: a fresh failure
                     delay = self.backoff[0]
             if self._stop.is_set():
@@ -422,8 +438,19 @@ def _shutdown(resp: Any) -> None:
         pass
 
 
-def _describe(e: Exception) -> str:
+def describe(e: BaseException) -> str:
+    """A failure to reach or read the API server in a line: its answer, or the socket's error under
+    urllib3's wrappers ("Connection refused", not a MaxRetryError's repr of a connection pool)."""
     from kubernetes.client.rest import ApiException
     if isinstance(e, ApiException):
         return f"API server answered {e.status} {e.reason}"
+    seen, cause = set(), e
+    while cause is not None and id(cause) not in seen:   # MaxRetryError.reason, then __cause__s
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+        if isinstance(cause, TimeoutError) or type(cause).__name__.endswith("TimeoutError"):
+            return "timed out"
+        reason = getattr(cause, "reason", None)
+        cause = reason if isinstance(reason, BaseException) else (cause.__cause__ or cause.__context__)
     return f"{type(e).__name__}: {e}"
