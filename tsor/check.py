@@ -1,14 +1,17 @@
 """`quark tsor check`: this host's RDMA devices and, for a tsor.yaml, the transport each peer node
 in its route table would get. The transport is decided by the function tsord itself uses
 (transport/rdma_link.py's `choose`, with its `open_active` for "has this host an active RDMA port"),
-so the answer is what tsord would do, not a second opinion."""
+so the answer is what tsord would do, not a second opinion. The peers are the route file's nodes,
+or with `kubernetes:` the Nodes the API server lists, read by tsord's own Kubernetes source."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import asdict
 
 from tsor import config as configmod
 from tsor import routes as routesmod
+from tsor.errors import ConfigError
 from tsor.transport.rdma_link import choose, open_active, open_pyverbs
 from tsor.verbs import Device, NoDevice, VerbsError
 from tsor.verbs.pyverbs_provider import DeviceReport, describe_devices
@@ -80,10 +83,38 @@ def peers_report(cfg: configmod.Config, nodes: list[routesmod.Node],
     return {"peers": peers, "rdma_port": local}
 
 
+def kubernetes_nodes(path: str, cfg: configmod.Config) -> list[routesmod.Node]:
+    """The nodes tsord's Kubernetes source would put in its table: one list of Nodes, by its own code
+    (routes_k8s.py), from the API server tsor.yaml names. ConfigError when it cannot be listed."""
+    from tsor.routes_k8s import KubernetesSource, describe
+    table = routesmod.RouteTable()
+    src = KubernetesSource(cfg.kubernetes, cfg.tsord_port, read_timeout=10)
+    retries = logging.getLogger("urllib3.connectionpool")   # one line below says it, not three "Retrying"s
+    level = retries.level
+    retries.setLevel(logging.ERROR)
+    try:
+        src.list_once(table, ("nodes",))
+    except ConfigError:
+        raise
+    except Exception as e:   # whatever stops the list: in a line, with the server it asked
+        raise ConfigError(path, "kubernetes", f"cannot list the Nodes from the API server at {src.server}: "
+                                              f"{describe(e)}") from None
+    finally:
+        retries.setLevel(level)
+    return sorted(table.nodes.values(), key=lambda n: n.name)
+
+
 def report(path: str, describe: Callable[[], list[DeviceReport]] = describe_devices,
            open_rdma: Callable[[], Device] = open_pyverbs) -> dict:
-    """The whole check for the tsor.yaml at `path`; ConfigError (file and field) when it is bad."""
+    """The whole check for the tsor.yaml at `path`; ConfigError (file and field) when it is bad or
+    its API server cannot be listed."""
     cfg = configmod.load(path)
-    nodes = routesmod.load(cfg.routes) if cfg.routes else []
+    if cfg.routes:
+        nodes = routesmod.load(cfg.routes)
+    elif cfg.kubernetes is not None:
+        nodes = kubernetes_nodes(path, cfg)
+    else:
+        nodes = []
     return {"config": path, "node": cfg.node, "transport": dict(cfg.transport), "routes": cfg.routes,
+            "kubernetes": cfg.kubernetes is not None,
             "rdma": devices_report(describe), **peers_report(cfg, nodes, open_rdma)}

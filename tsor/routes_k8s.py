@@ -22,15 +22,18 @@ server is away the table stays as it was: pods it knew keep their paths, pods it
 unknown to tsord and connect natively.
 
 Objects are read as JSON, not deserialised into the client's models: a model per object would cost
-~1 ms each, too slow for 10,000 pods (bench/routes_k8s.py).
+~1 ms each, too slow for 10,000 pods (bench/routes_k8s.py). Only the fields the entries below read
+are decoded (tsor/k8s_fields.py). The requests go through the client's ApiClient (its configuration:
+server, TLS, credentials and their refresh) but not its generated CoreV1Api & co., whose import
+brings ~300 model modules (~26 MiB of tsord) for nothing here.
 """
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import random
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +41,7 @@ from typing import Any
 
 from tsor.config import HostPort, Kubernetes
 from tsor.errors import ConfigError
+from tsor.k8s_fields import Decoder
 from tsor.netpol import PolicySet
 from tsor.routes import EndpointSlice, Network, Node, Pod, RouteTable, ServicePort
 
@@ -62,12 +66,19 @@ class Gone(Exception):
     """410: the resourceVersion is too old; relist."""
 
 
-class Kind:
-    """One watched kind: how to list it, and how its objects become table entries."""
+def collection_path(group: str, resource: str) -> str:
+    """The URL path of a WATCHED collection across all namespaces (every group here serves v1)."""
+    return f"/api/v1/{resource}" if not group else f"/apis/{group}/v1/{resource}"
 
-    def __init__(self, name: str, list_fn: Callable[..., Any], convert: Callable[[dict], Any],
+
+class Kind:
+    """One watched kind: where to list it, and how its objects become table entries."""
+
+    def __init__(self, name: str, convert: Callable[[dict], Any],
                  sync: Callable[[dict[Key, Any]], None], apply: Callable[[Key, Any], None]) -> None:
-        self.name, self.list_fn, self.convert, self.sync, self.apply = name, list_fn, convert, sync, apply
+        self.name, self.convert, self.sync, self.apply = name, convert, sync, apply
+        self.path = next(collection_path(g, r) for g, r in WATCHED if r == name)
+        self.decoder = Decoder(name)
         self.resource_version: str | None = None
         self.synced = threading.Event()   # listed at least once
         self.relists = 0
@@ -96,6 +107,11 @@ def _ip(value: object) -> str | None:
         except OSError:
             continue
     return None
+
+
+def _intern(s: object) -> object:
+    """One string object for the many pods sharing a namespace, a node or a label."""
+    return sys.intern(s) if type(s) is str else s
 
 
 def _key(obj: dict) -> Key:
@@ -130,8 +146,9 @@ def pod_entry(obj: dict, runtime_class: str) -> Pod | None:
         return None
     ports = {p["name"]: p["containerPort"] for c in spec.get("containers") or () for p in c.get("ports") or ()
              if p.get("name") and isinstance(p.get("containerPort"), int) and (p.get("protocol") or "TCP") == "TCP"}
-    return Pod(meta.get("namespace", ""), meta.get("name", ""), spec["nodeName"], tuple(valid),
-               dict(meta.get("labels") or {}), ports)
+    labels = {_intern(k): _intern(v) for k, v in dict(meta.get("labels") or {}).items()}
+    return Pod(_intern(meta.get("namespace", "")), meta.get("name", ""), _intern(spec["nodeName"]), tuple(valid),
+               labels, ports)
 
 
 def service_entry(obj: dict) -> dict[tuple[str, int], ServicePort] | None:
@@ -208,37 +225,7 @@ class KubernetesSource:
         self.kinds: list[Kind] = []
 
     def start(self, table: RouteTable) -> None:
-        try:
-            from kubernetes import client
-        except ImportError:
-            raise ConfigError("tsor.yaml", "kubernetes", "routes from Kubernetes need the `kubernetes` Python "
-                                                         "client: pip install 'quark-runtime[k8s]'") from None
-        self.table = table
-        if self._client is None:
-            self._client = api_client(self.settings)
-        core, discovery = client.CoreV1Api(self._client), client.DiscoveryV1Api(self._client)
-        networking = client.NetworkingV1Api(self._client)
-        port, rc = self.tsord_port, self.settings.runtime_class
-        policy = table.policy = PolicySet()
-        self.kinds = [
-            Kind("nodes", core.list_node, lambda o: node_entry(o, port),
-                 lambda m: table.sync(nodes=[n for n in m.values() if n is not None]),
-                 lambda k, n: table.set_node(k[1], n)),
-            Kind("pods", core.list_pod_for_all_namespaces, lambda o: pod_entry(o, rc),
-                 lambda m: table.sync(pods=[p for p in m.values() if p is not None]), table.set_pod),
-            Kind("services", core.list_service_for_all_namespaces, service_entry,
-                 lambda m: table.sync(services={k: v for k, v in m.items() if v is not None}), table.set_service),
-            Kind("endpointslices", discovery.list_endpoint_slice_for_all_namespaces, slice_entry,
-                 lambda m: table.sync(slices={k: v for k, v in m.items() if v is not None}),
-                 lambda k, s: table.set_slice(k[0], k[1], s)),
-            # NetworkPolicy: tsord accelerates only what the policies allow (tsor/netpol.py)
-            Kind("networkpolicies", networking.list_network_policy_for_all_namespaces, lambda o: o,
-                 lambda m: policy.sync_policies([o for o in m.values() if o is not None]),
-                 lambda k, o: policy.put_policy(o) if o is not None else policy.delete_policy(*k)),
-            Kind("namespaces", core.list_namespace, lambda o: o,
-                 lambda m: policy.sync_namespaces([o for o in m.values() if o is not None]),
-                 lambda k, o: policy.put_namespace(o) if o is not None else policy.delete_namespace(k[1])),
-        ]
+        self._setup(table)
         for kind in self.kinds:
             t = threading.Thread(target=self._run, args=(kind,), name=f"k8s-{kind.name}", daemon=True)
             t.start()
@@ -249,6 +236,50 @@ class KubernetesSource:
             if not kind.synced.wait(max(0.0, deadline - time.monotonic())):
                 log.warning("routes from Kubernetes: %s not listed yet; their connections go native meanwhile",
                             kind.name)
+
+    def list_once(self, table: RouteTable, names: tuple[str, ...]) -> None:
+        """List the kinds named into `table` once, as start() does first, and watch nothing (`quark
+        tsor check`). Raises what the list raises; describe() says it in a line."""
+        self._setup(table)
+        for kind in self.kinds:
+            if kind.name in names:
+                self._list(kind)
+
+    @property
+    def server(self) -> str:
+        """The API server's URL, from the client's configuration."""
+        return self._client.configuration.host
+
+    def _setup(self, table: RouteTable) -> None:
+        try:
+            import kubernetes.client  # noqa: F401 (whether the client is installed)
+        except ImportError:
+            raise ConfigError("tsor.yaml", "kubernetes", "routes from Kubernetes need the `kubernetes` Python "
+                                                         "client: pip install 'quark-runtime[k8s]'") from None
+        self.table = table
+        if self._client is None:
+            self._client = api_client(self.settings)
+        port, rc = self.tsord_port, self.settings.runtime_class
+        policy = table.policy = PolicySet()
+        self.kinds = [
+            Kind("nodes", lambda o: node_entry(o, port),
+                 lambda m: table.sync(nodes=[n for n in m.values() if n is not None]),
+                 lambda k, n: table.set_node(k[1], n)),
+            Kind("pods", lambda o: pod_entry(o, rc),
+                 lambda m: table.sync(pods=[p for p in m.values() if p is not None]), table.set_pod),
+            Kind("services", service_entry,
+                 lambda m: table.sync(services={k: v for k, v in m.items() if v is not None}), table.set_service),
+            Kind("endpointslices", slice_entry,
+                 lambda m: table.sync(slices={k: v for k, v in m.items() if v is not None}),
+                 lambda k, s: table.set_slice(k[0], k[1], s)),
+            # NetworkPolicy: tsord accelerates only what the policies allow (tsor/netpol.py)
+            Kind("networkpolicies", lambda o: o,
+                 lambda m: policy.sync_policies([o for o in m.values() if o is not None]),
+                 lambda k, o: policy.put_policy(o) if o is not None else policy.delete_policy(*k)),
+            Kind("namespaces", lambda o: o,
+                 lambda m: policy.sync_namespaces([o for o in m.values() if o is not None]),
+                 lambda k, o: policy.put_namespace(o) if o is not None else policy.delete_namespace(k[1])),
+        ]
 
     def stop(self) -> None:
         self._stop.set()
@@ -281,7 +312,7 @@ class KubernetesSource:
                     continue
                 reason = "410 Gone while listing"   # again and again: not at full speed
             except Exception as e:   # the API server down or dropping: keep the routes, try again
-                reason = _describe(e)
+                reason = describe(e)
                 if kind.events > events:   # a watch that worked for a while: a fresh failure
                     delay = self.backoff[0]
             if self._stop.is_set():
@@ -302,17 +333,34 @@ class KubernetesSource:
                 raise Gone() from None
             raise
 
+    def _get(self, kind: Kind, query: dict[str, str]) -> Any:
+        """A GET of the kind's collection: its raw (urllib3) response; ApiException unless 2xx.
+        Made as the generated CoreV1Api & co. make it, without importing them (the module's docstring)."""
+        from kubernetes.client.rest import ApiException
+        api, timeout = self._client, (CONNECT_TIMEOUT, self.read_timeout)
+        headers, auth = {"Accept": "application/json"}, ["BearerToken"]
+        if not hasattr(api, "param_serialize"):   # a client of the older generator (python-legacy)
+            return api.call_api(kind.path, "GET", query_params=list(query.items()), header_params=headers,
+                                auth_settings=auth, _preload_content=False, _return_http_data_only=True,
+                                _request_timeout=timeout)
+        request = api.param_serialize("GET", kind.path, query_params=list(query.items()), header_params=headers,
+                                      auth_settings=auth)
+        resp = api.call_api(*request, _request_timeout=timeout)
+        if not 200 <= resp.status <= 299:
+            resp.read()
+            raise ApiException.from_response(http_resp=resp, body=None, data=None)
+        return resp.response
+
     def _list_pages(self, kind: Kind) -> None:
         entries: dict[Key, Any] = {}
         cont, rv = None, None
         while True:
-            kw = {"limit": PAGE, "_preload_content": False,
-                  "_request_timeout": (CONNECT_TIMEOUT, self.read_timeout)}
+            query = {"limit": str(PAGE)}
             if cont:
-                kw["_continue"] = cont
-            resp = kind.list_fn(**kw)
+                query["continue"] = cont
+            resp = self._get(kind, query)
             try:
-                page = json.loads(resp.data)
+                page = kind.decoder.page(resp.data)
             finally:
                 resp.release_conn()
             for obj in page.get("items") or ():
@@ -336,9 +384,8 @@ class KubernetesSource:
         from kubernetes.watch.watch import iter_resp_lines
         t0 = time.monotonic()
         try:
-            resp = kind.list_fn(watch=True, resource_version=kind.resource_version, allow_watch_bookmarks=True,
-                                timeout_seconds=self.watch_seconds, _preload_content=False,
-                                _request_timeout=(CONNECT_TIMEOUT, self.read_timeout))
+            resp = self._get(kind, {"watch": "true", "resourceVersion": kind.resource_version,
+                                    "allowWatchBookmarks": "true", "timeoutSeconds": str(self.watch_seconds)})
         except ApiException as e:
             if e.status == 410:
                 raise Gone() from None
@@ -352,7 +399,7 @@ class KubernetesSource:
                     return True
                 if not line:
                     continue
-                self._event(kind, json.loads(line))
+                self._event(kind, kind.decoder.event(line))
                 seen = True
         finally:
             with self._lock:
@@ -391,8 +438,19 @@ def _shutdown(resp: Any) -> None:
         pass
 
 
-def _describe(e: Exception) -> str:
+def describe(e: BaseException) -> str:
+    """A failure to reach or read the API server in a line: its answer, or the socket's error under
+    urllib3's wrappers ("Connection refused", not a MaxRetryError's repr of a connection pool)."""
     from kubernetes.client.rest import ApiException
     if isinstance(e, ApiException):
         return f"API server answered {e.status} {e.reason}"
+    seen, cause = set(), e
+    while cause is not None and id(cause) not in seen:   # MaxRetryError.reason, then __cause__s
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+        if isinstance(cause, TimeoutError) or type(cause).__name__.endswith("TimeoutError"):
+            return "timed out"
+        reason = getattr(cause, "reason", None)
+        cause = reason if isinstance(reason, BaseException) else (cause.__cause__ or cause.__context__)
     return f"{type(e).__name__}: {e}"

@@ -110,7 +110,7 @@ def check(args: argparse.Namespace) -> int:
     setting = ", ".join(f"{k}: {v}" for k, v in r["transport"].items())
     print(f"{r['config']}: node {r['node']}, transport {{{setting}}}")
     if not r["peers"]:
-        print("no peer nodes" + ("" if r["routes"] else " (routes: not set)"))
+        print("no peer nodes" + ("" if r["routes"] or r["kubernetes"] else " (routes: not set)"))
         return 0
     print(f"{'NODE':<16} {'CONFIGURED':<10} {'TRANSPORT':<9} DETAIL")
     for p in r["peers"]:

@@ -11,6 +11,7 @@ import types
 import pytest
 
 from qvisor.commands import tsor as cmd
+from tests.support import fake_kube_api as k8s
 from tsor import check
 from tsor.errors import ConfigError
 from tsor.transport.rdma_link import RdmaTransport, choose
@@ -221,6 +222,49 @@ def test_a_bad_config_names_the_file_and_the_field(tmp_path, capsys):
     (tmp_path / "routes.yaml").write_text("nodes:\n  - {name: node-b, address: nowhere}\n")
     with pytest.raises(ConfigError, match=r"routes\.yaml: nodes\[0\]\.address"):
         cmd.run(argparse.Namespace(tsor_verb="check", config=path, format="json"))
+
+
+# ---- peers from the Kubernetes route source, against the API stand-in ----------------------------
+def write_k8s_config(tmp_path, server: str) -> str:
+    (tmp_path / "secret").write_text("s" * 32)
+    (tmp_path / "secret").chmod(0o600)
+    k8s.write_kubeconfig(str(tmp_path / "kubeconfig"), server)
+    cfg = tmp_path / "tsor.yaml"
+    cfg.write_text(f"node: node-a\ntransport: {MAP}\ncluster_secret_file: secret\n"
+                   "kubernetes: {kubeconfig: kubeconfig, tsord_port: 7000}\n")
+    return str(cfg)
+
+
+def test_with_a_kubernetes_source_the_peers_are_the_nodes_the_api_server_lists(tmp_path, capsys):
+    api = k8s.FakeKubeAPI()
+    try:
+        for name, ip in (("node-a", "10.99.0.1"), ("node-b", "10.99.0.2"), ("node-e", "10.99.0.5")):
+            api.put("nodes", k8s.node(name, ip, []))
+        no_ip = k8s.node("node-f", "10.99.0.6", [])
+        no_ip["status"]["addresses"] = [{"type": "Hostname", "address": "node-f"}]
+        api.put("nodes", no_ip)
+        path = write_k8s_config(tmp_path, api.url)
+        r = check.report(path, describe=lambda: [], open_rdma=no_device)
+        assert [p["node"] for p in r["peers"]] == ["node-b", "node-e", "node-f"]   # not this node itself
+        peers = by_node(r)
+        assert (peers["node-b"]["address"], peers["node-b"]["transport"]) == ("10.99.0.2:7000", "softverbs")
+        assert (peers["node-e"]["configured"], peers["node-e"]["transport"]) == ("auto", "tcp")
+        assert peers["node-f"]["transport"] == "native" and peers["node-f"]["address"] is None
+        assert api.lists("nodes") == 1 and api.lists("pods") == 0 and api.watches("nodes") == []
+        table = run_check(path, "table", capsys)
+        assert "node-b " in table and "no peer nodes" not in table
+    finally:
+        api.stop()
+
+
+def test_an_api_server_that_cannot_be_reached_is_one_clear_line(tmp_path):
+    api = k8s.FakeKubeAPI()
+    api.stop()   # its port, now closed
+    path = write_k8s_config(tmp_path, api.url)
+    with pytest.raises(ConfigError) as e:
+        cmd.run(argparse.Namespace(tsor_verb="check", config=path, format="table"))
+    assert str(e.value) == (f"{path}: kubernetes: cannot list the Nodes from the API server at {api.url}: "
+                            "Connection refused")
 
 
 def test_port_report_values():
