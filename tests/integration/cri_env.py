@@ -91,6 +91,20 @@ def quark_cni() -> str | None:
     return path if probe.returncode == 0 and b"supportedVersions" in probe.stdout else None
 
 
+def tsor_skip_reason() -> str | None:
+    """Why TSoR-through-CRI tests cannot run here (skip_reason's, or quark-cni or QKernel's TSoR
+    wiring missing), or None."""
+    reason = skip_reason()
+    if reason:
+        return reason
+    if quark_cni() is None:
+        return "quark-cni is not installed (QUARK_CNI or PATH; pip install -e . provides the console script)"
+    import qkernel.request
+    if not hasattr(qkernel.request, "InstallFd"):
+        return "QKernel's TSoR wiring (fd installation, sys_socket handlers) is not in this tree yet"
+    return None
+
+
 def conflist(quark_cni_path: str | None, quark_cni_conf: dict | None = None, bridge: str = BRIDGE,
              subnet: str = SUBNET) -> dict:
     """The CNI network: bridge + host-local on `subnet`, then quark-cni when given (the hook), with

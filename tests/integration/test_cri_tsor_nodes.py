@@ -28,19 +28,7 @@ PREFIX, OCTET = "qw15i", 225      # netns, bridge and link names and 10.OCTET.0.
 BLOB_KIB = 1024                   # the payload: large enough that the byte counters cannot miss it
 
 
-def _skip_reason() -> str | None:
-    reason = cri_env.skip_reason()
-    if reason:
-        return reason
-    if cri_env.quark_cni() is None:
-        return "quark-cni is not installed (QUARK_CNI or PATH; pip install -e . provides the console script)"
-    import qkernel.request
-    if not hasattr(qkernel.request, "InstallFd"):
-        return "QKernel's TSoR wiring (fd installation, sys_socket handlers) is not in this tree yet"
-    return None
-
-
-SKIP = _skip_reason()
+SKIP = cri_env.tsor_skip_reason()
 pytestmark = [pytest.mark.root, pytest.mark.timeout(600), pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 
 if SKIP is None:
