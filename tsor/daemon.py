@@ -79,6 +79,10 @@ class Session:
         finally:
             self._waiting.pop(mid, None)
 
+    def tell(self, message: object, fds: list[int] = ()) -> None:
+        """Send the sandbox a request whose answer nobody waits for (it is dropped on arrival)."""
+        self.send(protocol.encode(next(self._ids), message), fds)
+
     def answered(self, mid: int, msg: dict) -> None:
         fut = self._waiting.get(mid)
         if fut is not None and not fut.done():
@@ -447,8 +451,7 @@ class Daemon:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             with theirs:
-                server.send(protocol.encode(next(server._ids), protocol.Peer(sess.name, sorted(sess.identity.addrs))),
-                            [theirs.fileno()])
+                server.tell(protocol.Peer(sess.name, sorted(sess.identity.addrs)), [theirs.fileno()])
         except OSError:
             ours.close()
             return None

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 
 from tsor import protocol
 from tsor.addr import Endpoint, family_of, unmapped
-from tsor.errors import ProtocolError
 
 log = logging.getLogger("quark.tsor")
 TALLY_S = 0.05
@@ -99,27 +98,15 @@ class _Channel:
         return self.sock is not None
 
     def _readable(self) -> None:
-        while self.sock is not None:
-            try:
-                data, fds = protocol.recv(self.sock)
-            except BlockingIOError:
-                return
-            except (OSError, ProtocolError) as e:
-                log.debug("peer channel: %s", e)
-                data, fds = b"", []
-            if not data:
-                for fd in fds:
-                    os.close(fd)
-                self.close()
-                return self.on_eof(self)
-            try:
-                mid, msg = protocol.decode(data)
-            except ProtocolError as e:
-                log.warning("malformed record on a peer channel: %s", e)
-                for fd in fds:
-                    os.close(fd)
-                continue
-            self.record(mid, msg, fds)
+        try:
+            for mid, msg, fds in protocol.received(self.sock, "a peer channel"):
+                self.record(mid, msg, fds)
+                if self.sock is None:
+                    return
+        except protocol.Closed as e:
+            log.debug("peer channel closed%s", f": {e}" if str(e) else "")
+            self.close()
+            self.on_eof(self)
 
     def record(self, mid: int, msg: object, fds: list[int]) -> None:
         raise NotImplementedError

@@ -36,14 +36,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from tsor.addr import Endpoint, valid_ip
 from tsor.errors import ProtocolError
 
+log = logging.getLogger("tsor.protocol")
 MAX_MSG = 64 * 1024
 MAX_FDS = 4
 PATHS = ("local", "tcp", "rdma", "fallback")
@@ -239,3 +242,32 @@ def recv(sock: socket.socket) -> tuple[bytes, list[int]]:
             os.close(fd)
         raise ProtocolError("message too long")
     return data, fds
+
+
+class Closed(Exception):
+    """The other end closed the connection (the text is empty), or reading it failed (the text says why)."""
+
+
+def received(sock: socket.socket, sender: str) -> Iterator[tuple[int, object, list[int]]]:
+    """The decoded records a non-blocking socket holds now, as (id, message, fds). A malformed one
+    is logged as from `sender`, its fds closed, and skipped. Raises Closed at end of file or when
+    reading fails."""
+    while True:
+        try:
+            data, fds = recv(sock)
+        except BlockingIOError:
+            return
+        except (OSError, ProtocolError) as e:
+            raise Closed(str(e)) from e
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            raise Closed("")
+        try:
+            mid, msg = decode(data)
+        except ProtocolError as e:
+            log.warning("malformed message from %s: %s", sender, e)
+            for fd in fds:
+                os.close(fd)
+            continue
+        yield mid, msg, fds

@@ -147,47 +147,37 @@ class TsordClient:
                 self._down()
 
     def _readable(self) -> None:
-        while self.sock is not None:
-            try:
-                data, fds = protocol.recv(self.sock)
-            except BlockingIOError:
-                return
-            except (OSError, ProtocolError) as e:
+        try:
+            for mid, msg, fds in protocol.received(self.sock, "tsord"):
+                self._record(mid, msg, fds)
+                if self.sock is None:   # the record's handling lost the connection
+                    return
+        except protocol.Closed as e:
+            if str(e):
                 log.warning("tsord connection: %s", e)
-                return self._down()
-            if not data:
-                log.info("tsord went away; connecting natively until it is back")
-                return self._down()
-            try:
-                mid, msg = protocol.decode(data)
-            except ProtocolError as e:
-                log.warning("malformed message from tsord: %s", e)
-                for fd in fds:
-                    os.close(fd)
-                continue
-            if isinstance(msg, dict):
-                cb = self._waiting.pop(mid, None)
-                if cb is not None:
-                    cb(msg, fds)
-                else:
-                    for fd in fds:
-                        os.close(fd)
-            elif isinstance(msg, protocol.Incoming) and fds:
-                for extra in fds[1:]:
-                    os.close(extra)
-                ok = self.on_incoming(msg, fds[0])
-                os.close(fds[0])
-                self._send_reply(protocol.reply(mid, ok=ok))
-            elif isinstance(msg, protocol.Peer) and fds and self.on_peer is not None:
-                for extra in fds[1:]:
-                    os.close(extra)
-                ok = self.on_peer(msg, fds[0])
-                os.close(fds[0])
-                self._send_reply(protocol.reply(mid, ok=ok))
             else:
-                for fd in fds:
-                    os.close(fd)
-                self._send_reply(protocol.reply(mid, error="unexpected request"))
+                log.info("tsord went away; connecting natively until it is back")
+            self._down()
+
+    def _record(self, mid: int, msg: object, fds: list[int]) -> None:
+        if isinstance(msg, dict):
+            cb = self._waiting.pop(mid, None)
+            if cb is not None:
+                return cb(msg, fds)
+            for fd in fds:
+                os.close(fd)
+            return
+        # tsord's requests: a connection for a listener of ours, a channel from another sandbox
+        handler = {protocol.Incoming: self.on_incoming, protocol.Peer: self.on_peer}.get(type(msg))
+        if handler is None or not fds:
+            for fd in fds:
+                os.close(fd)
+            return self._send_reply(protocol.reply(mid, error="unexpected request"))
+        for extra in fds[1:]:
+            os.close(extra)
+        ok = handler(msg, fds[0])
+        os.close(fds[0])
+        self._send_reply(protocol.reply(mid, ok=ok))
 
     def _send_reply(self, data: bytes) -> None:
         try:
