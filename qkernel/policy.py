@@ -28,18 +28,21 @@ _FLAGS = {"SECCOMP_FILTER_FLAG_TSYNC": seccomp.Attr.CTL_TSYNC,
 
 
 def install_filter(oci_seccomp, platform: str, no_new_privileges: bool, sockets: bool,
-                   caps: frozenset[str] = frozenset(), own_namespaces: frozenset[str] = frozenset()) -> int | None:
+                   caps: frozenset[str] = frozenset(), own_namespaces: frozenset[str] = frozenset(),
+                   sockopt_offload: bool = False) -> int | None:
     """Install quark's filter, then the bundle's; return the listener fd (seccomp) or None (ptrace).
 
     Called in the container process right before execve. Without no_new_privileges the process
     needs CAP_SYS_ADMIN (in its user namespace) to load a filter, as with runc. `sockets`: the
     sandbox is served by TSoR, so its socket calls are trapped (otherwise they all run natively).
+    `sockopt_offload`: TCP_NODELAY/TCP_CORK of its local-path sockets are the kernel's to answer
+    (tsor/sockopt_offload.py), so setsockopt of those is not trapped.
     `caps` (the process's bounding set) and `own_namespaces` (kinds the container has its own of)
     decide the capability grants of the table (table.Grant).
     """
     check_platform(platform)
     # Build both before loading either, so a bad bundle profile fails with nothing installed.
-    base = build_base_filter(platform, sockets, caps, own_namespaces)
+    base = build_base_filter(platform, sockets, caps, own_namespaces, sockopt_offload)
     bundle = build_bundle_filter(oci_seccomp) if oci_seccomp is not None else None
     for f in (base, bundle):
         if f is not None:
@@ -56,8 +59,12 @@ def install_filter(oci_seccomp, platform: str, no_new_privileges: bool, sockets:
     return listener
 
 
+_COMPARE = {"lt": seccomp.LT, "gt": seccomp.GT}
+
+
 def build_base_filter(platform: str, sockets: bool = True, caps: frozenset[str] = frozenset(),
-                      own_namespaces: frozenset[str] = frozenset()) -> seccomp.SyscallFilter:
+                      own_namespaces: frozenset[str] = frozenset(),
+                      sockopt_offload: bool = False) -> seccomp.SyscallFilter:
     arch = table.native_arch()
     if arch not in _ARCHES:
         raise FilterError(f"no syscall table for architecture {arch}")
@@ -73,10 +80,12 @@ def build_base_filter(platform: str, sockets: bool = True, caps: frozenset[str] 
         if sc.fate is table.Fate.TRAPPED:
             if sc.tsor_only and not sockets:
                 continue
-            if sc.only is None:
+            only = sc.offloaded_only if sockopt_offload and sc.offloaded_only is not None else sc.only
+            if only is None:
                 f.add_rule(trap, nr)
-            for pattern in sc.only.patterns if sc.only is not None else ():
-                f.add_rule(trap, nr, *(seccomp.Arg(i, seccomp.EQ, v) for i, v in pattern))
+            for pattern in only.patterns if only is not None else ():
+                f.add_rule(trap, nr, *(seccomp.Arg(c[0], _COMPARE[c[2]] if len(c) > 2 else seccomp.EQ, c[1])
+                                       for c in pattern))
         elif not sc.applies(caps, own_namespaces):
             continue   # granted (or only denied to holders of a capability this process lacks)
         else:

@@ -40,7 +40,8 @@ class ArgMask:
 @dataclass(frozen=True)
 class ArgMatch:
     """A trapped entry applies only when one of these argument patterns matches (anything else runs
-    natively): each pattern is (index, value) equalities the BPF filter checks, all of which must hold."""
+    natively): each pattern is conditions the BPF filter checks, all of which must hold: (index,
+    value) for equality, (index, value, "lt" | "gt") for an unsigned comparison."""
     patterns: tuple[tuple[tuple[int, int], ...], ...]
     describe: str
 
@@ -75,6 +76,9 @@ class Syscall:
     only: ArgMatch | None = None
     # TRAPPED: only in a sandbox served by TSoR (the socket family); elsewhere native
     tsor_only: bool = False
+    # TRAPPED: what `only` becomes when the kernel answers TCP_NODELAY/TCP_CORK on local-path
+    # sockets itself (tsor/sockopt_offload.py): the sandbox's filter no longer traps those
+    offloaded_only: ArgMatch | None = None
     # DENIED: allowed when the container holds a capability in its own namespace (Grant)
     grant: Grant | None = None
     # DENIED only for a process holding this capability: without it the kernel itself refuses what
@@ -103,9 +107,9 @@ def _denied(err: int, reason: str, when: ArgMask | None = None, grant: Grant | N
 
 
 def _trapped(handler: Callable, reason: str, native_on_error: bool = False, only: ArgMatch | None = None,
-             tsor_only: bool = False) -> dict:
+             tsor_only: bool = False, offloaded_only: ArgMatch | None = None) -> dict:
     return {"fate": Fate.TRAPPED, "handler": handler, "reason": reason, "native_on_error": native_on_error,
-            "only": only, "tsor_only": tsor_only}
+            "only": only, "tsor_only": tsor_only, "offloaded_only": offloaded_only}
 
 
 _MODULES = "changes the code the host kernel runs"
@@ -143,6 +147,18 @@ _SOCKOPTS = ArgMatch(
     tuple(((1, level),) for level in tsor.EMULATED_LEVELS)
     + tuple(((1, _SOL_SOCKET), (2, opt)) for opt in tsor.RECORDED_SOCKET_OPTS + tsor.UNIX_REFUSED_SOCKET_OPTS),
     "level is IPPROTO_IP/TCP/IPV6, or SOL_SOCKET with SO_TYPE/PROTOCOL/DOMAIN/REUSEPORT/ZEROCOPY/TXTIME")
+# With the option offload (tsor/sockopt_offload.py), get/setsockopt(IPPROTO_TCP) is trapped for every
+# option but TCP_NODELAY (1) and TCP_CORK (3), which cgroup BPF programs answer on local-path sockets
+# (and the kernel itself on TCP ones): optname < 1, == 2, > 3; setsockopt of 1 and 3 also with an
+# optlen under 4 (EINVAL, as TCP says it; getsockopt's optlen is behind a pointer).
+_TCP = 6
+_NOT_NODELAY_OR_CORK = (((1, _TCP), (2, 1, "lt")), ((1, _TCP), (2, 2)), ((1, _TCP), (2, 3, "gt")))
+_OFFLOADED = "; with the option offload not TCP_NODELAY/TCP_CORK, which the kernel answers"
+_GETSOCKOPTS_OFFLOADED = ArgMatch(tuple(p for p in _SOCKOPTS.patterns if p != ((1, _TCP),)) + _NOT_NODELAY_OR_CORK,
+                                  _SOCKOPTS.describe + _OFFLOADED)
+_SETSOCKOPTS_OFFLOADED = ArgMatch(
+    _GETSOCKOPTS_OFFLOADED.patterns + (((1, _TCP), (2, 1), (4, 4, "lt")), ((1, _TCP), (2, 3), (4, 4, "lt"))),
+    _SOCKOPTS.describe + _OFFLOADED)
 _TSOR = ("handled by TSoR: TCP to quark pods is carried by tsord's local/tcp paths (seccomp platform, "
          "sandboxes served by TSoR only); anything else runs natively")
 
@@ -214,7 +230,9 @@ POLICY: dict[str, dict] = {
                             "only the default personas (PER_LINUX, PER_LINUX32, UNAME26, query)"),
     "sysinfo": _trapped(sys_sysinfo.handle, "memory totals from the container's cgroup"),
     **{name: _trapped(sys_socket.handle, _TSOR, native_on_error=True, tsor_only=True,
-                      only=_SOCKOPTS if name in ("getsockopt", "setsockopt") else None)
+                      only=_SOCKOPTS if name in ("getsockopt", "setsockopt") else None,
+                      offloaded_only={"setsockopt": _SETSOCKOPTS_OFFLOADED,
+                                      "getsockopt": _GETSOCKOPTS_OFFLOADED}.get(name))
        for name in sys_socket.TRAPPED},
 }
 

@@ -285,7 +285,8 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preser
     channel.send(sock, {"type": "created", "t": time.monotonic()})
     start = _expect(sock, "start")
     hooks.run_hooks("startContainer", spec.hooks.start_container, start["state"])
-    _exec(sock, spec, spec.process, start["platform"], preserve_fds, start.get("sockets", False))
+    _exec(sock, spec, spec.process, start["platform"], preserve_fds, start.get("sockets", False),
+          start.get("sockopt_offload", False))
 
 
 def _procview(sock: socket.socket, spec: Spec) -> None:
@@ -303,7 +304,8 @@ def _procview(sock: socket.socket, spec: Spec) -> None:
             os.close(fd)
 
 
-def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserve_fds: int, sockets: bool) -> None:
+def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserve_fds: int, sockets: bool,
+          sockopt_offload: bool) -> None:
     import qkernel
     # no fd of the runtime survives into the container (CVE-2024-21626 class); the preserved ones do
     L.mark_fds_cloexec(3 + preserve_fds)
@@ -311,7 +313,8 @@ def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserv
     caps = frozenset(proc.capabilities.bounding) if proc.capabilities is not None else frozenset()
 
     def install_filter(no_new_privs: bool) -> None:
-        fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs, sockets, caps, spec.own_namespaces)
+        fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs, sockets, caps, spec.own_namespaces,
+                                    sockopt_offload)
         if fd is not None:
             channel.send(sock, {"type": "listener", "t": time.monotonic()}, [fd])
             os.close(fd)
@@ -363,4 +366,5 @@ def exec_init(sock: socket.socket, spec: Spec, proc: Process, reported: int, pre
     process.set_rlimits(proc)
     if proc.terminal:
         _terminal(sock, proc)
-    _exec(sock, spec, proc, start["platform"], preserve_fds, start.get("sockets", False))
+    _exec(sock, spec, proc, start["platform"], preserve_fds, start.get("sockets", False),
+          start.get("sockopt_offload", False))

@@ -38,7 +38,7 @@ from tsor import DEFAULT_SOCKET
 from tsor.errors import ConfigError
 
 _KEYS = {"node", "socket", "listen", "metrics", "routes", "kubernetes", "cluster_secret_file", "insecure_no_auth",
-         "transport", "state_dir"}
+         "transport", "state_dir", "sockopt_offload"}
 _KUBE_KEYS = {"kubeconfig", "context", "runtime_class", "tsord_port"}
 DEFAULT_TSORD_PORT = 7470
 DEFAULT_STATE_DIR = "/run/quark/tsord"
@@ -76,6 +76,9 @@ class Config:
     insecure_no_auth: bool = False
     transport: tuple[tuple[str, str], ...] = (("*", "auto"),)   # (node name or "*", transport)
     state_dir: str = DEFAULT_STATE_DIR
+    # join quark's cgroup, whose BPF programs answer local-path ends' options (tsor/sockopt_offload.py);
+    # tsor.yaml's default is true, a Daemon built in-process (tests) stays where it is unless asked
+    sockopt_offload: bool = False
 
     def transport_for(self, node: str) -> str:
         """The node-to-node transport configured for peer `node`."""
@@ -157,9 +160,13 @@ def load(path: str) -> Config:
     state_dir = raw.get("state_dir", DEFAULT_STATE_DIR)
     if not isinstance(state_dir, str) or not os.path.isabs(state_dir):
         raise ConfigError(path, "state_dir", f"expected an absolute path, got {state_dir!r}")
+    offload = raw.get("sockopt_offload", True)
+    if not isinstance(offload, bool):
+        raise ConfigError(path, "sockopt_offload", f"expected true or false, got {offload!r}")
     return Config(node=node, socket=sock, listen=listen, metrics=metrics, routes=routes, kubernetes=kube,
                   cluster_secret=secret, insecure_no_auth=insecure,
-                  transport=_transport(raw.get("transport", "auto"), path), state_dir=state_dir)
+                  transport=_transport(raw.get("transport", "auto"), path), state_dir=state_dir,
+                  sockopt_offload=offload)
 
 
 def _kubernetes(value: object, path: str) -> Kubernetes | None:

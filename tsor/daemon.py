@@ -25,7 +25,7 @@ import threading
 import time
 
 from tsor import DEFAULT_CONFIG, config as configmod, protocol, routes as routesmod
-from tsor import _sys
+from tsor import _sys, sockopt_offload
 from tsor.addr import Endpoint, family_of, is_unspecified, unmapped
 from tsor.bytecount import TcpByteCounter
 from tsor.errors import ConfigError, NotAllowed, ProtocolError
@@ -53,6 +53,7 @@ class Session:
         self.daemon, self.sock, self.peer_pid = daemon, sock, peer_pid
         self.identity: Identity | None = None
         self.direct = False     # takes routes and channels to other sandboxes' listeners (tsor/peers.py)
+        self.offload = False    # needs AF_UNIX ends made in quark's cgroup (tsor/sockopt_offload.py)
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._waiting: dict[int, concurrent.futures.Future] = {}
@@ -123,6 +124,7 @@ class Daemon:
         self.remote = None
         self.rdma: RdmaTransport | None = None
         self.server: socket.socket | None = None
+        self.offload: sockopt_offload.Offload | None = None
         self.gate: Gate | None = None
         self.metrics_server: MetricsServer | None = None
         self.metrics.gauges = lambda: {"sandboxes": len(self.sessions), "listeners": len(self.listeners),
@@ -143,6 +145,10 @@ class Daemon:
     # ---- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
         self.pods.load()
+        if self.cfg.sockopt_offload:
+            # the local-path and rdma-path ends made here must be covered by the option program
+            # for sandboxes whose filter no longer traps TCP_NODELAY/TCP_CORK (tsor/sockopt_offload.py)
+            self.offload = sockopt_offload.join()
         if self.route_source is not None:
             self.route_source.start(self.routes)
         self.bytes.start()
@@ -307,6 +313,7 @@ class Daemon:
                     raise NotAllowed(f"addresses {sorted(ident.addrs & set(pod.ips))} belong to pod {pod.label}")
                 sess.identity = ident
                 sess.direct = hello.direct
+                sess.offload = hello.offload
         except NotAllowed as e:
             self.metrics.error("claim")
             log.warning("registration of %s refused: %s", hello.sandbox, e)
@@ -406,9 +413,10 @@ class Daemon:
             # (denied, or tsord cannot tell: native, where the node's enforcement decides)
             if carried and self._policy_allows(sess, own[0], dst):
                 try:
-                    if local:
-                        path, sock = "local", self.local.connect(None, src, dst)
-                    elif self.rdma.usable(node):
+                    if local:   # (deliver refuses a listener an end made here would not serve)
+                        if self._covers(sess):
+                            path, sock = "local", self.local.connect(None, src, dst)
+                    elif self.rdma.usable(node) and self._covers(sess):
                         path, sock = "rdma", self.rdma.connect(node, src, dst)
                     else:
                         path, sock = "tcp", self.remote.connect(node, src, dst)
@@ -446,8 +454,8 @@ class Daemon:
         if entry is None or not sess.direct:
             return None
         server, token = entry
-        if not server.direct or server.identity is None:
-            return None
+        if not server.direct or server.identity is None or (server.offload and not sess.offload):
+            return None   # (the client's supervisor makes the ends a channel carries: see _covers)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             with theirs:
@@ -456,6 +464,12 @@ class Daemon:
             ours.close()
             return None
         return {"token": token, "generation": generation, "sandbox": server.name}, ours
+
+    def _covers(self, sess: Session) -> bool:
+        """Whether an AF_UNIX end made here works in `sess`'s sandbox: one whose filter leaves
+        TCP_NODELAY/TCP_CORK to the kernel needs ends made in quark's cgroup, as tsord is when it
+        joined it (so are offloading supervisors, which make the ends of direct channels)."""
+        return self.offload is not None or not sess.offload
 
     def _policy_allows(self, sess: Session, src_ip: str, dst: Endpoint) -> bool:
         """With routes from Kubernetes, whether the NetworkPolicies allow a connection TSoR would
@@ -495,6 +509,8 @@ class Daemon:
         if entry is None:
             return False
         sess, token = entry
+        if path != "tcp" and not self._covers(sess):
+            return False
         if path == "tcp":   # before the offer: the application may use it as soon as it is taken
             self.bytes.track(sock, greeting=greet)
         answer = sess.ask(protocol.Incoming(token, peer, dst, path, greet), [sock.fileno()], OFFER_TIMEOUT)

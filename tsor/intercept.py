@@ -94,26 +94,42 @@ class SocketIntercept:
         # TCP_CORK of local-path sockets live there, so the per-request calls never reach Python
         self.fast: Any = None
         self._tabled: set[int] = set()
+        # local-path ends whose TCP_NODELAY/TCP_CORK the kernel answers (tsor/sockopt_offload.py):
+        # the values live in its map, keyed by the socket's inode
+        self._offloaded: set[int] = set()
         net.on_forget = self._forget
+
+    @property
+    def offload(self) -> Any:
+        return self.net.offload
 
     def use_option_table(self, table: Any) -> None:
         self.fast = table
         for ino, st in self.net.sockets.items():
             self._to_table(ino, st)
 
-    def _to_table(self, ino: int, st: Redirected) -> None:
-        if self.fast is None or st.real_family != socket.AF_UNIX:
+    def _to_table(self, ino: int, st: Redirected, sock: socket.socket | None = None) -> None:
+        """Where TCP_NODELAY/TCP_CORK of a new local-path end live from now on: the kernel's map
+        (offload), QKernel's compiled table, or (neither) the record."""
+        if st.real_family != socket.AF_UNIX:
             return
-        nodelay, cork = (st.opts.get(key, b"\0\0\0\0") for key in _BOOLEAN_KEYS)
-        if self.fast.add(ino, struct.unpack_from("i", nodelay)[0], struct.unpack_from("i", cork)[0]):
+        nodelay, cork = (struct.unpack_from("i", st.opts.get(key, b"\0\0\0\0"))[0] for key in _BOOLEAN_KEYS)
+        if self.net.offload is not None and sock is not None:
+            # the kernel's programs answer these on this end (the filter traps neither any more)
+            self.net.offload.carry(sock, bool(nodelay), bool(cork))
+            self._offloaded.add(ino)
+        elif not (self.fast is not None and self.fast.add(ino, nodelay, cork)):
+            return
+        else:
             self._tabled.add(ino)
-            for key in _BOOLEAN_KEYS:
-                st.opts.pop(key, None)
+        for key in _BOOLEAN_KEYS:
+            st.opts.pop(key, None)
 
     def _forget(self, ino: int) -> None:
         if ino in self._tabled:
             self._tabled.discard(ino)
             self.fast.remove(ino)
+        self._offloaded.discard(ino)   # (the values went with the socket's own storage)
 
     @classmethod
     def attach(cls, loop, sandbox: str, init_pid: int, pids: Callable[[], list[int]],
@@ -198,8 +214,8 @@ class SocketIntercept:
                                    path=reply["path"], real_family=sock.family)
                 self._carry_options(old, sock, state)
                 ino_new = os.fstat(new).st_ino
+                self._to_table(ino_new, state, sock)
                 self.net.redirected(ino_new, state)
-                self._to_table(ino_new, state)
             finally:
                 sock.detach()
             new, handed = None, new
@@ -298,8 +314,10 @@ class SocketIntercept:
         ino, st = self._redirected(call, fd)
         if st is None:
             return None
-        if ino in self._tabled and (level, opt) in _BOOLEAN:
-            value = self.fast.get(ino, opt)
+        if (level, opt) in _BOOLEAN:
+            if ino in self._offloaded:
+                return None   # the kernel's program answers (a filter without the offload traps it)
+            value = self.fast.get(ino, opt) if ino in self._tabled else None
             if value is not None:
                 return struct.pack("i", value)
         if not _emulated(st, level, opt) and (level, opt) not in st.opts:
@@ -333,6 +351,8 @@ class SocketIntercept:
             if len(given) < 4:
                 return errno.EINVAL
             on = bool(struct.unpack_from("i", given)[0])
+            if ino in self._offloaded:
+                return None   # the kernel's program records it (trapped only for a short optlen: EINVAL above)
             if not (ino in self._tabled and self.fast.set(ino, opt, on)):
                 st.opts[(level, opt)] = struct.pack("i", int(on))
             return 0
@@ -416,8 +436,8 @@ class SocketIntercept:
                     state = Redirected(family=listener.family, local=queued.local, peer=queued.peer,
                                        path=queued.path, real_family=real.family)
                     ino_new = os.fstat(conn).st_ino
+                    self._to_table(ino_new, state, real)
                     self.net.redirected(ino_new, state)
-                    self._to_table(ino_new, state)
                 finally:
                     real.detach()
                 raw = sockaddr(listener.family, queued.peer)

@@ -4,7 +4,7 @@ SEQPACKET keeps each message and its fds one record, so nothing depends on how a
 A request is {"op": NAME, "id": N, ...fields}; its reply is {"re": N, ...}. Both sides send
 requests: the sandbox asks to connect and announces listeners; tsord offers incoming connections.
 
-    sandbox -> tsord  hello     {sandbox, pid, addrs, direct}   -> {ok, node, direct} + generation fd | {error}
+    sandbox -> tsord  hello     {sandbox, pid, addrs, direct, offload} -> {ok, node, direct} + generation fd | {error}
                       listen    {token, addr, port, v6only}     -> {ok} | {error}
                       unlisten  {token}                         -> {ok}
                       connect   {dst: [ip, port], src_port}     -> {path: local|tcp|rdma, src, [direct]} + fd
@@ -60,6 +60,9 @@ class Hello:
     pid: int
     addrs: list[str]
     direct: bool = False  # takes routes and channels to other sandboxes' listeners (tsor/peers.py)
+    # the kernel answers TCP_NODELAY/TCP_CORK on its local-path ends (tsor/sockopt_offload.py): it
+    # must be given only AF_UNIX ends made by a process in quark's cgroup
+    offload: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,11 @@ import socket
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tsor import DEFAULT_SOCKET, SOCKET_ANNOTATION, _sys, protocol
+from tsor import DEFAULT_SOCKET, SOCKET_ANNOTATION, _sys, protocol, sockopt_offload
 from tsor.addr import Endpoint, family_of, unmapped
 from tsor.errors import ProtocolError
 from tsor.peers import PeerLinks
+from tsor.sockopt_offload import Offload
 
 log = logging.getLogger("quark.tsor")
 RECONNECT_S = 1.0
@@ -247,14 +248,17 @@ class SandboxNet:
     """TSoR state of one sandbox (the supervisor holds one, QKernel's handlers use it)."""
 
     def __init__(self, loop, sandbox: str, init_pid: int, pids: Callable[[], list[int]],
-                 path: str = DEFAULT_SOCKET) -> None:
+                 path: str = DEFAULT_SOCKET, offload: Offload | None = None) -> None:
         self.loop, self.init_pid, self.pids = loop, init_pid, pids
+        # the kernel answers TCP_NODELAY/TCP_CORK of our local-path ends (tsor/sockopt_offload.py);
+        # tsord is told, so that it gives us only ends made where the program covers them
+        self.offload = offload
         self.addrs = sorted(_sys.netns_addresses(init_pid))
         self.netns_fd = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         self.sockets: dict[int, Redirected] = {}
         self.listeners: dict[int, Listener] = {}
         self.bells: dict[Endpoint, Queued] = {}
-        hello = protocol.Hello(sandbox, init_pid, self.addrs, direct=True)
+        hello = protocol.Hello(sandbox, init_pid, self.addrs, direct=True, offload=offload is not None)
         self.client = TsordClient(loop, path, hello, self._incoming, self._up, self._serve_peer, self._tsord_down)
         # direct channels to the other sandboxes' listeners on this node (tsor/peers.py)
         self.peers = PeerLinks(loop, self.addrs, self._incoming_direct, self.client.notify)
@@ -270,7 +274,8 @@ class SandboxNet:
         try:
             if _sys.netns_inode(init_pid) == _sys.netns_inode(os.getpid()):
                 return None   # host network: nothing to redirect, and no identity to claim
-            net = cls(loop, sandbox, init_pid, pids, path)
+            offload = sockopt_offload.join() if sockopt_offload.wanted(annotations) else None
+            net = cls(loop, sandbox, init_pid, pids, path, offload)
         except OSError as e:
             log.warning("TSoR off for %s: %s", sandbox, e)
             return None
@@ -286,6 +291,8 @@ class SandboxNet:
             q.bell.close()
         self.bells.clear()
         os.close(self.netns_fd)
+        if self.offload is not None:
+            self.offload.close()
 
     # ---- connect -------------------------------------------------------------------------------
     def connect(self, dst: Endpoint, src_port: int, on_reply: Reply) -> None:

@@ -105,7 +105,7 @@ class ControlMixin:
         self.phases.mark("start")
         self.state.status = RUNNING  # the hooks' state says running from startContainer on
         channel.send(self.init.sock, {"type": "start", "state": self._hook_state(), "platform": self.platform,
-                                       "sockets": self._sockets_trapped()})
+                                       **self._socket_filter()})
 
     def _start_done(self, error: QuarkError | None) -> None:
         conn, self.pending_start = self.pending_start, None

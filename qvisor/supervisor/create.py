@@ -165,10 +165,13 @@ class CreateMixin:
             ctx.tsor = SocketIntercept.attach(self.loop, self.state.id, init_pid, self.cgroup.pids,
                                               self.spec.annotations)
 
-    def _sockets_trapped(self) -> bool:
-        """Whether the container's filter traps the socket family: only for a sandbox TSoR serves
-        (a sandbox without it pays nothing for sockets)."""
-        return self.kernel is not None and self.kernel.context.tsor is not None
+    def _socket_filter(self) -> dict[str, bool]:
+        """What the container's filter traps of the socket family (the start message's fields):
+        `sockets` only for a sandbox TSoR serves (a sandbox without it pays nothing for sockets);
+        `sockopt_offload` when the kernel answers TCP_NODELAY/TCP_CORK of its local-path sockets
+        (tsor/sockopt_offload.py), so setsockopt of those is not trapped either."""
+        tsor = self.kernel.context.tsor if self.kernel is not None else None
+        return {"sockets": tsor is not None, "sockopt_offload": tsor is not None and tsor.offload is not None}
 
     def _forward_console(self, master: int, name: str) -> None:
         """Send the pty master to --console-socket (runc's protocol: one fd with the pty name)."""

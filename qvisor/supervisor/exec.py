@@ -4,6 +4,7 @@ through the pidfd held from its start until it is reaped (its exit is reaper.py'
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -13,6 +14,8 @@ from qvisor import channel, sandbox
 from qvisor.spec import parse_process
 from qvisor.state import RUNNING
 from qvisor.supervisor.child import _Child, _child_log, _numbered_from
+
+log = logging.getLogger("quark.supervisor")
 
 
 class ExecMixin:
@@ -43,8 +46,20 @@ class ExecMixin:
         ex = _Child(parent, self._on_exec_msg, stage1_pid=pid, client=conn)
         self.execs[pid] = ex
         self.cgroup.add_pid(pid)
+        self._leave_quark_cgroup(pid)
         channel.send(parent, {"type": "go"})
         self.loop.add_reader(parent.fileno(), lambda: self._on_child_readable(ex))
+
+    def _leave_quark_cgroup(self, pid: int) -> None:
+        """With TSoR's option offload this supervisor sits in quark's own cgroup
+        (tsor/sockopt_offload.py), where a child would stay on a hybrid host."""
+        tsor = self.kernel.context.tsor if self.kernel is not None else None
+        if tsor is None or tsor.offload is None or self.cgroup.version == "v2":
+            return
+        try:
+            tsor.offload.release(pid, self.state.pid)
+        except OSError as e:
+            log.warning("exec'd pid %d stays in %s: %s", pid, tsor.offload.cgroup, e)
 
     def _on_exec_msg(self, ex: _Child, msg: dict, fds: list[int]) -> None:
         kind = msg.get("type")
@@ -66,7 +81,7 @@ class ExecMixin:
                 self._watch_exit(ex.pid)
             if self.platform == "ptrace":
                 self.kernel.attach(ex.pid)
-            channel.send(ex.sock, {"type": "start", "platform": self.platform, "sockets": self._sockets_trapped()})
+            channel.send(ex.sock, {"type": "start", "platform": self.platform, **self._socket_filter()})
         elif kind == "console":
             ex.console.extend(fds)
         elif kind == "listener":

@@ -244,6 +244,8 @@ state = "{self.state}"
         subprocess.run(["ip", *(["-n", self.netns] if self.netns else []), "link", "delete", self.bridge],
                        capture_output=True)
         remove_cgroups(self.cgroup_parent)
+        from tsor import sockopt_offload
+        sockopt_offload.remove_if_unused()   # quark's socket cgroup, once nothing is in it (others may be)
 
 
     def kill_leftovers(self) -> None:
@@ -396,6 +398,8 @@ class Tsord:
         for path in (self.socket, self.metrics):
             if os.path.exists(path):
                 os.unlink(path)
+        from tsor import sockopt_offload
+        sockopt_offload.remove_if_unused()
 
     def counters(self) -> dict[str, float]:
         from tsor.metrics import fetch, parse

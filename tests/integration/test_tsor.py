@@ -3,6 +3,7 @@
 identity, 1,000 concurrent connections, and busybox / iperf3 / redis as both ends."""
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -263,3 +264,97 @@ def test_a_sandbox_without_tsor_traps_no_socket_call(bed):
     program waits for it (the listen, accept and connect are trapped), which shows the check works."""
     assert _socket_calls_with_supervisor_stopped(bed, "notsor", tsor=False, wait=15)
     assert not _socket_calls_with_supervisor_stopped(bed, "withtsor", tsor=True, wait=2)
+
+
+# TCP_NODELAY / TCP_CORK on both ends of a local-path connection (and on an AF_UNIX socketpair of
+# the program's own), as nginx's tcp_nopush uses them: set, read back, data still flows.
+OPTION_CALLS = r"""
+import os, socket, sys, time
+tag, ip = sys.argv[1], sys.argv[2]
+l = socket.socket(); l.bind((ip, 0)); l.listen()
+c = socket.socket(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); c.connect(l.getsockname())
+s, _ = l.accept()
+u, u2 = socket.socketpair()
+open(f"/out/{tag}-ready", "w").close()
+while not os.path.exists(f"/out/{tag}-go"):
+    time.sleep(0.02)
+got = []
+for sock in (c, s):
+    got.append(sock.getsockopt(6, 1))
+    sock.setsockopt(6, 3, 1); got.append(sock.getsockopt(6, 3))
+    sock.setsockopt(6, 1, 1); sock.setsockopt(6, 3, 0); got += [sock.getsockopt(6, 3), sock.getsockopt(6, 1)]
+try:
+    u.setsockopt(6, 3, 1); got.append("accepted")
+except OSError as e:
+    got.append(e.errno)
+c.sendall(b"corked"); got.append(s.recv(6).decode())
+with open(f"/out/{tag}-set.tmp", "w") as f:
+    f.write(repr(got))
+os.rename(f"/out/{tag}-set.tmp", f"/out/{tag}-set")
+time.sleep(600)
+"""
+# c had TCP_NODELAY before connect (carried), s not; CORK on, then off with NODELAY on; the
+# program's own AF_UNIX socket keeps Linux's EOPNOTSUPP (95); the bytes arrive.
+OPTION_RESULT = [1, 1, 0, 1, 0, 1, 0, 1, 95, "corked"]
+
+
+def _options_with_supervisor_stopped(bed, tag: str, annotations: dict[str, str], wait: float) -> list | None:
+    """Run OPTION_CALLS on a local-path connection while the sandbox's supervisor is stopped: what
+    they answered if they finished within `wait` s, else (trapped) None; then what they answer
+    once it runs again."""
+    pod = bed.node_a.pod(tag)
+    before = local_connections(bed.node_a)
+    bed.start("quark", tag, bed.bundle(tag, ["python3", "-c", OPTION_CALLS, tag, pod.ip], pod,
+                                       annotations=annotations))
+    try:
+        wait_file(bed.out(f"{tag}-ready"))
+        assert local_connections(bed.node_a) >= before + 1   # the connection took TSoR's local path
+        sup = _supervisor_of(bed, tag)
+        os.kill(sup, signal.SIGSTOP)
+        try:
+            open(bed.out(f"{tag}-go"), "w").close()
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and not os.path.exists(bed.out(f"{tag}-set")):
+                time.sleep(0.05)
+            early = os.path.exists(bed.out(f"{tag}-set"))
+        finally:
+            os.kill(sup, signal.SIGCONT)
+        wait_file(bed.out(f"{tag}-set"))
+        with open(bed.out(f"{tag}-set")) as f:
+            return [early, ast.literal_eval(f.read())]
+    finally:
+        bed.stop("quark", tag)
+
+
+def test_tcp_nodelay_and_cork_on_the_local_path_need_no_trap(bed):
+    """nginx's tcp_nopush corks and uncorks every response: on a local-path end (AF_UNIX underneath)
+    the kernel answers TCP_NODELAY/TCP_CORK through quark's cgroup BPF programs, so the calls finish
+    while the supervisor is stopped, and read back as on TCP. With the offload turned off for the
+    sandbox the same calls are trapped (they wait for the supervisor) and answer the same."""
+    from tsor.sockopt_offload import ANNOTATION, cgroup2_root
+    if cgroup2_root() is None:
+        pytest.skip("needs a cgroup2 hierarchy (TSoR's socket-option offload)")
+    assert _options_with_supervisor_stopped(bed, "offl", {}, wait=15) == [True, OPTION_RESULT]
+    assert _options_with_supervisor_stopped(bed, "nooffl", {ANNOTATION: "false"}, wait=2) == [False, OPTION_RESULT]
+
+
+def test_only_the_supervisor_is_in_quarks_socket_cgroup(bed):
+    """The offload moves the supervisor (which makes local-path ends) into quark's cgroup; nothing
+    of the container may make sockets there: neither its init nor a process `quark exec` starts
+    (forked from the supervisor: on a hybrid host it is sent back to the init's v2 cgroup)."""
+    from tsor.sockopt_offload import CGROUP_NAME, cgroup2_root
+    if cgroup2_root() is None:
+        pytest.skip("needs a cgroup2 hierarchy (TSoR's socket-option offload)")
+    pod = bed.node_a.pod("cgq")
+    bed.start("quark", "cgq", bed.bundle("cgq", ["sleep", "600"], pod))
+    try:
+        def v2(pid: int | str) -> str:
+            with open(f"/proc/{pid}/cgroup") as f:
+                return next(line[3:].strip() for line in f if line.startswith("0::"))
+        init = json.loads(bed.quark("state", "cgq").stdout)["pid"]
+        assert v2(_supervisor_of(bed, "cgq")) == f"/{CGROUP_NAME}"
+        assert not v2(init).startswith(f"/{CGROUP_NAME}")
+        out = bed.quark("exec", "cgq", "cat", "/proc/self/cgroup").stdout
+        assert "0::" in out and f"0::/{CGROUP_NAME}" not in out
+    finally:
+        bed.stop("quark", "cgq")

@@ -152,7 +152,10 @@ class Node:
                        **({"listen": f"{self.address}:{TSORD_PORT}"} if self.address else {}),
                        **({"transport": transport} if transport else {})}, f)
         log = open(os.path.join(self.bed.dir, f"{self.name}-tsord.log"), "a")
-        self.tsord = subprocess.Popen(["ip", "netns", "exec", self.netns, sys.executable, "-m", "tsor.daemon",
+        # nsenter, not `ip netns exec`: that one also remounts /sys, which would hide the cgroup2
+        # hierarchy tsord joins for the socket-option offload (tsor/sockopt_offload.py)
+        self.tsord = subprocess.Popen(["nsenter", f"--net=/var/run/netns/{self.netns}", sys.executable, "-m",
+                                       "tsor.daemon",
                                        "--config", cfg, *(["--debug"] if debug else [])],
                                       stdout=log, stderr=log, cwd=REPO,
                                       env=dict(os.environ, PYTHONPATH=REPO))
@@ -233,7 +236,8 @@ class Testbed:
         os.replace(tmp, self.routes_file)
 
     # ---- containers ------------------------------------------------------------------------------
-    def bundle(self, name: str, args: list[str], pod: Pod, *, env: list[str] = (), tsor: bool = True) -> str:
+    def bundle(self, name: str, args: list[str], pod: Pod, *, env: list[str] = (), tsor: bool = True,
+               annotations: dict[str, str] | None = None) -> str:
         """A host-rootfs bundle running `args` in `pod`'s netns; /out is a writable shared dir."""
         bundle = os.path.join(self.dir, "bundles", name)
         rootfs = os.path.join(bundle, "rootfs")
@@ -262,7 +266,7 @@ class Testbed:
         process["env"] = list(process["env"]) + ["PYTHONPATH=/repo", "HOME=/tmp", *env]
         nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]   # as many fds as we may give
         process["rlimits"] = [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}]
-        annotations = {SOCKET_ANNOTATION: pod.node.socket} if tsor else {}
+        annotations = {**({SOCKET_ANNOTATION: pod.node.socket} if tsor else {}), **(annotations or {})}
         make_bundle(bundle, args, rootfs=rootfs, mounts=mounts, linux=linux, process=process,
                     annotations=annotations)
         return bundle
@@ -332,3 +336,5 @@ class Testbed:
         for ns in reversed(self.netns):
             sh("ip", "netns", "del", ns, check=False)
         shutil.rmtree(self.dir, ignore_errors=True)
+        from tsor import sockopt_offload
+        sockopt_offload.remove_if_unused()   # quark's socket cgroup, once nothing is in it (others may be)

@@ -112,8 +112,12 @@ def test_config_parses_and_names_bad_fields(tmp_path):
     c = config.load(str(f))
     assert (c.node, c.socket, str(c.listen), c.metrics) == ("n1", "/run/x.sock", "10.0.0.1:7470", "/run/m.sock")
     assert c.routes == str(tmp_path / "routes.yaml")
+    assert c.sockopt_offload   # tsord joins quark's socket cgroup unless told not to
+    f.write_text("sockopt_offload: false\n")
+    assert not config.load(str(f)).sockopt_offload
     for text, field in [("socket: rel.sock", "socket"), ("listen: 7470", "listen"),
-                        ("bogus: 1", "bogus"), ("metrics: localhost:x", "metrics"), ("- 1", "mapping")]:
+                        ("bogus: 1", "bogus"), ("metrics: localhost:x", "metrics"), ("- 1", "mapping"),
+                        ("sockopt_offload: maybe", "sockopt_offload")]:
         f.write_text(text)
         with pytest.raises(ConfigError, match=field):
             config.load(str(f))
