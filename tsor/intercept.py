@@ -94,8 +94,8 @@ class SocketIntercept:
         # TCP_CORK of local-path sockets live there, so the per-request calls never reach Python
         self.fast: Any = None
         self._tabled: set[int] = set()
-        # local-path ends whose TCP_NODELAY/TCP_CORK the kernel answers (tsor/sockopt_offload.py):
-        # the values live in its map, keyed by the socket's inode
+        # AF_UNIX ends whose TCP_NODELAY/TCP_CORK the kernel answers (tsor/sockopt_offload.py): the
+        # values live in each socket's own BPF storage
         self._offloaded: set[int] = set()
         net.on_forget = self._forget
 
