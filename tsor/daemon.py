@@ -80,6 +80,24 @@ class Session:
         finally:
             self._waiting.pop(mid, None)
 
+    def ask_nowait(self, message: object, fds: list[int]) -> concurrent.futures.Future | None:
+        """ask() for a thread that must not block: the request goes out now if the socket takes it
+        at once (None: it did not); the future gets the reply, or None if the sandbox goes away."""
+        if self.closed or not self._send_lock.acquire(blocking=False):
+            return None
+        mid = next(self._ids)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._waiting[mid] = fut
+        try:
+            socket.send_fds(self.sock, [protocol.encode(mid, message)], list(fds), socket.MSG_DONTWAIT)
+        except OSError:
+            self._waiting.pop(mid, None)
+            return None
+        finally:
+            self._send_lock.release()
+        fut.add_done_callback(lambda _: self._waiting.pop(mid, None))
+        return fut
+
     def tell(self, message: object, fds: list[int] = ()) -> None:
         """Send the sandbox a request whose answer nobody waits for (it is dropped on arrival)."""
         self.send(protocol.encode(next(self._ids), message), fds)
@@ -152,7 +170,8 @@ class Daemon:
         if self.route_source is not None:
             self.route_source.start(self.routes)
         self.bytes.start()
-        self.rdma = RdmaTransport(self.cfg.node, self.deliver, self.cfg.node_key, self.cfg.transport_for)
+        self.rdma = RdmaTransport(self.cfg.node, self.deliver, self.cfg.node_key, self.cfg.transport_for,
+                                  offer=self.offer)
         self.remote = TcpTransport(self.deliver, self.routes, self.cfg.listen, self.cfg.node_key, self.rdma.serve)
         os.makedirs(os.path.dirname(self.cfg.socket), exist_ok=True)
         try:
@@ -520,6 +539,19 @@ class Daemon:
             return False
         self.metrics.delivered(path)
         return True
+
+    def offer(self, dst: Endpoint, peer: Endpoint, sock: socket.socket,
+              path: str) -> concurrent.futures.Future | None:
+        """deliver() for the rdma engine's thread, which must not block: the offer (its supervisor
+        writes the greeting before it queues the connection) goes out now, or not at all (None)."""
+        entry = self.listeners.get((unmapped(dst[0]), dst[1]))
+        if entry is None:
+            return None
+        sess, token = entry
+        fut = sess.ask_nowait(protocol.Incoming(token, peer, dst, path, True), [sock.fileno()])
+        if fut is not None:
+            fut.add_done_callback(lambda f: f.result() and f.result().get("ok") and self.metrics.delivered(path))
+        return fut
 
 
 def _route_source(cfg: configmod.Config) -> routesmod.RouteSource | None:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tsor.transport.rdma import SOFTVERBS_RING, RdmaEngine, RingConfig
+from tsor.transport.rdma import GREETING, SOFTVERBS_RING, RdmaEngine, RingConfig
 from tsor.verbs import softverbs
 
 RING = 16 * 1024
@@ -28,19 +28,30 @@ class Nodes:
         self.cond = threading.Condition()
         self.down: queue.Queue = queue.Queue()
         self.refuse = False
+        # the listener's side writes GREETING on its end (as tsord's supervisors do), then: "silent"
+        # never answers, "answer" answers as well, "eof" closes the end instead of greeting
+        self.greet: str | None = None
         self.a = RdmaEngine(self._accept, cfg, self.down.put)
         self.b = RdmaEngine(self._accept, cfg, self.down.put)
         self.devices = []
         self.la, self.lb = self.new_links()
 
-    def _accept(self, link, src, dst, app, answer) -> None:
+    def _accept(self, link, src, dst, app, answer) -> bool:
         if self.refuse:
             app.close()
-            return answer(False)
+            answer(False)
+            return False
+        if self.greet == "eof":
+            app.close()
+            return True
+        if self.greet:
+            app.sendall(GREETING)
         with self.cond:
             self.accepted[src[1]] = (src, dst, app)
             self.cond.notify_all()
-        answer(True)
+        if self.greet != "silent":
+            answer(True)
+        return self.greet is not None
 
     def new_links(self):
         """A fresh QP pair (over a fresh cable), as a new set-up exchange between tsords builds."""
@@ -100,6 +111,17 @@ def send_and_shut(sock: socket.socket, data: bytes) -> threading.Thread:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+def echo_and_close(client: socket.socket, server: socket.socket) -> None:
+    """A message each way, then the client's close reaches the server as end of file."""
+    client.sendall(b"ping")
+    assert server.recv(4) == b"ping"
+    server.sendall(b"pong")
+    assert client.recv(4) == b"pong"
+    client.close()
+    assert server.recv(1) == b""
+    server.close()
 
 
 def wait_for(cond, timeout: float = 5.0) -> None:
@@ -246,6 +268,23 @@ def test_refused_connection(nodes):
     nodes.refuse = True
     assert nodes.a.open(nodes.la, SRC, DST, 5) is None
     assert nodes.channels(nodes.a, nodes.la) == 0
+
+
+@pytest.mark.parametrize("greet", ["silent", "answer"])
+def test_the_listeners_greeting_accepts_and_stays_out_of_the_stream(nodes, greet):
+    """With the greeting, ACCEPT goes out once the byte is in (no answer needed), the byte is read
+    out of the stream whether or not the answer came first, and the connection works both ways."""
+    nodes.greet = greet
+    for port in range(41000, 41020):
+        echo_and_close(*nodes.open(port=port))
+
+
+def test_end_of_file_instead_of_the_greeting_refuses(nodes):
+    nodes.greet = "eof"
+    t0 = time.monotonic()
+    assert nodes.a.open(nodes.la, SRC, DST, 5) is None
+    assert time.monotonic() - t0 < 2          # refused, not timed out
+    wait_for(lambda: nodes.channels(nodes.b, nodes.lb) == 0)
 
 
 def test_reset_of_one_channel_leaves_the_others_alone(nodes):

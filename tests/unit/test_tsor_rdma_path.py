@@ -14,6 +14,7 @@ import time
 import pytest
 
 from qlib.eventloop import Loop
+from tests.unit.test_rdma_ring import echo_and_close
 from tests.unit.test_tsor_daemon import SECRET, Sandbox, free_port, node  # noqa: F401 (node: a fixture)
 from tsor import protocol
 from tsor.config import HostPort, load
@@ -146,6 +147,17 @@ def test_auto_without_an_rdma_device_is_tcp(node):
     assert a.rdma.rdma_device() is None      # this host has no RNIC
     c.close()
     s.close()
+
+
+def test_connections_one_after_another_carry_no_greeting_byte(node):
+    """tsord offers rdma connections from the engine's thread and the supervisor's greeting accepts
+    them there: whichever of greeting and answer comes first, the byte never reaches either side."""
+    a, b, srv, cli = two_nodes(node, SOFT, SOFT)
+    for i in range(20):
+        r, c, (s, inc) = connect(cli, srv, 41000 + i)
+        assert r["path"] == "rdma" and inc.greet
+        echo_and_close(c, s)
+    assert parse(b.metrics.render())['tsor_incoming_total{path="rdma"}'] == 20
 
 
 def test_a_restarted_peer_tsord_resets_the_links_connections_and_new_ones_work(node):

@@ -32,11 +32,18 @@ abruptly) and marks the link down; the owner then builds a new Link, with a new 
 AF_UNIX has no RST: an application whose end is closed that way reads ECONNRESET if it had data
 queued toward the pump (a writer always does: EPIPE), else end-of-file.
 
-Only control writes, FINs and every SIGNAL_EVERY-th write ask for a completion (each retires all
-the writes before it): the requester's thread is woken for a sixteenth of the data writes.
+Only FINs and every SIGNAL_EVERY-th write ask for a completion (each retires all the writes
+before it): the requester's thread is woken for a sixteenth of the writes, and control records
+(OPEN, ACCEPT, RELEASE: nothing waits for their completion, their ring space comes back with the
+peer's CTL_CREDIT) cost the requester no ACK and no wake-up of their own.
+
+An acceptor may have the listener's side write GREETING on the application's end before anything
+else (what tsord's supervisors do on the tcp path): the pump then sends ACCEPT as soon as that byte
+is in, without waiting for the listener's answer to travel back through tsord.
 
 Everything runs in one event loop thread (RdmaEngine): the completion channel's fd and the
-application sockets' ends are its file descriptors; other threads reach it through RdmaEngine.call.
+application sockets' ends are its file descriptors; other threads reach it through RdmaEngine.call,
+or hold the loop's lock (RdmaEngine.open posts a connection's OPEN from the caller's thread).
 """
 from __future__ import annotations
 
@@ -86,8 +93,11 @@ OPENING, ACCEPTING, OPEN_, CLOSING = range(4)
 
 # accept(link, src, dst, app_end, answer): a peer opened a connection to dst. Called in the loop
 # thread; must not block. Call answer(True) once a listener took app_end (ownership passes with the
-# call), answer(False) to refuse; answer may be called from any thread.
-Accept = Callable[["Link", Endpoint, Endpoint, socket.socket, Callable[[bool], None]], None]
+# call), answer(False) to refuse; answer may be called from any thread. It returns True when the
+# listener's side writes GREETING on app_end before anything else once it took it: that byte then
+# accepts (and end of file refuses) without waiting for answer().
+Accept = Callable[["Link", Endpoint, Endpoint, socket.socket, Callable[[bool], None]], bool | None]
+GREETING = b"\x01"
 
 
 @dataclass(frozen=True)
@@ -161,6 +171,7 @@ class Channel:
         self.reset_pending = False                  # our RESET is not acknowledged yet
         self.inflight = 0                           # our writes not completed yet
         self.reading = self.writing = self.blocked = False
+        self.greeting = False                       # accepting: the listener's GREETING decides, not its answer
         self.future: concurrent.futures.Future | None = None
 
 
@@ -232,7 +243,8 @@ class Link:
 
     # ---- opening connections -------------------------------------------------------------------
     def open(self, src: Endpoint, dst: Endpoint) -> concurrent.futures.Future | None:
-        """Ask the peer for a connection; the future gets the application's end, or None."""
+        """Ask the peer for a connection; the future gets the application's end, or None. (In the
+        loop thread, or with the loop's lock held.)"""
         slot = self._free_slot() if self.up else None
         if slot is None:
             return None
@@ -264,8 +276,8 @@ class Link:
         return None
 
     def _answer(self, ch: Channel, ok: bool) -> None:
-        if self.channels.get(ch.slot) is not ch or ch.state != ACCEPTING:
-            return
+        if self.channels.get(ch.slot) is not ch or ch.state != ACCEPTING or (ok and ch.greeting):
+            return   # a listener that took it wrote GREETING first: _greeted reads it out of the stream
         if ok:
             ch.state = OPEN_
             self._ctl(ACCEPT, ch.slot, ch.gen)
@@ -287,9 +299,9 @@ class Link:
         wr_id = next(self._wr_ids)
         self.wrs.append((wr_id, ch))
         sg = [Sge(self.tx_mr.addr + off, n, self.tx_mr.lkey)] if n else []
-        # a completion retires every write before it: control records and FINs (whose completion
-        # frees a slot) and every SIGNAL_EVERY-th write ask for one, the rest spare the wake-up
-        signaled = ch is None or imm & FIN or wr_id % SIGNAL_EVERY == 0
+        # a completion retires every write before it: FINs (whose completion frees a slot) and every
+        # SIGNAL_EVERY-th write ask for one, the rest (control records included) spare the wake-up
+        signaled = imm & FIN or wr_id % SIGNAL_EVERY == 0
         self.qp.post_send(SendWr(wr_id, WrOpcode.RDMA_WRITE_WITH_IMM, sg, remote_addr=self.remote.addr + off,
                                  rkey=self.remote.rkey, imm_data=imm, signaled=bool(signaled)))
         self.sq_used += 1
@@ -599,7 +611,31 @@ class Link:
         ours, app = _socketpair()
         ch = Channel(self, slot, gen, ours, None, src, dst, ACCEPTING)   # app: the acceptor's now
         self.channels[slot] = ch
-        self.engine.accept(self, src, dst, app, lambda ok: self.engine.soon(lambda: self._answer(ch, ok)))
+
+        def answer(ok: bool) -> None:
+            if ch.state == ACCEPTING and not (ok and ch.greeting):   # else no wake-up: nothing to do
+                self.engine.soon(lambda: self._answer(ch, ok))
+        if self.engine.accept(self, src, dst, app, answer) and self.channels.get(slot) is ch:
+            ch.reading = ch.greeting = True
+            self.loop.add_reader(ours.fileno(), lambda: self._on_socket(self._greeted, ch))
+
+    def _greeted(self, ch: Channel) -> None:
+        """The accepting channel's first byte: the listener's GREETING (it took the connection), or
+        end of file (it never will: the last holder of its end closed it)."""
+        if self.channels.get(ch.slot) is not ch or ch.state != ACCEPTING:
+            return
+        try:
+            first = ch.sock.recv(1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            first = b""
+        self.loop.remove_reader(ch.sock.fileno())
+        ch.reading = ch.greeting = False
+        if first not in (GREETING, b""):
+            log.warning("rdma link %s: slot %d: the listener's side sent %r, not the greeting", self.name,
+                        ch.slot, first)
+        self._answer(ch, first == GREETING)
 
     # ---- the end of the link -------------------------------------------------------------------
     def _down(self, why: str) -> None:
@@ -686,25 +722,19 @@ class RdmaEngine:
     def open(self, link: Link, src: Endpoint, dst: Endpoint, timeout: float) -> socket.socket | None:
         """The client application's end of a new connection over `link`; None when the peer has
         no taker, the link is down or full, or no answer came in time."""
-        # one wake of the caller, when the answer comes: the OPEN is posted from the loop thread
-        # without waiting for it there first (that round trip was a quarter of a connection's hops)
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        opened: list[concurrent.futures.Future] = []
-
-        def start() -> None:
+        # the OPEN is posted from this thread, under the loop's lock, and the loop thread wakes this
+        # one once, with the answer: handing the OPEN to the loop thread first was one more thread
+        # hand-off on every connection's path
+        with self.loop.lock:
             fut = link.open(src, dst)
-            if fut is None:
-                done.set_result(None)
-                return
-            opened.append(fut)
-            fut.add_done_callback(lambda f: done.done() or done.set_result(f.result()))
-        self.soon(start)
+        if fut is None:
+            return None
         try:
-            return done.result(timeout)
+            return fut.result(timeout)
         except concurrent.futures.TimeoutError:
-            self.call(lambda: opened and link.cancel(opened[0]))
-            if done.done() and done.result() is not None:   # accepted just as we gave up
-                done.result().close()
+            self.call(lambda: link.cancel(fut))
+            if fut.done() and fut.result() is not None:   # accepted just as we gave up
+                fut.result().close()
             return None
 
     def link_down(self, link: Link) -> None:

@@ -36,6 +36,10 @@ from tsor.transport.tcp import SETUP_TIMEOUT, dial
 from tsor.verbs import Device, NoDevice, VerbsError, softverbs
 
 log = logging.getLogger("tsor.rdma")
+# offer(dst, peer, app_end, path): deliver() for a thread that must not block (tsor/daemon.py's
+# Daemon.offer): the offer, with the greeting asked for, is sent now or not at all; the future gets
+# the listening sandbox's reply (None: no reply). None: not sent, deliver() it instead.
+Offer = Callable[[Endpoint, Endpoint, socket.socket, str], "concurrent.futures.Future | None"]
 OPEN_TIMEOUT = 5.0       # the peer's sandbox takes a connection within this
 RETRY_AFTER = 10.0       # a peer whose set-up failed is tried again after this (tcp meanwhile)
 _MAX_INFO = 4096
@@ -89,10 +93,13 @@ class RdmaTransport:
     name = "rdma"
 
     def __init__(self, node: str, deliver: Deliver, key: bytes | None, transport_for: Callable[[str], str],
-                 ring: RingConfig | None = None, open_rdma: Callable[[], Device] | None = None) -> None:
+                 ring: RingConfig | None = None, open_rdma: Callable[[], Device] | None = None,
+                 offer: Offer | None = None) -> None:
         """node: this node's name; transport_for(peer node) -> auto|rdma|tcp|softverbs (tsor/config.py);
-        open_rdma() -> the host's RDMA device or NoDevice (default: the pyverbs provider's first)."""
+        open_rdma() -> the host's RDMA device or NoDevice (default: the pyverbs provider's first);
+        offer: how the engine's thread offers a connection without waiting (else a thread delivers it)."""
         self.node, self.deliver, self.key, self.transport_for = node, deliver, key, transport_for
+        self.offer = offer
         self.engine = RdmaEngine(self._accept, ring or RingConfig(), self._down)
         self._softverbs_ring = ring or SOFTVERBS_RING   # its longer round trip needs longer rings
         self.links: dict[str, Link] = {}
@@ -242,7 +249,17 @@ class RdmaTransport:
         self._retire(link)
 
     # ---- connections from the peer -------------------------------------------------------------
-    def _accept(self, link: Link, src: Endpoint, dst: Endpoint, app: socket.socket, answer) -> None:
+    def _accept(self, link: Link, src: Endpoint, dst: Endpoint, app: socket.socket, answer) -> bool:
+        """In the engine's thread. The offer goes out from here when the sandbox's socket takes it at
+        once, its supervisor's greeting accepting it in the pump (no thread of ours waits for the
+        answer: one opener with no taker is reset by its OPEN_TIMEOUT); else a thread delivers it."""
+        if self.offer is not None:
+            fut = self.offer(dst, src, app, self.name)
+            if fut is not None:
+                app.close()   # the offer in flight holds it
+                fut.add_done_callback(lambda f: answer(bool(f.result() and f.result().get("ok"))))
+                return True
+
         def deliver() -> None:
             try:
                 ok = self.deliver(dst, src, app, self.name, False)
@@ -250,6 +267,7 @@ class RdmaTransport:
                 app.close()
             answer(ok)
         self._pool.submit(deliver)
+        return False
 
     # ---- the end of links ----------------------------------------------------------------------
     def _down(self, link: Link) -> None:
