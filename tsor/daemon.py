@@ -545,8 +545,8 @@ class Daemon:
         """deliver() for the rdma engine's thread, which must not block: the offer (its supervisor
         writes the greeting before it queues the connection) goes out now, or not at all (None)."""
         entry = self.listeners.get((unmapped(dst[0]), dst[1]))
-        if entry is None:
-            return None
+        if entry is None or not self._covers(entry[0]):
+            return None   # (deliver(), which the engine falls back to, refuses it then)
         sess, token = entry
         fut = sess.ask_nowait(protocol.Incoming(token, peer, dst, path, True), [sock.fileno()])
         if fut is not None:
