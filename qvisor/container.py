@@ -12,6 +12,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import time
 
 from qlib import linux as L
@@ -74,22 +75,26 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     store.reserve(container_id)
     try:
         shutil.copyfile(os.path.join(bundle, "config.json"), store.path(container_id, CONFIG_COPY))
+        # the supervisor takes this object on rather than opening the cgroup again (which parses the
+        # mount table: ~0.2 MiB of its private memory, bench/README.md)
+        cgroup = cgroups.open_cgroup(spec.linux.cgroups_path or cgroups.default_path(container_id))
         st = ContainerState(id=container_id, bundle=bundle, created=now_rfc3339(),
                             annotations=security.reported(spec.annotations, report), rootfs=spec.root.path,
-                            platform=platform,
-                            cgroup_path=cgroups.open_cgroup(spec.linux.cgroups_path or
-                                                            cgroups.default_path(container_id)).path)
+                            platform=platform, cgroup_path=cgroup.path)
         r, w = os.pipe2(os.O_CLOEXEC)
-        pid = os.fork()
-        if pid == 0:
+        pid = 0
+        if in_factory and _hand_over(w, (store, st, spec, platform, console_socket, preserve_fds, log_file, cgroup)):
+            pass   # a seed of the factory's is the supervisor now: nothing is forked here
+        elif (pid := os.fork()) == 0:
             try:
                 os.close(r)
                 os.setsid()   # detach: a new session
                 if in_factory:
-                    _supervise(store, st, spec, platform, console_socket, w, 0, preserve_fds, log_file)
+                    _supervise(store, st, spec, platform, console_socket, w, 0, preserve_fds, log_file, cgroup)
                 launcher = os.getpid()
                 if os.fork() == 0:   # the supervisor is the grandchild
-                    _supervise(store, st, spec, platform, console_socket, w, launcher, preserve_fds, log_file)
+                    _supervise(store, st, spec, platform, console_socket, w, launcher, preserve_fds, log_file,
+                               cgroup)
             finally:
                 os._exit(0)
         os.close(w)
@@ -109,23 +114,149 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     return store.load(container_id)
 
 
+def _hand_over(ready_fd: int, args: tuple) -> bool:
+    """In a factory worker that was given a seed (factory._fork_seed): hand it what a fork of this
+    worker would give the supervisor (the arguments of _supervise; stdio, cwd, environment, umask,
+    rlimits, oom score, cgroups and command line), and it becomes the supervisor. False when
+    there is no seed, or it cannot take the hand-over: the caller forks the supervisor itself."""
+    from qvisor import factory, phases
+    seed = factory.take_seed()
+    if seed is None:
+        return False
+    import pickle
+    import resource
+    cwd = -1
+    try:
+        with open("/proc/self/cgroup") as f:
+            cgroup = f.read()
+        with open("/proc/self/oom_score_adj") as f:
+            oom = f.read().strip()
+        with open("/proc/self/cmdline", "rb") as f:
+            cmdline = [os.fsdecode(a) for a in f.read().split(b"\0")[:-1]]
+        context = {"args": args, "umask": factory._umask(), "env": dict(os.environ), "cmdline": cmdline,
+                   "rlimits": {r: resource.getrlimit(r) for r in factory._RLIMITS}, "oom_score_adj": oom,
+                   "cgroup": cgroup, "log_level": logging.getLogger().level, "verb_started": phases.verb_started}
+        cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        socket.send_fds(seed, [pickle.dumps(context, pickle.HIGHEST_PROTOCOL)], [0, 1, 2, cwd, ready_fd])
+        return True
+    except OSError as e:   # it died, or the message is too big for its socket
+        log.debug("supervisor seed not used: %s", e)
+        return False
+    finally:
+        if cwd >= 0:
+            os.close(cwd)
+        seed.close()
+
+
+def supervise_handed_over(data: bytes, fds: list[int]) -> None:
+    """In a seed of the factory's: take on what the worker handed over (_hand_over), as a fork of
+    that worker would have it, and supervise its container. Never returns."""
+    ready_fd = fds[4] if len(fds) == 5 else -1
+    try:
+        import pickle
+        import resource
+        from qvisor import factory, phases
+        if ready_fd < 0:
+            raise ValueError(f"{len(fds)} fds handed over, not 5")
+        os.set_inheritable(ready_fd, False)   # as the pipe the worker made (O_CLOEXEC)
+        context = pickle.loads(data)
+        for i in range(3):
+            os.dup2(fds[i], i)   # inheritable: the container's stdio, which stage 1 takes on
+        os.fchdir(fds[3])
+        for fd in fds[:4]:
+            os.close(fd)
+        os.umask(context["umask"])
+        os.environ.clear()
+        os.environ.update(context["env"])
+        for r, limits in context["rlimits"].items():
+            resource.setrlimit(r, limits)
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(context["oom_score_adj"])
+        factory.join_cgroups(context["cgroup"])
+        try:
+            L.set_cmdline(context["cmdline"], context["env"])
+        except OSError:   # cosmetic (ps), as in the worker
+            pass
+        os.setsid()   # detach: a new session
+        _root_level(context["log_level"])
+        phases.verb_started = context["verb_started"]
+        store, st, spec, platform, console_socket, preserve_fds, log_file, cgroup = context["args"]
+    except BaseException as e:   # noqa: BLE001 — tell the waiting create; nothing was made yet
+        if ready_fd >= 0:
+            msg = {"error": f"the supervisor could not take on the create's context: {e}"}
+            try:
+                os.write(ready_fd, json.dumps(msg).encode() + b"\n")
+            except OSError:
+                pass
+        os._exit(1)
+    try:
+        _supervise(store, st, spec, platform, console_socket, ready_fd, 0, preserve_fds, log_file, cgroup)
+    finally:
+        os._exit(0)
+
+
 def _supervise(store: StateStore, st: ContainerState, spec, platform: str, console_socket: str, ready_fd: int,
-               launcher: int, preserve_fds: int, log_file: str) -> None:
+               launcher: int, preserve_fds: int, log_file: str, cgroup: cgroups.Cgroup | None = None) -> None:
     from qvisor.supervisor import Supervisor
     _log_to(log_file or store.path(st.id, "supervisor.log"))
     from qvisor import security
     security.log_report(st.annotations)
     st.supervisor_pid = os.getpid()
     Supervisor(store, st, spec, platform, console_socket, ready_fd, launcher, preserve_fds,
-               caller_may_reap=launcher != 0).main()
+               caller_may_reap=launcher != 0, cgroup=cgroup).main()
 
 
 def _log_to(path: str) -> None:
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # the supervisor's lines show no file, line, thread or process: logging's switches skip
+    # collecting them (logThreads & co.; _srcfile None skips findCaller, as logging's source says),
+    # and with them the objects that code would touch (see _LogFile)
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(min(root.level, logging.INFO) or logging.INFO)
+    root.handlers[:] = [_LogFile(path)]
+    _root_level(root.level)
+
+
+def _root_level(level: int) -> None:
+    """The supervisor's root level: the caller's, but INFO at least. Logger.setLevel clears the
+    cache of every logger in the process (touching each), so only when the level changes."""
+    root = logging.getLogger()
+    level = min(level, logging.INFO) or logging.INFO
+    if root.level != level:
+        root.setLevel(level)
+
+
+class _LogFile(logging.Handler):
+    """The supervisor's log: one line per record, "time level logger: message" as a FileHandler
+    with that format writes it, appended with one write(2). A supervisor pays a private page for
+    each object of the factory's it touches (bench/README.md, supervisor memory): FileHandler's
+    path through Handler.handle, Formatter, PercentStyle and a TextIOWrapper cost it ~0.3 MiB."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        super().close()
+
+    def handle(self, record: logging.LogRecord) -> bool:   # no filters, no lock: one write per record
+        self.emit(record)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
+            line = f"{when},{int(record.msecs):03d} {record.levelname} {record.name}: {record.getMessage()}"
+            if record.exc_info:
+                line += "\n" + logging.Formatter().formatException(record.exc_info)
+            if record.stack_info:
+                line += "\n" + record.stack_info
+            os.write(self.fd, (line + "\n").encode(errors="backslashreplace"))
+        except Exception:  # noqa: BLE001 - as logging's handlers: a record that cannot be written is dropped
+            self.handleError(record)
 
 
 def _read_line(fd: int) -> dict:

@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Callable
 
 log = logging.getLogger("quark.factory")
 
@@ -279,6 +280,9 @@ class Factory:
         self.watch = -1                # inotify on quark's code (_watch_code)
         self.stale = False
         self.spare: socket.socket | None = None   # our end of the pre-forked worker's socket
+        self.seed: socket.socket | None = None    # our end of the pre-forked supervisor's socket (_fork_seed)
+        self.zygote: socket.socket | None = None  # our end of the seeds' forking process's socket (_zygote)
+        self.seed_asked = False                   # the zygote is forking one
         self.wakeup: tuple[int, int] = (-1, -1)   # the signal wake-up pipe
 
     def serve(self) -> int:
@@ -315,10 +319,16 @@ class Factory:
         gc.freeze()   # the imported objects stay out of the collector's passes: their pages stay shared
         log.info("serving %s (pid %d)", path, os.getpid())
         self._fork_spare()
+        self._start_zygote()
+        self._fork_seed()
         idle_until = time.monotonic() + self.idle_s
         try:
             while not self.stale:
-                ready, _, _ = select.select([self.listener, stop_r], [], [], max(0.0, idle_until - time.monotonic()))
+                watched = [self.listener, stop_r] + ([self.zygote] if self.zygote is not None else [])
+                ready, _, _ = select.select(watched, [], [], max(0.0, idle_until - time.monotonic()))
+                if self.zygote is not None and self.zygote in ready:
+                    ready.remove(self.zygote)
+                    self._take_seed_from_zygote()
                 if stop_r in ready:
                     sigs = os.read(stop_r, 64)
                     from qlib import linux as L   # here, not at the top: clients import this module
@@ -349,6 +359,10 @@ class Factory:
             self.listener.close()
         if self.spare is not None:
             self.spare.close()   # the spare worker reads EOF and exits
+        if self.seed is not None:
+            self.seed.close()    # and so does the seed
+        if self.zygote is not None:
+            self.zygote.close()  # and the zygote
         os.close(self.lock_fd)
 
     @staticmethod
@@ -379,7 +393,7 @@ class Factory:
             reason = self._refusal(pid, uid, argv, env, prog)
             if reason:
                 return self._decline(conn, reason)
-            if not self._hand_to_spare(pid, data, conn, fds):
+            if not self._hand_to_spare(pid, data, conn, fds, self._seed_for(prog, argv)):
                 if os.fork() == 0:
                     self._detach()
                     self._work(conn, fds, argv, env, umask, pid, prog)   # never returns
@@ -391,18 +405,33 @@ class Factory:
             conn.close()
         if not self.stale:
             self._fork_spare()   # the next request's worker, forked while nobody waits for it
+            self._fork_seed()    # and the next create's supervisor, if this request took it
 
-    def _hand_to_spare(self, caller: int, data: bytes, conn: socket.socket, fds: list[int]) -> bool:
+    def _seed_for(self, prog: str, argv: list[str]) -> socket.socket | None:
+        """The seed's channel when this request forks a supervisor (a quark create or run -d)."""
+        if prog != "quark" or not PROGRAMS[prog]["adopts_cgroups"](argv):
+            return None
+        if self.seed is None and self.seed_asked:   # creates back to back: the zygote is forking it
+            self._take_seed_from_zygote(timeout=0.5)
+        seed, self.seed = self.seed, None
+        return seed
+
+    def _hand_to_spare(self, caller: int, data: bytes, conn: socket.socket, fds: list[int],
+                       seed: socket.socket | None = None) -> bool:
         spare, self.spare = self.spare, None
-        if spare is None:
-            return False
         try:
-            socket.send_fds(spare, [caller.to_bytes(4, "little") + data], [conn.fileno(), *fds])
+            if spare is None:
+                return False
+            socket.send_fds(spare, [caller.to_bytes(4, "little") + data],
+                            [conn.fileno(), *fds] + ([seed.fileno()] if seed is not None else []))
             return True
         except OSError:
-            return False   # it died: fork one for this request
+            return False   # it died: fork one for this request (which forks its supervisor itself)
         finally:
-            spare.close()
+            if spare is not None:
+                spare.close()
+            if seed is not None:
+                seed.close()   # the worker has it now (or, if it could not take it, the seed exits)
 
     def _fork_spare(self) -> None:
         """Fork a worker ahead of its request: the fork of a process this size (a few ms, and
@@ -422,12 +451,14 @@ class Factory:
             self._detach()
             _rehearse()
             try:
-                data, fds, _flags, _ = socket.recv_fds(theirs, MAX_REQUEST + 4, 5)
+                data, fds, _flags, _ = socket.recv_fds(theirs, MAX_REQUEST + 4, 6)
             except OSError:
                 os._exit(0)
-            if len(fds) != 5 or len(data) < 4:
+            if len(fds) not in (5, 6) or len(data) < 4:
                 os._exit(0)   # the factory exited, or was done with us
             theirs.close()
+            if len(fds) == 6:   # a create: the supervisor to hand over to (container.create)
+                _keep_seed(fds.pop())
             try:
                 argv, env, umask, prog = decode_request(data[4:])
             except ValueError:
@@ -436,6 +467,83 @@ class Factory:
                        prog)
         theirs.close()
         self.spare = ours
+
+    def _fork_seed(self) -> None:
+        """Fork, ahead of the next create, the process that becomes its supervisor.
+
+        A process forked from the factory pays a private page for every page of the factory's it
+        writes; CPython writes to every object it touches (reference counts). A supervisor forked
+        from the worker that ran `quark create` inherited the pages that worker wrote (the
+        rehearsal, argument parsing, loading and checking the spec: ~1.5 MiB it never touches
+        again) and kept them for the container's life. The seed is forked ahead (by the zygote,
+        _start_zygote; by the factory if there is none) and waits; the worker hands it what its
+        fork would have given it (container._hand_over:
+        the state, the spec, its stdio, cwd, environment, umask, limits and cgroups) and it becomes
+        the supervisor, exactly as the forked one would have. A create that gets none (no spare
+        worker, or the seed died) forks its supervisor as before."""
+        if self.seed is not None or self.seed_asked:
+            return
+        if self.zygote is not None:
+            try:
+                self.zygote.send(b"s")   # its answer comes to the loop (_take_seed_from_zygote)
+                self.seed_asked = True
+                return
+            except OSError:
+                self._lost_zygote()
+        self.seed = self._fork_detached("a supervisor seed", _await_hand_over)
+
+    def _start_zygote(self) -> None:
+        """Fork the process that forks the seeds. Every page the factory writes after a fork is a
+        page the child no longer shares with it, and the factory writes ~1 MiB of them serving each
+        request (measured: a seed's private memory grew 1.2 -> 2.2 MiB over 5 requests); a
+        supervisor, which lives as long as its container, kept a copy of them all. The zygote runs
+        one small loop and writes little, so what its seeds share with it stays shared."""
+        self.zygote = self._fork_detached("the seeds' zygote", _zygote)
+
+    def _fork_detached(self, what: str, run: Callable[[socket.socket], None]) -> socket.socket | None:
+        """Fork a child that drops what is the factory's own (_detach) and runs `run` with its end
+        of a new channel, never to return; our end, or None when it could not be forked."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            pid = os.fork()
+        except OSError as e:
+            log.warning("cannot fork %s: %s", what, e)
+            ours.close()
+            theirs.close()
+            return None
+        if pid == 0:
+            ours.close()
+            self._detach()
+            try:
+                run(theirs)
+            finally:
+                os._exit(0)
+        theirs.close()
+        return ours
+
+    def _take_seed_from_zygote(self, timeout: float | None = None) -> None:
+        self.zygote.settimeout(timeout)
+        try:
+            data, fds, _, _ = socket.recv_fds(self.zygote, 16, 1)
+        except TimeoutError:
+            return   # still forking: this create forks its own supervisor
+        except OSError:
+            data, fds = b"", []
+        finally:
+            self.zygote.settimeout(None)
+        self.seed_asked = False
+        if not data:
+            return self._lost_zygote()
+        if not fds:
+            return   # it could not fork one: the next create forks its supervisor itself
+        self.seed = socket.socket(fileno=fds[0])
+        self.seed.set_inheritable(False)
+
+    def _lost_zygote(self) -> None:
+        log.warning("the seeds' zygote is gone: seeds are forked from the factory")
+        self.zygote.close()
+        self.zygote = None
+        self.seed_asked = False
 
     def _detach(self) -> None:
         """In a forked worker: drop everything of the factory's own, so none of it goes on to a
@@ -447,6 +555,10 @@ class Factory:
             self.listener.close()
         if self.spare is not None:
             self.spare.close()
+        if self.seed is not None:
+            self.seed.close()
+        if self.zygote is not None:
+            self.zygote.close()
         for fd in (self.lock_fd, self.watch, *self.wakeup):
             if fd >= 0:
                 os.close(fd)
@@ -552,6 +664,69 @@ class Factory:
             log.debug("cmdline not set: %s", e)
 
 
+# in a worker handed a supervisor seed with its request: the channel to it (take_seed)
+_seed_channel: socket.socket | None = None
+MAX_HAND_OVER = 1 << 20
+
+
+def _keep_seed(fd: int) -> None:
+    global _seed_channel
+    os.set_inheritable(fd, False)   # SCM_RIGHTS gave it without O_CLOEXEC
+    _seed_channel = socket.socket(fileno=fd)
+
+
+def take_seed() -> socket.socket | None:
+    """In a factory worker: the channel to a pristine supervisor-to-be, if this request came with
+    one (only once: a create forks one supervisor)."""
+    global _seed_channel
+    seed, _seed_channel = _seed_channel, None
+    return seed
+
+
+def _zygote(sock: socket.socket) -> None:
+    """Fork a seed for each byte the factory sends, and send it back our end of the seed's
+    socket; exit on EOF. Its children (the seeds, then the supervisors they become) are reaped by
+    the kernel (SIGCHLD ignored here, and set back to the default in each of them)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    while True:
+        try:
+            if not sock.recv(16):
+                os._exit(0)
+        except OSError:
+            os._exit(0)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            pid = os.fork()
+        except OSError:
+            pid = -1
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            sock.close()
+            ours.close()
+            _await_hand_over(theirs)   # never returns
+        theirs.close()
+        try:
+            socket.send_fds(sock, [b"s"], [ours.fileno()] if pid > 0 else [])
+        except OSError:
+            os._exit(0)
+        finally:
+            ours.close()
+
+
+def _await_hand_over(sock: socket.socket) -> None:
+    """The seed: wait for a worker's hand-over and become that create's supervisor; exit on EOF
+    (the factory is gone, or the worker that had us created nothing)."""
+    try:
+        data, fds, flags, _ = socket.recv_fds(sock, MAX_HAND_OVER, 8)
+    except OSError:
+        os._exit(0)
+    sock.close()
+    if not data or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        os._exit(0)
+    from qvisor import container
+    container.supervise_handed_over(data, fds)   # never returns
+
+
 def _forget_the_caller() -> None:
     """The verb is done; before the caller hears so, drop what this process holds of it: its stdio
     (a pipe reader sees end of file now), its cwd (a bundle the caller is in) and its command line
@@ -594,9 +769,13 @@ def _rehearse() -> None:
 
 def _join_cgroups_of(pid: int) -> None:
     """Move this process into the cgroups `pid` is in, in every hierarchy (v1 and v2)."""
-    from qlib import procfs
     with open(f"/proc/{pid}/cgroup") as f:
-        theirs = f.read()
+        join_cgroups(f.read())
+
+
+def join_cgroups(theirs: str) -> None:
+    """Move this process into the cgroups a /proc/PID/cgroup text names."""
+    from qlib import procfs
     with open("/proc/self/cgroup") as f:
         if f.read() == theirs:
             return   # where the caller is already (the usual case): a move would cost ~10 ms on v1
@@ -658,7 +837,8 @@ def _preload() -> None:
                  "qvisor.procview", "qvisor.fuse", "qvisor.security", "qvisor.hibernate", "qvisor.readiness",
                  "qvisor.swap", "qkernel.fastpath",
                  "qkernel", "qkernel.seccomp_platform", "qkernel.policy", "tsor.intercept", "tsor.sandbox",
-                 "qvisor.cgroups.v1", "qvisor.cgroups.v2", "yaml", "seccomp"):
+                 "qvisor.cgroups.v1", "qvisor.cgroups.v2", "yaml", "seccomp",
+                 "pickle"):   # the hand-over to a supervisor seed (container._hand_over)
         try:
             importlib.import_module(name)
         except ImportError as e:   # optional parts (libseccomp's bindings): the worker imports on use
@@ -670,6 +850,8 @@ def _preload() -> None:
         from qkernel import policy
         policy.build_base_filter("seccomp", False)
         policy.build_base_filter("seccomp", True)
+        from qvisor import confine
+        confine.warm()   # the supervisor's own filter, compiled to BPF: a supervisor only loads it
     except Exception as e:   # noqa: BLE001 — only a warm-up: the supervisor builds (and reports) for real
         log.info("seccomp filter warm-up skipped: %s", e)
 
@@ -691,4 +873,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as the module qvisor.factory, not as a second copy of it named __main__: a worker's code
+    # reaches the factory's state through the module (container._hand_over: take_seed)
+    from qvisor import factory
+    sys.exit(factory.main())

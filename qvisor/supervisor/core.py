@@ -28,12 +28,13 @@ log = logging.getLogger("quark.supervisor")
 class Supervisor(CreateMixin, ControlMixin, ExecMixin, ReaperMixin, SnapshotMixin, ChildMixin):
     def __init__(self, store: StateStore, state: ContainerState, spec: Spec, platform: str,
                  console_socket: str, ready_fd: int, launcher_pid: int = 0, preserve_fds: int = 0,
-                 caller_may_reap: bool = True) -> None:
+                 caller_may_reap: bool = True, cgroup: cgroups.Cgroup | None = None) -> None:
         self.store, self.state, self.spec = store, state, spec
         self.preserve_fds = preserve_fds       # the caller's fds 3.. that go to the init (--preserve-fds)
         self.platform, self.console_socket, self.ready_fd = platform, console_socket, ready_fd
         self.loop = Loop()
-        self.cgroup = cgroups.open_cgroup(state.cgroup_path)
+        # the one `quark create` opened for state.cgroup_path, when it hands it on
+        self.cgroup = cgroup if cgroup is not None else cgroups.open_cgroup(state.cgroup_path)
         self.kernel: Any = None
         self.procview_mnt: int | None = None   # the /proc view made for the init (-1: could not be)
         self.init: _Child | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from qlib import cgroupfs
+from qlib.procfs import parent_pid
 from qvisor import factory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,6 +117,40 @@ def test_a_create_runs_in_a_worker_and_its_supervisor_shares_the_factorys_pages(
     # and it holds the same kinds of fds as one the CLI forked: nothing of the worker's either
     assert _fd_kinds(sup) == _fd_kinds(_supervisor(quark.root, "f2"))
     assert "declined" not in _log(tmp_path)
+
+
+def test_a_supervisor_is_forked_ahead_of_its_create_not_by_the_worker_that_ran_it(served, quark, bundle, tmp_path):
+    """Each create's supervisor is a seed the factory had forked ahead of it through its zygote (a
+    process that only forks seeds, factory._zygote), and the worker that parsed the command line and
+    loaded the spec hands it the container (container._hand_over) instead of forking it: the pages
+    that worker wrote do not stay in the supervisor for the container's life. Without a zygote the
+    factory forks the seeds itself."""
+    where, proc, env = served
+    b = bundle(["sleep", "100"])
+
+    def create(cid: str) -> int:
+        r = _run(env, "--root", quark.root, "create", "--bundle", b, cid)
+        assert r.returncode == 0, r.stderr + _log(tmp_path)
+        return _supervisor(quark.root, cid)
+
+    try:
+        sups = [create("s1"), create("s2")]
+        zygote = parent_pid(sups[0])
+        assert zygote not in (proc.pid, 1) and parent_pid(sups[1]) == zygote and parent_pid(zygote) == proc.pid
+        assert _run(env, "--root", quark.root, "start", "s1").returncode == 0
+        assert quark.state("s1")["status"] == "running" and quark.state("s2")["status"] == "created"
+
+        os.kill(zygote, signal.SIGKILL)
+        create("s3")   # the seed forked before the zygote died
+        deadline = time.monotonic() + 10
+        while "zygote is gone" not in _log(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert parent_pid(create("s4")) == proc.pid   # a seed the factory forked
+        assert _run(env, "--root", quark.root, "start", "s4").returncode == 0
+        assert "declined" not in _log(tmp_path)
+    finally:
+        for cid in ("s1", "s2", "s3", "s4"):
+            quark("delete", "--force", cid, check=False)
 
 
 def test_the_verbs_answer_as_the_cli_does(served, quark, bundle, tmp_path):
