@@ -152,6 +152,7 @@ class Daemon:
         self.metrics.byte_counts = self._byte_counts
         self.metrics.rdma_links = lambda: self.rdma.status() if self.rdma is not None else {}
         self.metrics.route_source = getattr(self.route_source, "status", dict)   # KubernetesSource's
+        self.metrics.warm_setups = lambda: self.remote.warm.taken if self.remote is not None else 0
 
     def _byte_counts(self) -> dict[tuple[str, str], int]:
         counts = self.bytes.totals()
@@ -172,7 +173,8 @@ class Daemon:
         self.bytes.start()
         self.rdma = RdmaTransport(self.cfg.node, self.deliver, self.cfg.node_key, self.cfg.transport_for,
                                   offer=self.offer)
-        self.remote = TcpTransport(self.deliver, self.routes, self.cfg.listen, self.cfg.node_key, self.rdma.serve)
+        self.remote = TcpTransport(self.deliver, self.routes, self.cfg.listen, self.cfg.node_key, self.rdma.serve,
+                                   offer=self.offer)
         os.makedirs(os.path.dirname(self.cfg.socket), exist_ok=True)
         try:
             os.unlink(self.cfg.socket)
@@ -542,15 +544,27 @@ class Daemon:
 
     def offer(self, dst: Endpoint, peer: Endpoint, sock: socket.socket,
               path: str) -> concurrent.futures.Future | None:
-        """deliver() for the rdma engine's thread, which must not block: the offer (its supervisor
-        writes the greeting before it queues the connection) goes out now, or not at all (None)."""
+        """deliver() for a thread that must not block (the rdma engine's, the tcp gate's): the offer
+        (its supervisor writes the greeting before it queues the connection) goes out now, or not
+        at all (None)."""
         entry = self.listeners.get((unmapped(dst[0]), dst[1]))
-        if entry is None or not self._covers(entry[0]):
-            return None   # (deliver(), which the engine falls back to, refuses it then)
+        if entry is None or (path != "tcp" and not self._covers(entry[0])):
+            return None   # (deliver(), which the caller falls back to, refuses it then)
         sess, token = entry
+        if path == "tcp":   # before the offer: the application may use it as soon as it is taken
+            self.bytes.track(sock, greeting=True)
         fut = sess.ask_nowait(protocol.Incoming(token, peer, dst, path, True), [sock.fileno()])
-        if fut is not None:
-            fut.add_done_callback(lambda f: f.result() and f.result().get("ok") and self.metrics.delivered(path))
+        if fut is None:
+            if path == "tcp":
+                self.bytes.untrack(sock)
+            return None
+
+        def done(f: concurrent.futures.Future) -> None:
+            if f.result() and f.result().get("ok"):
+                self.metrics.delivered(path)
+            elif path == "tcp":
+                self.bytes.untrack(sock)
+        fut.add_done_callback(done)
         return fut
 
 

@@ -57,6 +57,7 @@ class Metrics:
         self.byte_counts: Callable[[], dict[tuple[str, str], int]] = dict
         self.rdma_links: Callable[[], dict[str, dict]] = dict   # RdmaTransport.status()
         self.route_source: Callable[[], dict[str, dict]] = dict  # KubernetesSource.status(), by kind
+        self.warm_setups: Callable[[], int] = int   # TcpTransport's warm set-ups taken
         self._registry: CollectorRegistry | None = None
 
     def connected(self, path: str, seconds: float) -> None:
@@ -108,6 +109,8 @@ class Metrics:
         for v, n in policy.items():
             fam.add_metric([v], n)
         yield fam
+        yield CounterMetricFamily("tsor_tcp_warm_setups_total", "tcp-path connections whose set-up started "
+                                  "on a connection to the peer tsord opened ahead.", value=self.warm_setups())
         yield CounterMetricFamily("tsor_refused_total",
                                   "Requests refused: claims of addresses a sandbox does not own.", value=refused)
         fam = CounterMetricFamily("tsor_bytes_total", "Bytes this node's pods sent/received, by path (tcp and "

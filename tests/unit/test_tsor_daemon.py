@@ -117,6 +117,7 @@ def node(tmp_path):
         started.append(d)
         return d
     make.dir = tmp_path   # for files of the test's own beside the daemons'
+    make.started_daemons = started
     yield make
     for d in started:
         d.stop()
@@ -258,6 +259,61 @@ def two_nodes(node, secret_a=SECRET, secret_b=SECRET):
     return pb, srv, cli
 
 
+def tcp_echo(cli: Sandbox, srv: Sandbox, port: int) -> str:
+    """One connection from cli to srv's listener on port 80: its path, after bytes went both ways."""
+    r, fds = cli.call(protocol.Connect(("10.2.0.7", 80), port))
+    if r["path"] != "tcp":
+        return r["path"]
+    with socket.socket(fileno=fds[0]) as c:
+        deadline = time.monotonic() + 5
+        while len(srv.accepted) < 1 and time.monotonic() < deadline:
+            srv.loop.run_once(0.01)
+        s, _ = srv.accepted.pop()
+        with s:
+            c.sendall(b"ping")
+            assert s.recv(4) == b"ping"
+            s.sendall(b"pong")
+            assert c.recv(4) == b"pong"
+    return "tcp"
+
+
+def warm_setups(d: Daemon) -> float:
+    return parse(d.metrics.render())["tsor_tcp_warm_setups_total"]
+
+
+def test_connections_to_a_peer_node_in_use_start_from_a_warm_setup(node):
+    """After the first connection to a node, the next ones skip the TCP handshake to its tsord and
+    the wait for its nonce: a set-up opened ahead is waiting (tsor/transport/tcp.py, _Warm)."""
+    _, srv, cli = two_nodes(node)
+    a = node.started_daemons[0]
+    assert tcp_echo(cli, srv, 40000) == "tcp"
+    for i in range(5):
+        time.sleep(0.2)   # (the warm set-up is made in the background)
+        assert tcp_echo(cli, srv, 40001 + i) == "tcp"
+    assert warm_setups(a) >= 4
+
+
+def test_a_warm_setup_the_peer_dropped_costs_the_connection_nothing(node):
+    """The peer tsord restarted after a set-up to it was opened ahead: that one fails at once and
+    the connection is set up afresh, still on the tcp path (not native)."""
+    pb, srv, cli = two_nodes(node)
+    a, b = node.started_daemons
+    assert tcp_echo(cli, srv, 40000) == "tcp"
+    time.sleep(0.3)
+    b.stop()
+    deadline = time.monotonic() + 5
+    while srv.client.up and time.monotonic() < deadline:
+        srv.loop.run_once(0.05)
+    node("node-b", {"srv": {"10.2.0.7"}}, list(b.routes.nodes.values()), HostPort("127.0.0.1", pb))
+    deadline = time.monotonic() + 5
+    while not srv.client.up and time.monotonic() < deadline:
+        srv.loop.run_once(0.05)
+    srv.loop.run_once(0.1)   # the listener is announced again on reconnect
+    before = warm_setups(a)
+    assert tcp_echo(cli, srv, 40001) == "tcp"
+    assert warm_setups(a) == before + 1   # the warm one was taken, failed, and a fresh set-up served
+
+
 def test_tcp_transport_refuses_sources_not_of_the_calling_node(node):
     pb, srv, _ = two_nodes(node)
     assert dial(pb, SECRET, ["10.9.0.1", 5], ["10.2.0.7", 80]) == b""
@@ -334,7 +390,7 @@ def test_clients_fall_back_while_tsord_is_down_and_reregister_when_back(node, tm
     assert r is None and fds == []
     established[0].sendall(b"still here")
     assert established[1].recv(10) == b"still here"
-    d2 = node(owned={"srv": {"10.0.0.1"}, "cli": {"10.0.0.2"}})
+    node(owned={"srv": {"10.0.0.1"}, "cli": {"10.0.0.2"}})
     deadline = time.monotonic() + 5
     while not (srv.client.up and cli.client.up) and time.monotonic() < deadline:
         loop.run_once(0.05)
@@ -349,12 +405,12 @@ def test_clients_fall_back_while_tsord_is_down_and_reregister_when_back(node, tm
 
 
 def test_metrics_endpoint_serves_prometheus_text(node, tmp_path):
-    d = node(owned={}, metrics=str(tmp_path / "m.sock"))
+    node(owned={}, metrics=str(tmp_path / "m.sock"))
     text = fetch(str(tmp_path / "m.sock"))
     assert "# TYPE tsor_connections_total counter" in text
     assert parse(text)['tsor_connections_total{path="local"}'] == 0
     port = free_port()
-    d2 = node("n2", metrics=HostPort("127.0.0.1", port))
+    node("n2", metrics=HostPort("127.0.0.1", port))
     assert "tsor_sandboxes 0" in fetch(HostPort("127.0.0.1", port))
 
 

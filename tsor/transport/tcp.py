@@ -20,11 +20,19 @@ client sandbox: the two pods hold the two ends of one kernel TCP connection, no 
 data path.
 
 New connections wait at a Gate (tsor/gate.py) until their header and proof are in, with no thread
-of their own; at most MAX_SETUPS checked set-ups are delivered at once (each waits for a supervisor
-to take it), and the excess is closed: the client then connects natively.
+of their own; at most MAX_SETUPS checked set-ups are delivered at once, and the excess is closed:
+the client then connects natively. A checked set-up is offered to the listening sandbox from the
+gate's thread when the sandbox's socket takes the offer at once (its supervisor writes the answer
+byte itself, so nobody here waits for it); a thread delivers it only when that socket is busy.
+
+The first two steps (TCP handshake, the server's nonce) do not depend on the connection being set
+up, so a client tsord does them ahead for the peer nodes it is using (WARM_PER_NODE each, at most
+WARM_TTL old; a node unused for that long is no longer kept warm): a new connection to such a node
+starts at the client's header. The proofs are unchanged (a fresh nonce each way per connection).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import hmac
 import json
@@ -33,6 +41,8 @@ import os
 import socket
 import struct
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 
 from tsor.addr import Endpoint, unmapped, valid_ip
@@ -47,8 +57,10 @@ _MAX_HEADER = 4096
 ACCEPTED, REFUSED = b"\x01", b"\x00"
 NONCE, MAC = 16, 32
 CLIENT, SERVER = b"tsor-client", b"tsor-server"
-MAX_PENDING = 128    # connections waiting for their header and proof
-MAX_SETUPS = 64      # checked set-ups being delivered at once (a thread each)
+MAX_PENDING = 256    # connections waiting for their header and proof (peers' warm set-ups among them)
+MAX_SETUPS = 64      # checked set-ups being delivered at once
+WARM_PER_NODE = 1    # set-ups opened ahead per peer node in use: one pending slot each on that node's gate
+WARM_TTL = SETUP_TIMEOUT / 2   # a warm set-up older than this is not used: the peer's gate drops it at SETUP_TIMEOUT
 
 
 def _recv_exact(s: socket.socket, n: int) -> bytes:
@@ -63,15 +75,21 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
 
 # rdma_setup(sock, node, request): a peer tsord asked, on an authenticated connection, for an rdma link
 RdmaSetup = Callable[[socket.socket, Node, object], None]
+# offer(dst, peer, sock, path): deliver() for a thread that must not block (tsor/daemon.py's
+# Daemon.offer): a future of the sandbox's answer, or None when its socket does not take it now
+Offer = Callable[[Endpoint, Endpoint, socket.socket, str], "concurrent.futures.Future | None"]
 
 
 def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, label + b"".join(parts), hashlib.sha256).digest()
 
 
-def dial(node: Node, key: bytes, request: dict) -> socket.socket | None:
-    """A connection to `node`'s tsord on which both sides proved the cluster secret, `request`
-    (JSON) being the client's header; None if the node is unreachable or failed its proof."""
+Opened = tuple[socket.socket, bytes]   # a connection to a node's tsord and the nonce it sent
+
+
+def open_setup(node: Node) -> Opened | None:
+    """The set-up's first steps, which do not depend on what is set up: the connection to `node`'s
+    tsord and its nonce. None if the node is unreachable."""
     try:
         s = socket.create_connection((node.address.host, node.address.port), timeout=SETUP_TIMEOUT)
     except OSError as e:
@@ -79,7 +97,24 @@ def dial(node: Node, key: bytes, request: dict) -> socket.socket | None:
         return None
     try:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        theirs, ours = _recv_exact(s, NONCE), os.urandom(NONCE)
+        return s, _recv_exact(s, NONCE)
+    except OSError as e:
+        log.info("set-up with node %s failed: %s", node.name, e)
+        s.close()
+        return None
+
+
+def dial(node: Node, key: bytes, request: dict, opened: Opened | None = None) -> socket.socket | None:
+    """A connection to `node`'s tsord on which both sides proved the cluster secret, `request`
+    (JSON) being the client's header; None if the node is unreachable or failed its proof.
+    `opened`: the first steps done ahead (open_setup), else they are done now."""
+    opened = opened or open_setup(node)
+    if opened is None:
+        return None
+    s, theirs = opened
+    try:
+        s.settimeout(SETUP_TIMEOUT)
+        ours = os.urandom(NONCE)
         header = json.dumps({**request, "nonce": ours.hex()}).encode()
         s.sendall(struct.pack("!I", len(header)) + header + _mac(key, CLIENT, theirs, header))
         proof = _recv_exact(s, MAC)
@@ -94,6 +129,85 @@ def dial(node: Node, key: bytes, request: dict) -> socket.socket | None:
     return s
 
 
+class _Warm:
+    """Set-ups opened ahead (open_setup) for the peer nodes this node connects to, made by one
+    thread of their own so that no connection waits for them."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._ready: dict[tuple, deque[tuple[float, socket.socket, bytes]]] = {}
+        self._used: dict[tuple, Node] = {}    # nodes to keep warm: used within the last WARM_TTL
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.taken = 0                         # connections that started from a warm set-up
+
+    @staticmethod
+    def _key(node: Node) -> tuple:
+        return node.name, node.address.host, node.address.port
+
+    def take(self, node: Node) -> Opened | None:
+        """A warm set-up to `node`, if one is ready; either way `node` is kept warm from now on."""
+        key, now, got = self._key(node), time.monotonic(), None
+        with self._cv:
+            if self._closed:
+                return None
+            q = self._ready.get(key)
+            while q and got is None:
+                t, s, nonce = q.popleft()
+                if now - t < WARM_TTL:
+                    got = (s, nonce)
+                    self.taken += 1
+                else:
+                    s.close()
+            self._used[key] = node
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tcp-warm", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return got
+
+    def _wanted(self) -> tuple | None:
+        """(Lock held) a node short of warm set-ups; drops the expired ones, and the nodes whose
+        set-up expired unused (idle nodes are not kept warm)."""
+        now, short = time.monotonic(), None
+        for key in list(self._used):
+            q = self._ready.setdefault(key, deque())
+            if q and now - q[0][0] >= WARM_TTL:
+                while q:
+                    q.popleft()[1].close()
+                del self._used[key]
+            elif len(q) < WARM_PER_NODE and short is None:
+                short = key
+        return short
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                key = self._wanted()
+                while key is None and not self._closed:
+                    self._cv.wait(WARM_TTL / 2)
+                    key = self._wanted()
+                if self._closed:
+                    return
+                node = self._used[key]
+            opened = open_setup(node)   # (outside the lock: connections take what is ready meanwhile)
+            with self._cv:
+                if opened is None:
+                    self._used.pop(key, None)   # unreachable: connections dial it themselves again
+                elif self._closed or key not in self._used:
+                    opened[0].close()
+                else:
+                    self._ready.setdefault(key, deque()).append((time.monotonic(), *opened))
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            for q in self._ready.values():
+                while q:
+                    q.popleft()[1].close()
+            self._cv.notify()
+
+
 class _Setup:
     """A server-side set-up at the gate: our nonce and what the client sent so far."""
 
@@ -106,10 +220,13 @@ class TcpTransport:
     name = "tcp"
 
     def __init__(self, deliver: Deliver, routes: RouteTable, listen: HostPort | None,
-                 key: bytes | None, rdma_setup: RdmaSetup | None = None) -> None:
+                 key: bytes | None, rdma_setup: RdmaSetup | None = None, offer: Offer | None = None) -> None:
         """`key`: the cluster secret (b"": insecure_no_auth); None: no node-to-node set-up at all.
-        `rdma_setup`: takes over connections whose header asks for an rdma link (transport/rdma_link.py)."""
+        `rdma_setup`: takes over connections whose header asks for an rdma link (transport/rdma_link.py).
+        `offer`: how the gate's thread offers a connection without waiting (else a thread delivers it)."""
         self.deliver, self.routes, self.key, self.rdma_setup = deliver, routes, key, rdma_setup
+        self.offer = offer
+        self.warm = _Warm()
         self._server: socket.socket | None = None
         self._gate: Gate | None = None
         self._setups = threading.BoundedSemaphore(MAX_SETUPS)
@@ -128,7 +245,11 @@ class TcpTransport:
     def connect(self, node: Node, src: Endpoint, dst: Endpoint) -> socket.socket | None:
         if node.address is None or self.key is None:
             return None
-        s = dial(node, self.key, {"src": list(src), "dst": list(dst)})
+        request = {"src": list(src), "dst": list(dst)}
+        warm = self.warm.take(node)
+        s = dial(node, self.key, request, warm) if warm is not None else None
+        if s is None:   # (a warm set-up the peer dropped meanwhile fails at once: start afresh)
+            s = dial(node, self.key, request)
         if s is None:
             return None
         try:
@@ -174,8 +295,43 @@ class TcpTransport:
         if not self._setups.acquire(blocking=False):
             log.warning("tcp set-up from %s refused: %d set-ups already in progress", peer_ip, MAX_SETUPS)
             return False
-        threading.Thread(target=self._serve, args=(p.conn, header, peer_ip), name="tcp-setup",
-                         daemon=True).start()
+        try:
+            proved = "rdma" not in header and self._offer(p.conn, header)
+        except OSError as e:
+            log.warning("tcp set-up from %s failed: %s", peer_ip, e)
+            self._setups.release()
+            return False
+        if proved is True:   # no thread holds it: the semaphore bounds threads
+            self._setups.release()
+        else:
+            threading.Thread(target=self._serve, args=(p.conn, header, peer_ip, proved is None),
+                             name="tcp-setup", daemon=True).start()
+        return True
+
+    def _offer(self, s: socket.socket, header: dict) -> bool | None:
+        """In the gate's thread: the proof, then the offer to the listening sandbox if its socket
+        takes it at once. True: offered (the answer comes back in its own time); None: proof sent,
+        not offered; False: nothing sent."""
+        if self.offer is None:
+            return False
+        s.settimeout(None)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 0)
+        # 32 bytes into a send buffer that holds only our nonce: never blocks, never goes in part
+        if s.send(header["proof"], socket.MSG_DONTWAIT) != MAC:
+            raise OSError("the proof did not go out whole")
+        fut = self.offer(header["dst"], header["src"], s, self.name)
+        if fut is None:
+            return None
+
+        def answered(f: concurrent.futures.Future) -> None:
+            try:
+                if not (f.result() and f.result().get("ok")):
+                    s.send(REFUSED, socket.MSG_DONTWAIT)
+            except OSError:
+                pass
+            finally:
+                s.close()
+        fut.add_done_callback(answered)
         return True
 
     def _check(self, setup: _Setup, peer_ip: str) -> dict | None:
@@ -216,7 +372,7 @@ class TcpTransport:
             raise PermissionError(f"{peer_ip} is not the address of node {h['node']!r}")
         return {"rdma": h["rdma"], "node": node, "proof": _mac(self.key, SERVER, nonce, setup.nonce)}
 
-    def _serve(self, s: socket.socket, header: dict, peer_ip: str) -> None:
+    def _serve(self, s: socket.socket, header: dict, peer_ip: str, proved: bool = False) -> None:
         if "rdma" in header:
             try:
                 s.settimeout(SETUP_TIMEOUT)
@@ -229,8 +385,9 @@ class TcpTransport:
                 self._setups.release()
             return
         try:
-            s.settimeout(SETUP_TIMEOUT)
-            s.sendall(header["proof"])
+            if not proved:
+                s.settimeout(SETUP_TIMEOUT)
+                s.sendall(header["proof"])
             s.settimeout(None)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 0)
             if not self.deliver(header["dst"], header["src"], s, self.name, True):
@@ -242,6 +399,7 @@ class TcpTransport:
             self._setups.release()
 
     def close(self) -> None:
+        self.warm.close()
         if self._gate is not None:
             self._gate.close()
         if self._server is not None:
