@@ -117,8 +117,10 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
 def _hand_over(ready_fd: int, args: tuple) -> bool:
     """In a factory worker that was given a seed (factory._fork_seed): hand it what a fork of this
     worker would give the supervisor (the arguments of _supervise; stdio, cwd, environment, umask,
-    rlimits, oom score, cgroups and command line), and it becomes the supervisor. False when
-    there is no seed, or it cannot take the hand-over: the caller forks the supervisor itself."""
+    rlimits, oom score, scheduling attributes, cgroups and command line), and it becomes the
+    supervisor. False when there is no seed, or it cannot take the hand-over: the caller forks the
+    supervisor itself."""
+    from qlib import sched
     from qvisor import factory, phases
     seed = factory.take_seed()
     if seed is None:
@@ -135,7 +137,8 @@ def _hand_over(ready_fd: int, args: tuple) -> bool:
             cmdline = [os.fsdecode(a) for a in f.read().split(b"\0")[:-1]]
         context = {"args": args, "umask": factory._umask(), "env": dict(os.environ), "cmdline": cmdline,
                    "rlimits": {r: resource.getrlimit(r) for r in factory._RLIMITS}, "oom_score_adj": oom,
-                   "cgroup": cgroup, "log_level": logging.getLogger().level, "verb_started": phases.verb_started}
+                   "cgroup": cgroup, "log_level": logging.getLogger().level, "verb_started": phases.verb_started,
+                   "sched": sched.Scheduling.of(os.getpid())}
         cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         socket.send_fds(seed, [pickle.dumps(context, pickle.HIGHEST_PROTOCOL)], [0, 1, 2, cwd, ready_fd])
         return True
@@ -172,6 +175,7 @@ def supervise_handed_over(data: bytes, fds: list[int]) -> None:
             resource.setrlimit(r, limits)
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write(context["oom_score_adj"])
+        context["sched"].apply()   # the worker's, which it took on from its caller
         factory.join_cgroups(context["cgroup"])
         try:
             L.set_cmdline(context["cmdline"], context["env"])

@@ -7,11 +7,12 @@ children keep sharing those pages), and listens on a unix socket. A client (the 
 qvisor/frontend.c, the Python CLI, or the shim) sends one request: the argv of a `quark` call, its
 environment and umask, and its stdin, stdout, stderr and working directory as fds. The factory
 checks that the caller may do what it asks and is in the same place, forks a worker that becomes
-that caller's `quark` process (its stdio, cwd, environment, umask, rlimits, oom_score_adj, for
-create its cgroups, and a cmdline naming the call), and the worker runs the verb exactly as the CLI
-does and sends back the exit status. A create's supervisor is forked from the worker as it is from
-the CLI, so it is its own process, session and confinement; it only shares, copy-on-write, the
-factory's pages of imported code.
+that caller's `quark` process (its stdio, cwd, environment, umask, rlimits, oom_score_adj, nice,
+scheduling policy, I/O priority and CPUs, for create its cgroups, and a cmdline naming the call),
+and the worker runs the verb exactly as the CLI does and sends back the exit status. The factory
+itself runs with the kernel's default scheduling attributes, whatever its first caller had. A
+create's supervisor is forked from the worker as it is from the CLI, so it is its own process,
+session and confinement; it only shares, copy-on-write, the factory's pages of imported code.
 
 The factory is optional. It answers "fall back" (and the client runs the verb itself, as before)
 when the verb is not one it serves, when the caller is not root or not in the factory's
@@ -294,6 +295,13 @@ class Factory:
             return 0   # another factory serves this directory
         self.watch = _watch_code()
         _preload()
+        # the factory serves every caller: it runs with the kernel's defaults, not the first
+        # caller's (a `nice -n 19` or `taskset -c 0` create started it); workers take on theirs
+        from qlib import sched
+        try:
+            sched.NEUTRAL.apply()
+        except OSError as e:
+            log.warning("the factory keeps its starter's scheduling attributes: %s", e)
         path = socket_path(self.where)
         try:
             os.unlink(path)   # a dead factory's (we hold the lock: no live one owns it)
@@ -655,6 +663,10 @@ class Factory:
             adj = f.read().strip()
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write(adj)
+        # what fork would have passed on (nice, policy, I/O priority, CPUs): the caller's, not the
+        # factory's, for the verb and for the supervisor and container a create makes
+        from qlib import sched
+        sched.Scheduling.of(caller).apply()
         if PROGRAMS[prog]["adopts_cgroups"](argv):   # a create's supervisor (the shim's server)
             _join_cgroups_of(caller)                 # lives where the caller's processes live
         try:

@@ -18,6 +18,7 @@ from typing import Callable
 
 from qlib import linux as L
 from qlib import procfs
+from qlib import sched
 from qlib.errors import SetupError
 from qvisor import paths, trampoline
 from qvisor.spec import CAPABILITIES, RLIMITS, Capabilities, Process
@@ -46,6 +47,26 @@ def set_rlimits(proc: Process) -> None:
             resource.setrlimit(RLIMITS[r.type], (_rlim(r.soft), _rlim(r.hard)))
         except (OSError, ValueError, OverflowError) as e:
             raise SetupError(f"process.rlimits: setting {r.type} to {r.soft}/{r.hard}: {e}") from None
+
+
+def set_scheduling(proc: Process) -> None:
+    """process.scheduler and process.ioPriority, applied to this process before it execs the
+    container's (its children inherit them), as runc applies them."""
+    s = proc.scheduler
+    if s is not None:
+        flags = 0
+        for name in set(s.flags):
+            flags |= sched.SCHED_FLAGS[name]
+        try:
+            sched.sched_setattr(sched.POLICIES[s.policy], s.nice, s.priority, flags, s.runtime, s.deadline, s.period)
+        except OSError as e:
+            raise SetupError(f"process.scheduler: {s.policy}: {e.strerror}") from None
+    if proc.io_priority is not None:
+        io = proc.io_priority
+        try:
+            sched.ioprio_set(sched.ioprio_value(io.io_class, io.priority))
+        except OSError as e:
+            raise SetupError(f"process.ioPriority: {io.io_class} {io.priority}: {e.strerror}") from None
 
 
 def set_oom_score_adj(value: int | None) -> None:

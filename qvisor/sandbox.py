@@ -21,6 +21,7 @@ import traceback
 from typing import Callable, Iterable, NoReturn
 
 from qlib import linux as L
+from qlib import sched
 from qlib.errors import QuarkError, SetupError
 from qvisor import channel, hooks, process, rootfs, rootfs_lock
 from qvisor.spec import PROC_NS_NAMES, Process, Spec, sysctl_key
@@ -154,6 +155,7 @@ def stage1(sock: socket.socket, spec: Spec, preserve_fds: int = 0) -> None:
     L.prctl(L.PR_SET_DUMPABLE, 0)  # nothing in the container may open /proc/<us>/exe or /mem
     drop_runtime_fds(sock, range(3, 3 + preserve_fds))
     _expect(sock, "go")  # the supervisor has put us in the cgroup
+    _cpus_in_cgroup(None)
     joined = sorted((ns for ns in spec.linux.namespaces if ns.path), key=lambda ns: ns.type != "user")
     for ns in joined:
         try:
@@ -190,6 +192,18 @@ def stage1(sock: socket.socket, spec: Spec, preserve_fds: int = 0) -> None:
         run_child(sock, lambda: init(sock, spec, "user" in new or any(ns.type == "user" for ns in joined), reported,
                                      preserve_fds))
     _report_pid(sock, pid, reported)
+
+
+def _cpus_in_cgroup(final: frozenset[int] | None) -> None:
+    """Once in the container's cgroup: the CPUs the container's processes run on. As runc: those
+    `final` lists (process.execCPUAffinity, for exec'd processes), else every CPU the cpuset allows,
+    never those of whoever ran quark (`taskset -c 0 quark run`, or the factory's)."""
+    try:
+        os.sched_setaffinity(0, final if final is not None else sched.ALL_CPUS)
+    except OSError as e:
+        raise SetupError(f"process.execCPUAffinity.final: {e.strerror} (none of its CPUs is online "
+                         "and in the container's cpuset?)" if final is not None
+                         else f"resetting the CPU affinity: {e.strerror}") from None
 
 
 def _sysctls(spec: Spec) -> None:
@@ -312,6 +326,8 @@ def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserv
 
     caps = frozenset(proc.capabilities.bounding) if proc.capabilities is not None else frozenset()
 
+    process.set_scheduling(proc)   # (while this process still holds CAP_SYS_NICE)
+
     def install_filter(no_new_privs: bool) -> None:
         fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs, sockets, caps, spec.own_namespaces,
                                     sockopt_offload)
@@ -328,7 +344,13 @@ def exec_stage1(sock: socket.socket, init_pid: int, spec: Spec, proc: Process, p
     L.prctl(L.PR_SET_DUMPABLE, 0)
     drop_runtime_fds(sock, preserved)
     _place_preserved(preserved)
-    _expect(sock, "go")
+    go = _expect(sock, "go")
+    if go.get("error"):   # a step the supervisor took for us (execCPUAffinity.initial)
+        raise SetupError(go["error"])
+    affinity = proc.exec_cpu_affinity or (spec.process.exec_cpu_affinity if spec.process else None)
+    if affinity is None or affinity.final is not None or affinity.initial is None:
+        _cpus_in_cgroup(affinity.final if affinity is not None else None)
+    # (initial alone: the process stays on those CPUs, as the spec says of an omitted final)
     flags = 0
     for t, name in PROC_NS_NAMES.items():
         try:

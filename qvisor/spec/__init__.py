@@ -1,4 +1,4 @@
-"""The OCI runtime-spec config.json model (runtime-spec 1.0.2, plus the 1.1 fields quark uses).
+"""The OCI runtime-spec config.json model (runtime-spec 1.0.2, plus the 1.1 and 1.2 fields quark uses).
 
 `load_spec(bundle)` reads `<bundle>/config.json` into the dataclasses of the model and validates it.
 Every problem is a ConfigError that names the file and the field path (`process.args`,
@@ -31,6 +31,7 @@ from .model import (
                     THROTTLES,
                     BlockIO,
                     Capabilities,
+                    CPUAffinity,
                     CpuResources,
                     Device,
                     DeviceRule,
@@ -39,6 +40,7 @@ from .model import (
                     HugepageLimit,
                     IDMapping,
                     InterfacePriority,
+                    IOPriority,
                     Linux,
                     MemoryResources,
                     Mount,
@@ -49,6 +51,7 @@ from .model import (
                     Resources,
                     Rlimit,
                     Root,
+                    Scheduler,
                     Seccomp,
                     SeccompArg,
                     Spec,
@@ -73,6 +76,7 @@ __all__ = [
                     "THROTTLES",
                     "BlockIO",
                     "Capabilities",
+                    "CPUAffinity",
                     "CpuResources",
                     "Device",
                     "DeviceRule",
@@ -81,6 +85,7 @@ __all__ = [
                     "HugepageLimit",
                     "IDMapping",
                     "InterfacePriority",
+                    "IOPriority",
                     "Linux",
                     "MemoryResources",
                     "Mount",
@@ -91,6 +96,7 @@ __all__ = [
                     "Resources",
                     "Rlimit",
                     "Root",
+                    "Scheduler",
                     "Seccomp",
                     "SeccompArg",
                     "Spec",

@@ -38,6 +38,13 @@ SECCOMP_OPS = ("SCMP_CMP_NE", "SCMP_CMP_LT", "SCMP_CMP_LE", "SCMP_CMP_EQ", "SCMP
 PROPAGATIONS = ("", "private", "rprivate", "slave", "rslave", "shared", "rshared",
                 "unbindable", "runbindable")
 RLIM_INFINITY = 2**64 - 1  # how the spec (a uint64) spells "unlimited"
+# process.scheduler and process.ioPriority (runtime-spec 1.2; qlib/sched.py has their numbers)
+SCHED_POLICIES = ("SCHED_OTHER", "SCHED_FIFO", "SCHED_RR", "SCHED_BATCH", "SCHED_ISO", "SCHED_IDLE",
+                  "SCHED_DEADLINE")
+SCHED_FLAGS = ("SCHED_FLAG_RESET_ON_FORK", "SCHED_FLAG_RECLAIM", "SCHED_FLAG_DL_OVERRUN", "SCHED_FLAG_KEEP_POLICY",
+               "SCHED_FLAG_KEEP_PARAMS", "SCHED_FLAG_UTIL_CLAMP_MIN", "SCHED_FLAG_UTIL_CLAMP_MAX")
+IOPRIO_CLASSES = ("IOPRIO_CLASS_RT", "IOPRIO_CLASS_BE", "IOPRIO_CLASS_IDLE")
+MAX_CPUS = 8192   # CPU numbers in process.execCPUAffinity lists are below this (as runc's)
 
 
 @dataclass
@@ -65,6 +72,32 @@ class Rlimit:
 
 
 @dataclass
+class Scheduler:
+    """process.scheduler: sched_setattr(2)'s attributes, applied to the process before it execs."""
+    policy: str = "SCHED_OTHER"
+    nice: int = 0
+    priority: int = 0
+    flags: list[str] = field(default_factory=list)
+    runtime: int = 0
+    deadline: int = 0
+    period: int = 0
+
+
+@dataclass
+class IOPriority:
+    io_class: str = "IOPRIO_CLASS_BE"
+    priority: int = 0
+
+
+@dataclass
+class CPUAffinity:
+    """process.execCPUAffinity, for exec'd processes: the CPUs before (initial) and after (final)
+    the move into the container's cgroup; None: not set."""
+    initial: frozenset[int] | None = None
+    final: frozenset[int] | None = None
+
+
+@dataclass
 class Process:
     terminal: bool = False
     console_size: tuple[int, int] | None = None  # (height, width)
@@ -78,6 +111,9 @@ class Process:
     oom_score_adj: int | None = None
     apparmor_profile: str = ""
     selinux_label: str = ""
+    scheduler: Scheduler | None = None
+    io_priority: IOPriority | None = None
+    exec_cpu_affinity: CPUAffinity | None = None
 
 
 @dataclass

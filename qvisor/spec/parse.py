@@ -17,16 +17,22 @@ from qlib.errors import ConfigError
 
 from .model import (
     CAPABILITIES,
+    IOPRIO_CLASSES,
+    MAX_CPUS,
     NAMESPACE_TYPES,
     PROPAGATIONS,
     RLIMITS,
     SECCOMP_ACTIONS,
+    SCHED_FLAGS,
+    SCHED_POLICIES,
     SECCOMP_OPS,
     Capabilities,
+    CPUAffinity,
     Device,
     Hook,
     Hooks,
     IDMapping,
+    IOPriority,
     Linux,
     Mount,
     Namespace,
@@ -34,6 +40,7 @@ from .model import (
     Resources,
     Rlimit,
     Root,
+    Scheduler,
     Seccomp,
     SeccompArg,
     Spec,
@@ -89,6 +96,54 @@ def _rlimit(r: _Reader, f: str, v: Any) -> Rlimit:
     return rl
 
 
+def _scheduler(r: _Reader, f: str, v: Any) -> Scheduler:
+    """As runc checks it (sched_setattr(2)'s rules): a nice value only in range, a priority only
+    for the real-time policies, runtime/deadline/period only for SCHED_DEADLINE."""
+    d = _obj(r, f, v)
+    s = Scheduler(policy=r.get(d, f, "policy", _one_of(SCHED_POLICIES, "scheduling policy")),
+                  nice=r.get(d, f, "nice", _int(-2**31, 2**31 - 1), 0),
+                  priority=r.get(d, f, "priority", _int(-2**31, 2**31 - 1), 0),
+                  flags=r.get(d, f, "flags", _list(_one_of(SCHED_FLAGS, "scheduling flag")), []),
+                  runtime=r.get(d, f, "runtime", _U64, 0), deadline=r.get(d, f, "deadline", _U64, 0),
+                  period=r.get(d, f, "period", _U64, 0))
+    if s.policy in ("SCHED_OTHER", "SCHED_BATCH") and not -20 <= s.nice <= 19:
+        r.fail(f"{f}.nice", f"must be between -20 and 19 for {s.policy}, got {s.nice}")
+    if s.priority and s.policy not in ("SCHED_FIFO", "SCHED_RR"):
+        r.fail(f"{f}.priority", f"only SCHED_FIFO and SCHED_RR take a priority, not {s.policy}")
+    if s.policy in ("SCHED_FIFO", "SCHED_RR") and not 1 <= s.priority <= 99:
+        r.fail(f"{f}.priority", f"must be between 1 and 99 for {s.policy}, got {s.priority}")
+    if s.policy != "SCHED_DEADLINE" and (s.runtime or s.deadline or s.period):
+        r.fail(f, f"runtime, deadline and period are for SCHED_DEADLINE only, not {s.policy}")
+    return s
+
+
+def _io_priority(r: _Reader, f: str, v: Any) -> IOPriority:
+    d = _obj(r, f, v)
+    return IOPriority(io_class=r.get(d, f, "class", _one_of(IOPRIO_CLASSES, "I/O priority class")),
+                      priority=r.get(d, f, "priority", _int(0, 7)))
+
+
+def _cpu_list(r: _Reader, f: str, v: Any) -> frozenset[int] | None:
+    """A CPU list as the kernel writes one ("0-3,7"); "" means not set."""
+    text, cpus = _str(r, f, v).strip(), set()
+    if not text:
+        return None
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            r.fail(f, f"{json.dumps(v)} is not a CPU list (like \"0-3,7\")")
+        a, b = int(lo), int(hi or lo)
+        if not 0 <= a <= b < MAX_CPUS:
+            r.fail(f, f"{part.strip()!r}: CPUs are numbered 0 to {MAX_CPUS - 1}, low to high")
+        cpus.update(range(a, b + 1))
+    return frozenset(cpus)
+
+
+def _cpu_affinity(r: _Reader, f: str, v: Any) -> CPUAffinity:
+    d = _obj(r, f, v)
+    return CPUAffinity(initial=r.get(d, f, "initial", _cpu_list, None), final=r.get(d, f, "final", _cpu_list, None))
+
+
 def _process(r: _Reader, f: str, v: Any) -> Process:
     d = _obj(r, f, v)
     p = Process(
@@ -103,7 +158,10 @@ def _process(r: _Reader, f: str, v: Any) -> Process:
         no_new_privileges=r.get(d, f, "noNewPrivileges", _bool, False),
         oom_score_adj=r.get(d, f, "oomScoreAdj", _int(-1000, 1000), None),
         apparmor_profile=r.get(d, f, "apparmorProfile", _str, ""),
-        selinux_label=r.get(d, f, "selinuxLabel", _str, ""))
+        selinux_label=r.get(d, f, "selinuxLabel", _str, ""),
+        scheduler=r.get(d, f, "scheduler", _scheduler, None),
+        io_priority=r.get(d, f, "ioPriority", _io_priority, None),
+        exec_cpu_affinity=r.get(d, f, "execCPUAffinity", _cpu_affinity, None))
     _no_duplicates(r, f"{f}.rlimits", [rl.type for rl in p.rlimits], "rlimit")
     return p
 

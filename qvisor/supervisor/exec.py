@@ -45,9 +45,16 @@ class ExecMixin:
         child.close()
         ex = _Child(parent, self._on_exec_msg, stage1_pid=pid, client=conn)
         self.execs[pid] = ex
+        go = {"type": "go"}
+        affinity = proc.exec_cpu_affinity or (self.spec.process.exec_cpu_affinity if self.spec.process else None)
+        if affinity is not None and affinity.initial is not None:   # before the move (runc's order)
+            try:
+                os.sched_setaffinity(pid, affinity.initial)
+            except OSError as e:   # stage 1 fails the exec with it
+                go["error"] = f"process.execCPUAffinity.initial: {e.strerror}"
         self.cgroup.add_pid(pid)
         self._leave_quark_cgroup(pid)
-        channel.send(parent, {"type": "go"})
+        channel.send(parent, go)
         self.loop.add_reader(parent.fileno(), lambda: self._on_child_readable(ex))
 
     def _leave_quark_cgroup(self, pid: int) -> None:

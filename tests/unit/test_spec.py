@@ -98,6 +98,34 @@ MUTATIONS = [
     ("bad-propagation", lambda s: s["linux"].update(rootfsPropagation="weird"),
      "linux.rootfsPropagation", "unknown propagation"),
     ("annotation-int", lambda s: s.update(annotations={"a": 1}), "annotations.a", "must be a string"),
+    # runtime-spec 1.2's scheduling fields, checked as runc checks them (sched_setattr(2)'s rules)
+    ("sched-policy", lambda s: s["process"].update(scheduler={"policy": "SCHED_FAST"}),
+     "process.scheduler.policy", "unknown scheduling policy"),
+    ("sched-no-policy", lambda s: s["process"].update(scheduler={"nice": 3}), "process.scheduler.policy",
+     "is required"),
+    ("sched-nice", lambda s: s["process"].update(scheduler={"policy": "SCHED_BATCH", "nice": 20}),
+     "process.scheduler.nice", "between -20 and 19"),
+    ("sched-priority-other", lambda s: s["process"].update(scheduler={"policy": "SCHED_OTHER", "priority": 5}),
+     "process.scheduler.priority", "only SCHED_FIFO and SCHED_RR"),
+    ("sched-priority-fifo", lambda s: s["process"].update(scheduler={"policy": "SCHED_FIFO", "priority": 100}),
+     "process.scheduler.priority", "between 1 and 99"),
+    ("sched-deadline-fields", lambda s: s["process"].update(scheduler={"policy": "SCHED_RR", "priority": 1,
+                                                                       "period": 1000}),
+     "process.scheduler", "for SCHED_DEADLINE only"),
+    ("sched-flag", lambda s: s["process"].update(scheduler={"policy": "SCHED_OTHER", "flags": ["SCHED_FLAG_FAST"]}),
+     "process.scheduler.flags[0]", "unknown scheduling flag"),
+    ("ioprio-class", lambda s: s["process"].update(ioPriority={"class": "IOPRIO_CLASS_NONE", "priority": 0}),
+     "process.ioPriority.class", "unknown I/O priority class"),
+    ("ioprio-level", lambda s: s["process"].update(ioPriority={"class": "IOPRIO_CLASS_BE", "priority": 8}),
+     "process.ioPriority.priority", "between 0 and 7"),
+    ("ioprio-no-level", lambda s: s["process"].update(ioPriority={"class": "IOPRIO_CLASS_BE"}),
+     "process.ioPriority.priority", "is required"),
+    ("affinity-text", lambda s: s["process"].update(execCPUAffinity={"final": "0-"}),
+     "process.execCPUAffinity.final", "is not a CPU list"),
+    ("affinity-order", lambda s: s["process"].update(execCPUAffinity={"initial": "3-1"}),
+     "process.execCPUAffinity.initial", "low to high"),
+    ("affinity-big", lambda s: s["process"].update(execCPUAffinity={"initial": "8192"}),
+     "process.execCPUAffinity.initial", "0 to 8191"),
 ]
 
 
@@ -208,6 +236,22 @@ def test_full_featured_spec_parses():
     sc = spec.linux.seccomp
     assert sc.default_errno_ret == 1 and sc.syscalls[1].args[0].op == "SCMP_CMP_MASKED_EQ"
     assert spec.linux.namespace("user") == Namespace("user", "") and spec.linux.namespace("time") is None
+
+
+def test_scheduling_fields_parse():
+    data = default_spec()
+    data["process"].update(scheduler={"policy": "SCHED_FIFO", "priority": 10, "flags": ["SCHED_FLAG_RESET_ON_FORK"]},
+                           ioPriority={"class": "IOPRIO_CLASS_IDLE", "priority": 7},
+                           execCPUAffinity={"initial": "7", "final": "0-3, 7"})
+    p = parse_spec(data, CFG, "/b").process
+    assert (p.scheduler.policy, p.scheduler.priority, p.scheduler.nice) == ("SCHED_FIFO", 10, 0)
+    assert p.scheduler.flags == ["SCHED_FLAG_RESET_ON_FORK"]
+    assert (p.io_priority.io_class, p.io_priority.priority) == ("IOPRIO_CLASS_IDLE", 7)
+    assert p.exec_cpu_affinity.initial == {7} and p.exec_cpu_affinity.final == {0, 1, 2, 3, 7}
+    data["process"].update(execCPUAffinity={"initial": "", "final": ""})   # "": not set
+    p = parse_spec(data, CFG, "/b").process
+    assert p.exec_cpu_affinity.initial is None and p.exec_cpu_affinity.final is None
+    assert parse_spec(default_spec(), CFG, "/b").process.scheduler is None
 
 
 def test_every_resource_field_is_modelled():

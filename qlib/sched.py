@@ -1,0 +1,102 @@
+"""A process's scheduling attributes, as fork passes them on: policy and real-time priority, nice
+value, I/O priority and CPU affinity; read from any process, applied to the calling one
+(sched_setattr(2) and ioprio_set(2) through ctypes, the rest through os).
+
+The sandbox factory uses this so that a worker, and the supervisor and container it makes, carry
+the caller's attributes and not the factory's (qvisor/factory.py); the OCI `process.scheduler`,
+`process.ioPriority` and `process.execCPUAffinity` fields are applied with it (qvisor/process.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from qlib import syscalls
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+# resolved at import, as in qlib/linux.py: the calls may run after a pivot into a container's root
+_SYS_SCHED_SETATTR = syscalls.number("sched_setattr")
+_SYS_IOPRIO_GET = syscalls.number("ioprio_get")
+_SYS_IOPRIO_SET = syscalls.number("ioprio_set")
+
+IOPRIO_WHO_PROCESS = 1
+IOPRIO_CLASS_SHIFT = 13
+IOPRIO_CLASSES = {"IOPRIO_CLASS_RT": 1, "IOPRIO_CLASS_BE": 2, "IOPRIO_CLASS_IDLE": 3}
+POLICIES = {"SCHED_OTHER": 0, "SCHED_FIFO": 1, "SCHED_RR": 2, "SCHED_BATCH": 3, "SCHED_ISO": 4,
+            "SCHED_IDLE": 5, "SCHED_DEADLINE": 6}
+SCHED_FLAGS = {"SCHED_FLAG_RESET_ON_FORK": 0x01, "SCHED_FLAG_RECLAIM": 0x02, "SCHED_FLAG_DL_OVERRUN": 0x04,
+               "SCHED_FLAG_KEEP_POLICY": 0x08, "SCHED_FLAG_KEEP_PARAMS": 0x10,
+               "SCHED_FLAG_UTIL_CLAMP_MIN": 0x20, "SCHED_FLAG_UTIL_CLAMP_MAX": 0x40}
+SCHED_RESET_ON_FORK = 0x40000000   # or'ed into sched_getscheduler's answer when the flag is set
+SCHED_DEADLINE = 6
+ALL_CPUS = range(8192)   # "every CPU there is": the kernel clamps the mask to its own size and the cpuset
+
+
+class _SchedAttr(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_uint32), ("policy", ctypes.c_uint32), ("flags", ctypes.c_uint64),
+                ("nice", ctypes.c_int32), ("priority", ctypes.c_uint32), ("runtime", ctypes.c_uint64),
+                ("deadline", ctypes.c_uint64), ("period", ctypes.c_uint64), ("util_min", ctypes.c_uint32),
+                ("util_max", ctypes.c_uint32)]
+
+
+def _check(ret: int, what: str) -> int:
+    if ret < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+    return ret
+
+
+def sched_setattr(policy: int, nice: int = 0, priority: int = 0, flags: int = 0, runtime: int = 0,
+                  deadline: int = 0, period: int = 0) -> None:
+    """sched_setattr(2) on the calling thread (which its later children inherit)."""
+    attr = _SchedAttr(ctypes.sizeof(_SchedAttr), policy, flags, nice, priority, runtime, deadline, period, 0, 0)
+    _check(_libc.syscall(_SYS_SCHED_SETATTR, ctypes.c_int(0), ctypes.byref(attr), ctypes.c_uint(0)),
+           "sched_setattr")
+
+
+def ioprio_get(pid: int = 0) -> int:
+    return _check(_libc.syscall(_SYS_IOPRIO_GET, ctypes.c_int(IOPRIO_WHO_PROCESS), ctypes.c_int(pid)), "ioprio_get")
+
+
+def ioprio_set(value: int) -> None:
+    """The calling process's I/O priority (class << 13 | level; 0: none, the kernel's default)."""
+    _check(_libc.syscall(_SYS_IOPRIO_SET, ctypes.c_int(IOPRIO_WHO_PROCESS), ctypes.c_int(0), ctypes.c_int(value)),
+           "ioprio_set")
+
+
+def ioprio_value(cls: str, level: int) -> int:
+    return IOPRIO_CLASSES[cls] << IOPRIO_CLASS_SHIFT | level
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    """What fork passes on of a process's scheduling (sched_getscheduler's policy, its flag
+    included; the real-time priority; nice; I/O priority; the CPUs it may run on)."""
+    policy: int
+    priority: int
+    nice: int
+    ioprio: int
+    cpus: Collection[int]   # (a range for "all": no set of thousands of ints)
+
+    @classmethod
+    def of(cls, pid: int) -> Scheduling:
+        return cls(policy=os.sched_getscheduler(pid), priority=os.sched_getparam(pid).sched_priority,
+                   nice=os.getpriority(os.PRIO_PROCESS, pid), ioprio=ioprio_get(pid),
+                   cpus=frozenset(os.sched_getaffinity(pid)))
+
+    def apply(self) -> None:
+        """Make them the calling process's (raises OSError; a SCHED_DEADLINE one cannot be
+        taken on this way: it has parameters sched_getscheduler does not tell)."""
+        if self.policy & ~SCHED_RESET_ON_FORK == SCHED_DEADLINE:
+            raise OSError(0, "a SCHED_DEADLINE process's parameters cannot be copied")
+        os.sched_setaffinity(0, self.cpus)
+        os.sched_setscheduler(0, self.policy, os.sched_param(self.priority))
+        os.setpriority(os.PRIO_PROCESS, 0, self.nice)
+        ioprio_set(self.ioprio)
+
+
+# what a process started by nobody in particular gets: the kernel's defaults
+NEUTRAL = Scheduling(policy=os.SCHED_OTHER, priority=0, nice=0, ioprio=0, cpus=ALL_CPUS)
