@@ -244,9 +244,18 @@ _NEWER = {"statmount": 457, "listmount": 458, "lsm_get_self_attr": 459, "lsm_set
 _MAX_NR = 1024
 
 
-def native_arch() -> str:
+def _machine_arch() -> str:
     machine = _platform.machine()
     return {"x86_64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}.get(machine, machine)
+
+
+# read at import, before a container's init sets its personality: under LINUX32 uname says i686,
+# but the filter is for the kernel's (and the process's) real architecture
+_NATIVE_ARCH = _machine_arch()
+
+
+def native_arch() -> str:
+    return _NATIVE_ARCH
 
 
 def resolve(arch: seccomp.Arch, name: str) -> int | None:

@@ -149,6 +149,11 @@ def pivot_root(new_root: str, put_old: str) -> None:
     _check(_libc.syscall(_SYS_PIVOT_ROOT, _b(new_root), _b(put_old)), "pivot_root", new_root)
 
 
+def personality(persona: int) -> None:
+    """personality(2): the execution domain (PER_LINUX 0, PER_LINUX32 8) of this process and what it execs."""
+    _check(_libc.personality(ctypes.c_ulong(persona)), "personality")
+
+
 def sethostname(name: str) -> None:
     b = name.encode()
     _check(_libc.sethostname(b, ctypes.c_size_t(len(b))), "sethostname")

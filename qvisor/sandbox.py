@@ -24,7 +24,7 @@ from qlib import linux as L
 from qlib import sched
 from qlib.errors import QuarkError, SetupError
 from qvisor import channel, hooks, process, rootfs, rootfs_lock
-from qvisor.spec import PROC_NS_NAMES, Process, Spec, sysctl_key
+from qvisor.spec import PERSONALITIES, PROC_NS_NAMES, Process, Spec, sysctl_key
 
 NS_FLAGS = {"user": L.CLONE_NEWUSER, "mount": L.CLONE_NEWNS, "pid": L.CLONE_NEWPID, "network": L.CLONE_NEWNET,
             "ipc": L.CLONE_NEWIPC, "uts": L.CLONE_NEWUTS, "cgroup": L.CLONE_NEWCGROUP, "time": L.CLONE_NEWTIME}
@@ -187,11 +187,22 @@ def stage1(sock: socket.socket, spec: Spec, preserve_fds: int = 0) -> None:
         L.unshare(flags)
     except OSError as e:
         raise SetupError(f"linux.namespaces: creating {sorted(new - {'user'})}: {e.strerror}") from None
+    if "time" in new and spec.linux.time_offsets:   # before any process is in it: the init is forked next
+        _time_offsets(spec.linux.time_offsets)
     pid, reported = _fork_reported(sock)
     if pid == 0:
         run_child(sock, lambda: init(sock, spec, "user" in new or any(ns.type == "user" for ns in joined), reported,
                                      preserve_fds))
     _report_pid(sock, pid, reported)
+
+
+def _time_offsets(offsets: dict[str, tuple[int, int]]) -> None:
+    text = "".join(f"{clock} {secs} {nsecs}\n" for clock, (secs, nsecs) in offsets.items())
+    try:
+        with open("/proc/self/timens_offsets", "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise SetupError(f"linux.timeOffsets: {e.strerror}") from None
 
 
 def _cpus_in_cgroup(final: frozenset[int] | None) -> None:
@@ -327,6 +338,11 @@ def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserv
     caps = frozenset(proc.capabilities.bounding) if proc.capabilities is not None else frozenset()
 
     process.set_scheduling(proc)   # (while this process still holds CAP_SYS_NICE)
+    if spec.linux.personality is not None:   # the init's and each exec'd process's, as runc
+        try:
+            L.personality(PERSONALITIES[spec.linux.personality])
+        except OSError as e:
+            raise SetupError(f"linux.personality: {spec.linux.personality}: {e.strerror}") from None
 
     def install_filter(no_new_privs: bool) -> None:
         fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs, sockets, caps, spec.own_namespaces,

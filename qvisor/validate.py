@@ -7,7 +7,7 @@ import os
 from typing import Callable, NoReturn
 
 from qlib.errors import ConfigError, QuarkError
-from qvisor.spec import PROC_NS_NAMES, Spec, sysctl_key
+from qvisor.spec import PROC_NS_NAMES, Process, Spec, sysctl_key
 
 # sysctls that belong to a namespace (runc's list): anything else would change the host
 _IPC_SYSCTLS = {"kernel.msgmax", "kernel.msgmnb", "kernel.msgmni", "kernel.sem", "kernel.shmall",
@@ -63,6 +63,29 @@ _MOUNT_FIELDS = (("mounts", lambda s: s.mounts), ("linux.maskedPaths", lambda s:
                  ("linux.rootfsPropagation", lambda s: s.linux.rootfs_propagation))
 
 
+def lsm_enabled(name: str) -> bool:
+    """Whether the host runs the AppArmor or SELinux security module."""
+    if name == "selinux":
+        return os.path.exists("/sys/fs/selinux/enforce")
+    try:
+        with open("/sys/module/apparmor/parameters/enabled") as f:
+            return f.read().strip() == "Y"
+    except OSError:
+        return False
+
+
+def check_process(proc: Process, fail: Callable[[str, str], NoReturn]) -> None:
+    """What quark cannot honour in a process (the container's, or an exec's process.json): the
+    LSM labels, which quark does not apply; where the host has no such LSM, runc refuses them too."""
+    if proc.apparmor_profile:
+        fail("process.apparmorProfile", f"quark does not apply AppArmor profiles ({proc.apparmor_profile!r}); "
+                                        "leave it out (containerd: disable_apparmor = true)" if lsm_enabled("apparmor")
+             else f"AppArmor is not enabled on this host: profile {proc.apparmor_profile!r} cannot be applied")
+    if proc.selinux_label:
+        fail("process.selinuxLabel", "quark does not apply SELinux labels" if lsm_enabled("selinux")
+             else "SELinux is not enabled on this host: the label cannot be applied")
+
+
 def check_supported(spec: Spec) -> None:
     """Refuse, before anything is made, what quark cannot honour and what would reach the host."""
     cfg = os.path.join(spec.bundle, "config.json")
@@ -72,6 +95,10 @@ def check_supported(spec: Spec) -> None:
 
     if spec.process is None:
         fail("process", "is required to create a container")
+    check_process(spec.process, fail)
+    if spec.linux.mount_label:
+        fail("linux.mountLabel", "quark does not apply SELinux labels" if lsm_enabled("selinux")
+             else "SELinux is not enabled on this host: the mount label cannot be applied")
     if not os.path.isdir(spec.root.path):
         fail("root.path", f"{spec.root.path} is not a directory")
     for field in ("hostname", "domainname"):

@@ -22,6 +22,7 @@ from .defaults import default_spec, make_rootless
 from .model import (
                     CAPABILITIES,
                     NAMESPACE_TYPES,
+                    PERSONALITIES,
                     PROC_NS_NAMES,
                     PROPAGATIONS,
                     RLIM_INFINITY,
@@ -67,6 +68,7 @@ from .resources import parse_resources
 __all__ = [
                     "CAPABILITIES",
                     "NAMESPACE_TYPES",
+                    "PERSONALITIES",
                     "PROC_NS_NAMES",
                     "PROPAGATIONS",
                     "RLIMITS",

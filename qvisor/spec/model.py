@@ -44,6 +44,14 @@ SCHED_POLICIES = ("SCHED_OTHER", "SCHED_FIFO", "SCHED_RR", "SCHED_BATCH", "SCHED
 SCHED_FLAGS = ("SCHED_FLAG_RESET_ON_FORK", "SCHED_FLAG_RECLAIM", "SCHED_FLAG_DL_OVERRUN", "SCHED_FLAG_KEEP_POLICY",
                "SCHED_FLAG_KEEP_PARAMS", "SCHED_FLAG_UTIL_CLAMP_MIN", "SCHED_FLAG_UTIL_CLAMP_MAX")
 IOPRIO_CLASSES = ("IOPRIO_CLASS_RT", "IOPRIO_CLASS_BE", "IOPRIO_CLASS_IDLE")
+PERSONALITIES = {"LINUX": 0x0000, "LINUX32": 0x0008}   # linux.personality.domain -> personality(2)'s
+TIME_CLOCKS = ("monotonic", "boottime")                # linux.timeOffsets keys: time_namespaces(7)
+# linux fields of runtime-spec 1.2-1.3 that quark cannot honour: refused, never dropped
+UNSUPPORTED_LINUX = {
+    "intelRdt": "Intel RDT (resctrl) is not supported by quark",
+    "netDevices": "moving host network devices into the container is not supported by quark",
+    "memoryPolicy": "NUMA memory policies are not supported by quark",
+}
 MAX_CPUS = 8192   # CPU numbers in process.execCPUAffinity lists are below this (as runc's)
 
 
@@ -317,7 +325,8 @@ class Linux:
     readonly_paths: list[str] = field(default_factory=list)
     rootfs_propagation: str = ""
     mount_label: str = ""
-    personality: dict | None = None
+    personality: str | None = None                # its domain: "LINUX" or "LINUX32"
+    time_offsets: dict[str, tuple[int, int]] = field(default_factory=dict)   # clock -> (secs, nanosecs)
 
     def namespace(self, type: str) -> Namespace | None:
         return next((ns for ns in self.namespaces if ns.type == type), None)

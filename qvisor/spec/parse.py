@@ -19,6 +19,7 @@ from .model import (
     CAPABILITIES,
     IOPRIO_CLASSES,
     MAX_CPUS,
+    PERSONALITIES,
     NAMESPACE_TYPES,
     PROPAGATIONS,
     RLIMITS,
@@ -26,6 +27,8 @@ from .model import (
     SCHED_FLAGS,
     SCHED_POLICIES,
     SECCOMP_OPS,
+    TIME_CLOCKS,
+    UNSUPPORTED_LINUX,
     Capabilities,
     CPUAffinity,
     Device,
@@ -48,6 +51,7 @@ from .model import (
     User,
 )
 from .reader import (
+    _I64,
     _MISSING,
     _U32,
     _U64,
@@ -221,6 +225,25 @@ def _device(r: _Reader, f: str, v: Any) -> Device:
                   uid=r.get(d, f, "uid", _U32, None), gid=r.get(d, f, "gid", _U32, None))
 
 
+def _personality(r: _Reader, f: str, v: Any) -> str:
+    d = _obj(r, f, v)
+    domain = r.get(d, f, "domain", _one_of(PERSONALITIES, "personality domain"))
+    if r.get(d, f, "flags", _list(_str), []):   # (runc warns and drops them; the spec defines none)
+        r.fail(f"{f}.flags", "no personality flags are supported")
+    return domain
+
+
+def _time_offsets(r: _Reader, f: str, v: Any) -> dict[str, tuple[int, int]]:
+    out = {}
+    for clock, offset in _obj(r, f, v).items():
+        if clock not in TIME_CLOCKS:
+            r.fail(f"{f}.{clock}", f"unknown clock (time namespaces offset {' and '.join(TIME_CLOCKS)})")
+        o = _obj(r, f"{f}.{clock}", offset)
+        out[clock] = (r.get(o, f"{f}.{clock}", "secs", _I64, 0),
+                      r.get(o, f"{f}.{clock}", "nanosecs", _int(0, 999_999_999), 0))
+    return out
+
+
 def _seccomp_arg(r: _Reader, f: str, v: Any) -> SeccompArg:
     d = _obj(r, f, v)
     return SeccompArg(index=r.get(d, f, "index", _int(0, 5)), value=r.get(d, f, "value", _U64),
@@ -266,7 +289,14 @@ def _linux(r: _Reader, f: str, v: Any) -> Linux:
         readonly_paths=r.get(d, f, "readonlyPaths", _list(_abs), []),
         rootfs_propagation=r.get(d, f, "rootfsPropagation", _one_of(PROPAGATIONS, "propagation"), ""),
         mount_label=r.get(d, f, "mountLabel", _str, ""),
-        personality=r.get(d, f, "personality", _obj, None))
+        personality=r.get(d, f, "personality", _personality, None),
+        time_offsets=r.get(d, f, "timeOffsets", _time_offsets, {}))
+    for key, why in UNSUPPORTED_LINUX.items():
+        if d.get(key) is not None:
+            r.fail(f"{f}.{key}", why)
+    timens = lin.namespace("time")
+    if lin.time_offsets and (timens is None or timens.path):
+        r.fail(f"{f}.timeOffsets", "needs a new time namespace (a \"time\" entry without a path in linux.namespaces)")
     _no_duplicates(r, f"{f}.namespaces", [ns.type for ns in lin.namespaces], "namespace type")
     userns = lin.namespace("user")
     # A new user namespace without mappings leaves every id unmapped (nobody, no privileges);

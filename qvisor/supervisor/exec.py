@@ -7,15 +7,20 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from typing import NoReturn
 
 from qlib import linux as L
-from qlib.errors import InvalidArgument, InvalidState, NotFound, QuarkError
-from qvisor import channel, sandbox
+from qlib.errors import ConfigError, InvalidArgument, InvalidState, NotFound, QuarkError
+from qvisor import channel, sandbox, validate
 from qvisor.spec import parse_process
 from qvisor.state import RUNNING
 from qvisor.supervisor.child import _Child, _child_log, _numbered_from
 
 log = logging.getLogger("quark.supervisor")
+
+
+def _refuse(field: str, why: str) -> NoReturn:
+    raise ConfigError("process.json", field, why)
 
 
 class ExecMixin:
@@ -28,6 +33,7 @@ class ExecMixin:
             return self._fail(conn, InvalidState(f"cannot exec in a container in state {self.state.status}"))
         try:
             proc = parse_process(msg.get("process"), "process.json")
+            validate.check_process(proc, _refuse)
         except Exception as e:  # noqa: BLE001 - any malformed process.json is the caller's error
             return self._fail(conn, e if isinstance(e, QuarkError) else InvalidArgument(f"process.json: {e}"))
         n = msg.get("preserve_fds", 0)

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from qvisor import validate
 from tests.integration.conftest import cgroup_dirs, edit_config
 
 pytestmark = pytest.mark.root
@@ -100,6 +101,37 @@ def test_unsupported_options_are_refused_up_front(quark, bundle):
     r = quark("create", "--bundle", b, "bad", check=False)
     assert r.returncode == 1 and "mounts[" in r.stderr and "].uidMappings: idmapped mounts are not supported" in r.stderr
     assert_nothing_left(quark, "bad", b)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s["process"].update(apparmorProfile="docker-default"),
+     "config.json: process.apparmorProfile: AppArmor is not enabled on this host"),
+    (lambda s: s["process"].update(selinuxLabel="system_u:system_r:container_t:s0"),
+     "config.json: process.selinuxLabel: SELinux is not enabled on this host"),
+    (lambda s: s["linux"].update(mountLabel="system_u:object_r:container_file_t:s0"),
+     "config.json: linux.mountLabel: SELinux is not enabled on this host"),
+    (lambda s: s["linux"].update(intelRdt={"closID": "guaranteed"}), "config.json: linux.intelRdt: Intel RDT"),
+    (lambda s: s["linux"].update(netDevices={"eth9": {"name": "eth9"}}), "config.json: linux.netDevices: moving host"),
+    (lambda s: s["linux"].update(memoryPolicy={"mode": "MPOL_BIND", "nodes": "0"}), "config.json: linux.memoryPolicy"),
+], ids=["apparmor", "selinux", "mount-label", "intel-rdt", "net-devices", "memory-policy"])
+def test_settings_quark_cannot_honour_are_refused_never_dropped(quark, bundle, edit, message):
+    """These were read and ignored (or not read at all): a container that asked for an AppArmor
+    profile ran unconfined. The LSM ones are refused by runc too where the host has no such LSM."""
+    if ("AppArmor" in message and validate.lsm_enabled("apparmor")) or ("SELinux" in message and
+                                                                          validate.lsm_enabled("selinux")):
+        pytest.skip("the host runs that LSM: the refusal reads differently there (quark does not apply it)")
+    b = bundle(["true"])
+    edit_config(b, edit)
+    r = quark("create", "--bundle", b, "nope", check=False)
+    assert r.returncode == 1 and message in r.stderr, r.stderr
+    assert_nothing_left(quark, "nope", b)
+
+
+def test_an_exec_asking_for_an_lsm_label_is_refused(quark, bundle, tmp_path):
+    quark("run", "-d", "--bundle", bundle(["sleep", "100"]), "lsm")
+    (tmp_path / "p.json").write_text(json.dumps({"args": ["true"], "cwd": "/", "apparmorProfile": "unconfined"}))
+    r = quark("exec", "--process", str(tmp_path / "p.json"), "lsm", check=False)
+    assert r.returncode == 1 and "process.json: process.apparmorProfile" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -134,3 +134,33 @@ def test_exec_cpu_affinity_initial_and_final(quark, bundle, tmp_path):
     assert exec_with(None).returncode == 0 and pinned() == ALL             # none: not the caller's {0}
     r = exec_with({"final": str(max(ALL) + 1)})   # a CPU this machine does not have
     assert r.returncode != 0 and "process.execCPUAffinity.final" in r.stderr, r.stderr
+
+
+def test_linux_personality_linux32_makes_uname_say_32_bit(quark, bundle):
+    if os.uname().machine != "x86_64":
+        pytest.skip("LINUX32 on x86_64 reports i686; this host is not x86_64")
+    b = bundle(["uname", "-m"])
+    edit_config(b, lambda s: s["linux"].update(personality={"domain": "LINUX32"}))
+    r = quark("run", "--bundle", b, "p1")
+    assert r.stdout.strip() == "i686"
+    # and an exec'd process gets it too (runc applies it in both)
+    quark("run", "-d", "--bundle", _sleeping(bundle, {"domain": "LINUX32"}), "p2")
+    wait_status(quark, "p2", "running")
+    assert quark("exec", "p2", "uname", "-m").stdout.strip() == "i686"
+
+
+def _sleeping(bundle, personality: dict) -> str:
+    b = bundle(["sleep", "100"])
+    edit_config(b, lambda s: s["linux"].update(personality=personality))
+    return b
+
+
+def test_linux_time_offsets_are_the_new_time_namespaces(quark, bundle):
+    """Written before the init enters the time namespace: the container's clocks are offset."""
+    b = bundle(["cat", "/proc/self/timens_offsets"])
+    edit_config(b, lambda s: (s["linux"]["namespaces"].append({"type": "time"}),
+                              s["linux"].update(timeOffsets={"monotonic": {"secs": 86400, "nanosecs": 5},
+                                                             "boottime": {"secs": -60}})))
+    out = quark("run", "--bundle", b, "t1").stdout.split("\n")
+    assert "monotonic      86400          5" in out or any(ln.split() == ["monotonic", "86400", "5"] for ln in out), out
+    assert any(ln.split() == ["boottime", "-60", "0"] for ln in out), out

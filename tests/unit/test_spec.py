@@ -126,6 +126,22 @@ MUTATIONS = [
      "process.execCPUAffinity.initial", "low to high"),
     ("affinity-big", lambda s: s["process"].update(execCPUAffinity={"initial": "8192"}),
      "process.execCPUAffinity.initial", "0 to 8191"),
+    ("personality-domain", lambda s: s["linux"].update(personality={"domain": "SVR4"}),
+     "linux.personality.domain", "unknown personality domain"),
+    ("personality-flags", lambda s: s["linux"].update(personality={"domain": "LINUX", "flags": ["ADDR_NO_RANDOMIZE"]}),
+     "linux.personality.flags", "no personality flags"),
+    ("timeoffsets-clock", lambda s: (s["linux"]["namespaces"].append({"type": "time"}),
+                                     s["linux"].update(timeOffsets={"realtime": {"secs": 1}})),
+     "linux.timeOffsets.realtime", "unknown clock"),
+    ("timeoffsets-nanosecs", lambda s: (s["linux"]["namespaces"].append({"type": "time"}),
+                                        s["linux"].update(timeOffsets={"boottime": {"nanosecs": 10**9}})),
+     "linux.timeOffsets.boottime.nanosecs", "between 0 and 999999999"),
+    ("timeoffsets-no-timens", lambda s: s["linux"].update(timeOffsets={"monotonic": {"secs": 1}}),
+     "linux.timeOffsets", "needs a new time namespace"),
+    ("intel-rdt", lambda s: s["linux"].update(intelRdt={"closID": "x"}), "linux.intelRdt", "not supported"),
+    ("net-devices", lambda s: s["linux"].update(netDevices={"eth1": {}}), "linux.netDevices", "not supported"),
+    ("memory-policy", lambda s: s["linux"].update(memoryPolicy={"mode": "MPOL_BIND", "nodes": "0"}),
+     "linux.memoryPolicy", "not supported"),
 ]
 
 
@@ -252,6 +268,16 @@ def test_scheduling_fields_parse():
     p = parse_spec(data, CFG, "/b").process
     assert p.exec_cpu_affinity.initial is None and p.exec_cpu_affinity.final is None
     assert parse_spec(default_spec(), CFG, "/b").process.scheduler is None
+
+
+def test_personality_and_time_offsets_parse():
+    data = default_spec()
+    data["linux"]["namespaces"].append({"type": "time"})
+    data["linux"].update(personality={"domain": "LINUX32", "flags": []},
+                         timeOffsets={"monotonic": {"secs": -5, "nanosecs": 7}, "boottime": {"secs": 86400}})
+    lin = parse_spec(data, CFG, "/b").linux
+    assert lin.personality == "LINUX32"
+    assert lin.time_offsets == {"monotonic": (-5, 7), "boottime": (86400, 0)}
 
 
 def test_every_resource_field_is_modelled():
