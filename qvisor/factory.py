@@ -281,6 +281,7 @@ class Factory:
         self.watch = -1                # inotify on quark's code (_watch_code)
         self.stale = False
         self.spare: socket.socket | None = None   # our end of the pre-forked worker's socket
+        self.spare_pid = 0
         self.seed: socket.socket | None = None    # our end of the pre-forked supervisor's socket (_fork_seed)
         self.zygote: socket.socket | None = None  # our end of the seeds' forking process's socket (_zygote)
         self.seed_asked = False                   # the zygote is forking one
@@ -430,6 +431,7 @@ class Factory:
         try:
             if spare is None:
                 return False
+            _foreground(self.spare_pid)   # (it may still be rehearsing, at idle priority)
             socket.send_fds(spare, [caller.to_bytes(4, "little") + data],
                             [conn.fileno(), *fds] + ([seed.fileno()] if seed is not None else []))
             return True
@@ -457,6 +459,7 @@ class Factory:
         if pid == 0:
             ours.close()
             self._detach()
+            _background()   # until a request comes: the rehearsal never competes with one
             _rehearse()
             try:
                 data, fds, _flags, _ = socket.recv_fds(theirs, MAX_REQUEST + 4, 6)
@@ -474,7 +477,7 @@ class Factory:
             self._work(socket.socket(fileno=fds[0]), fds[1:], argv, env, umask, int.from_bytes(data[:4], "little"),
                        prog)
         theirs.close()
-        self.spare = ours
+        self.spare, self.spare_pid = ours, pid
 
     def _fork_seed(self) -> None:
         """Fork, ahead of the next create, the process that becomes its supervisor.
@@ -643,6 +646,9 @@ class Factory:
                 conn.send(b"X%d" % code)
             except OSError:
                 pass
+            # the exit of a process this size (its page tables: a few ms) runs when a CPU has
+            # nothing else to do, not beside the caller's next step (a create's supervisor, or start)
+            _background()
             os._exit(code & 0xFF)
 
     @staticmethod
@@ -737,6 +743,24 @@ def _await_hand_over(sock: socket.socket) -> None:
         os._exit(0)
     from qvisor import container
     container.supervise_handed_over(data, fds)   # never returns
+
+
+def _background() -> None:
+    """Run at SCHED_IDLE: only when no other task wants the CPU. For the factory's own work off a
+    request's path (a spare's rehearsal, a worker's exit), which on a machine of two CPUs otherwise
+    ran beside the create or start that followed it."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:
+        pass
+
+
+def _foreground(pid: int) -> None:
+    """Back to the default policy (a spare handed a request, which then takes on its caller's)."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:   # (gone: the hand-off fails and the request gets a fork of its own)
+        pass
 
 
 def _forget_the_caller() -> None:
