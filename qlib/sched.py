@@ -4,7 +4,8 @@ value, I/O priority and CPU affinity; read from any process, applied to the call
 
 The sandbox factory uses this so that a worker, and the supervisor and container it makes, carry
 the caller's attributes and not the factory's (qvisor/factory.py); the OCI `process.scheduler`,
-`process.ioPriority` and `process.execCPUAffinity` fields are applied with it (qvisor/process.py).
+`process.ioPriority`, `process.execCPUAffinity` and `linux.memoryPolicy` fields are applied with it
+(qvisor/process.py, qvisor/sandbox.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ _libc.syscall.restype = ctypes.c_long
 _SYS_SCHED_SETATTR = syscalls.number("sched_setattr")
 _SYS_IOPRIO_GET = syscalls.number("ioprio_get")
 _SYS_IOPRIO_SET = syscalls.number("ioprio_set")
+_SYS_SET_MEMPOLICY = syscalls.number("set_mempolicy")
 
 IOPRIO_WHO_PROCESS = 1
 IOPRIO_CLASS_SHIFT = 13
@@ -45,7 +47,7 @@ class _SchedAttr(ctypes.Structure):
 def _check(ret: int, what: str) -> int:
     if ret < 0:
         e = ctypes.get_errno()
-        raise OSError(e, f"{what}: {os.strerror(e)}")
+        raise OSError(e, os.strerror(e), what)   # (the call's name as the filename: callers name the field)
     return ret
 
 
@@ -65,6 +67,17 @@ def ioprio_set(value: int) -> None:
     """The calling process's I/O priority (class << 13 | level; 0: none, the kernel's default)."""
     _check(_libc.syscall(_SYS_IOPRIO_SET, ctypes.c_int(IOPRIO_WHO_PROCESS), ctypes.c_int(0), ctypes.c_int(value)),
            "ioprio_set")
+
+
+def set_mempolicy(mode: int, nodes: frozenset[int]) -> None:
+    """set_mempolicy(2) for the calling thread (inherited by its children); `mode` with its flags."""
+    words = (max(nodes) // 64 + 1) if nodes else 1
+    mask = (ctypes.c_ulong * words)()
+    for n in nodes:
+        mask[n // 64] |= 1 << (n % 64)
+    # maxnode counts one more than the bits the kernel reads (it decrements it first)
+    _check(_libc.syscall(_SYS_SET_MEMPOLICY, ctypes.c_int(mode), mask if nodes else None,
+                         ctypes.c_ulong(words * 64 + 1 if nodes else 0)), "set_mempolicy")
 
 
 def ioprio_value(cls: str, level: int) -> int:

@@ -24,7 +24,8 @@ from qlib import linux as L
 from qlib import sched
 from qlib.errors import QuarkError, SetupError
 from qvisor import channel, hooks, process, rootfs, rootfs_lock
-from qvisor.spec import PERSONALITIES, PROC_NS_NAMES, Process, Spec, sysctl_key
+from qvisor.spec import (MEMORY_POLICY_FLAGS, MEMORY_POLICY_MODES, PERSONALITIES, PROC_NS_NAMES, Process, Spec,
+                         sysctl_key)
 
 NS_FLAGS = {"user": L.CLONE_NEWUSER, "mount": L.CLONE_NEWNS, "pid": L.CLONE_NEWPID, "network": L.CLONE_NEWNET,
             "ipc": L.CLONE_NEWIPC, "uts": L.CLONE_NEWUTS, "cgroup": L.CLONE_NEWCGROUP, "time": L.CLONE_NEWTIME}
@@ -338,6 +339,16 @@ def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserv
     caps = frozenset(proc.capabilities.bounding) if proc.capabilities is not None else frozenset()
 
     process.set_scheduling(proc)   # (while this process still holds CAP_SYS_NICE)
+    mp = spec.linux.memory_policy
+    if mp is not None:   # the init's and each exec'd process's, as runc
+        mode = MEMORY_POLICY_MODES[mp.mode][0]
+        for flag in mp.flags:
+            mode |= MEMORY_POLICY_FLAGS[flag]
+        try:
+            sched.set_mempolicy(mode, mp.nodes)
+        except OSError as e:
+            nodes = ",".join(map(str, sorted(mp.nodes)))
+            raise SetupError(f"linux.memoryPolicy: {mp.mode}{' ' + nodes if nodes else ''}: {e.strerror}") from None
     if spec.linux.personality is not None:   # the init's and each exec'd process's, as runc
         try:
             L.personality(PERSONALITIES[spec.linux.personality])

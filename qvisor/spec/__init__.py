@@ -21,6 +21,8 @@ This package re-exports the public names, so callers import them from `qvisor.sp
 from .defaults import default_spec, make_rootless
 from .model import (
                     CAPABILITIES,
+                    MEMORY_POLICY_FLAGS,
+                    MEMORY_POLICY_MODES,
                     NAMESPACE_TYPES,
                     PERSONALITIES,
                     PROC_NS_NAMES,
@@ -43,6 +45,7 @@ from .model import (
                     InterfacePriority,
                     IOPriority,
                     Linux,
+                    MemoryPolicy,
                     MemoryResources,
                     Mount,
                     Namespace,
@@ -67,6 +70,8 @@ from .resources import parse_resources
 
 __all__ = [
                     "CAPABILITIES",
+                    "MEMORY_POLICY_FLAGS",
+                    "MEMORY_POLICY_MODES",
                     "NAMESPACE_TYPES",
                     "PERSONALITIES",
                     "PROC_NS_NAMES",
@@ -89,6 +94,7 @@ __all__ = [
                     "InterfacePriority",
                     "IOPriority",
                     "Linux",
+                    "MemoryPolicy",
                     "MemoryResources",
                     "Mount",
                     "Namespace",

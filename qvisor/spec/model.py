@@ -50,8 +50,14 @@ TIME_CLOCKS = ("monotonic", "boottime")                # linux.timeOffsets keys:
 UNSUPPORTED_LINUX = {
     "intelRdt": "Intel RDT (resctrl) is not supported by quark",
     "netDevices": "moving host network devices into the container is not supported by quark",
-    "memoryPolicy": "NUMA memory policies are not supported by quark",
 }
+# linux.memoryPolicy (set_mempolicy(2)): mode -> MPOL_*, and whether it takes nodes (None: zero or more)
+MEMORY_POLICY_MODES = {"MPOL_DEFAULT": (0, False), "MPOL_PREFERRED": (1, None), "MPOL_BIND": (2, True),
+                       "MPOL_INTERLEAVE": (3, True), "MPOL_LOCAL": (4, False), "MPOL_PREFERRED_MANY": (5, True),
+                       "MPOL_WEIGHTED_INTERLEAVE": (6, True)}
+MEMORY_POLICY_FLAGS = {"MPOL_F_NUMA_BALANCING": 1 << 13, "MPOL_F_RELATIVE_NODES": 1 << 14,
+                       "MPOL_F_STATIC_NODES": 1 << 15}
+MAX_NUMA_NODES = 1024
 MAX_CPUS = 8192   # CPU numbers in process.execCPUAffinity lists are below this (as runc's)
 
 
@@ -103,6 +109,14 @@ class CPUAffinity:
     the move into the container's cgroup; None: not set."""
     initial: frozenset[int] | None = None
     final: frozenset[int] | None = None
+
+
+@dataclass
+class MemoryPolicy:
+    """linux.memoryPolicy: the NUMA policy set_mempolicy(2) gives the container's processes."""
+    mode: str = "MPOL_DEFAULT"
+    nodes: frozenset[int] = frozenset()
+    flags: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -327,6 +341,7 @@ class Linux:
     mount_label: str = ""
     personality: str | None = None                # its domain: "LINUX" or "LINUX32"
     time_offsets: dict[str, tuple[int, int]] = field(default_factory=dict)   # clock -> (secs, nanosecs)
+    memory_policy: MemoryPolicy | None = None
 
     def namespace(self, type: str) -> Namespace | None:
         return next((ns for ns in self.namespaces if ns.type == type), None)

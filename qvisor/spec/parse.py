@@ -19,6 +19,9 @@ from .model import (
     CAPABILITIES,
     IOPRIO_CLASSES,
     MAX_CPUS,
+    MAX_NUMA_NODES,
+    MEMORY_POLICY_FLAGS,
+    MEMORY_POLICY_MODES,
     PERSONALITIES,
     NAMESPACE_TYPES,
     PROPAGATIONS,
@@ -37,6 +40,7 @@ from .model import (
     IDMapping,
     IOPriority,
     Linux,
+    MemoryPolicy,
     Mount,
     Namespace,
     Process,
@@ -51,6 +55,7 @@ from .model import (
     User,
 )
 from .reader import (
+    Check,
     _I64,
     _MISSING,
     _U32,
@@ -127,20 +132,39 @@ def _io_priority(r: _Reader, f: str, v: Any) -> IOPriority:
                       priority=r.get(d, f, "priority", _int(0, 7)))
 
 
-def _cpu_list(r: _Reader, f: str, v: Any) -> frozenset[int] | None:
-    """A CPU list as the kernel writes one ("0-3,7"); "" means not set."""
-    text, cpus = _str(r, f, v).strip(), set()
-    if not text:
-        return None
-    for part in text.split(","):
-        lo, dash, hi = part.strip().partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()):
-            r.fail(f, f"{json.dumps(v)} is not a CPU list (like \"0-3,7\")")
-        a, b = int(lo), int(hi or lo)
-        if not 0 <= a <= b < MAX_CPUS:
-            r.fail(f, f"{part.strip()!r}: CPUs are numbered 0 to {MAX_CPUS - 1}, low to high")
-        cpus.update(range(a, b + 1))
-    return frozenset(cpus)
+def _number_list(what: str, limit: int) -> Check:
+    """A list of CPUs or NUMA nodes as the kernel writes one ("0-3,7"); "" means not set (None)."""
+    def check(r: _Reader, f: str, v: Any) -> frozenset[int] | None:
+        text, numbers = _str(r, f, v).strip(), set()
+        if not text:
+            return None
+        for part in text.split(","):
+            lo, dash, hi = part.strip().partition("-")
+            if not lo.isdigit() or (dash and not hi.isdigit()):
+                r.fail(f, f"{json.dumps(v)} is not a {what} list (like \"0-3,7\")")
+            a, b = int(lo), int(hi or lo)
+            if not 0 <= a <= b < limit:
+                r.fail(f, f"{part.strip()!r}: {what}s are numbered 0 to {limit - 1}, low to high")
+            numbers.update(range(a, b + 1))
+        return frozenset(numbers)
+    return check
+
+
+_cpu_list = _number_list("CPU", MAX_CPUS)
+
+
+def _memory_policy(r: _Reader, f: str, v: Any) -> MemoryPolicy:
+    """As runc checks it: the modes that need nodes get some, the ones that take none get none."""
+    d = _obj(r, f, v)
+    mode = r.get(d, f, "mode", _one_of(MEMORY_POLICY_MODES, "memory policy mode"))
+    nodes = r.get(d, f, "nodes", _number_list("NUMA node", MAX_NUMA_NODES), None) or frozenset()
+    flags = r.get(d, f, "flags", _list(_one_of(MEMORY_POLICY_FLAGS, "memory policy flag")), [])
+    takes = MEMORY_POLICY_MODES[mode][1]
+    if takes is True and not nodes:
+        r.fail(f"{f}.nodes", f"{mode} needs at least one node")
+    if takes is False and nodes:
+        r.fail(f"{f}.nodes", f"{mode} takes no nodes")
+    return MemoryPolicy(mode=mode, nodes=nodes, flags=flags)
 
 
 def _cpu_affinity(r: _Reader, f: str, v: Any) -> CPUAffinity:
@@ -290,7 +314,8 @@ def _linux(r: _Reader, f: str, v: Any) -> Linux:
         rootfs_propagation=r.get(d, f, "rootfsPropagation", _one_of(PROPAGATIONS, "propagation"), ""),
         mount_label=r.get(d, f, "mountLabel", _str, ""),
         personality=r.get(d, f, "personality", _personality, None),
-        time_offsets=r.get(d, f, "timeOffsets", _time_offsets, {}))
+        time_offsets=r.get(d, f, "timeOffsets", _time_offsets, {}),
+        memory_policy=r.get(d, f, "memoryPolicy", _memory_policy, None))
     for key, why in UNSUPPORTED_LINUX.items():
         if d.get(key) is not None:
             r.fail(f"{f}.{key}", why)

@@ -112,8 +112,7 @@ def test_unsupported_options_are_refused_up_front(quark, bundle):
      "config.json: linux.mountLabel: SELinux is not enabled on this host"),
     (lambda s: s["linux"].update(intelRdt={"closID": "guaranteed"}), "config.json: linux.intelRdt: Intel RDT"),
     (lambda s: s["linux"].update(netDevices={"eth9": {"name": "eth9"}}), "config.json: linux.netDevices: moving host"),
-    (lambda s: s["linux"].update(memoryPolicy={"mode": "MPOL_BIND", "nodes": "0"}), "config.json: linux.memoryPolicy"),
-], ids=["apparmor", "selinux", "mount-label", "intel-rdt", "net-devices", "memory-policy"])
+], ids=["apparmor", "selinux", "mount-label", "intel-rdt", "net-devices"])
 def test_settings_quark_cannot_honour_are_refused_never_dropped(quark, bundle, edit, message):
     """These were read and ignored (or not read at all): a container that asked for an AppArmor
     profile ran unconfined. The LSM ones are refused by runc too where the host has no such LSM."""

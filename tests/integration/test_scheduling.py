@@ -164,3 +164,26 @@ def test_linux_time_offsets_are_the_new_time_namespaces(quark, bundle):
     out = quark("run", "--bundle", b, "t1").stdout.split("\n")
     assert "monotonic      86400          5" in out or any(ln.split() == ["monotonic", "86400", "5"] for ln in out), out
     assert any(ln.split() == ["boottime", "-60", "0"] for ln in out), out
+
+
+def _policy_of(numa_maps: str) -> set[str]:
+    """The policies /proc/PID/numa_maps shows for a process's mappings (its task policy, here)."""
+    return {line.split()[1] for line in numa_maps.splitlines() if len(line.split()) > 1}
+
+
+def test_linux_memory_policy_is_the_containers_processes(quark, bundle):
+    """set_mempolicy(2) before exec, for the init and exec'd processes (as runc): numa_maps shows
+    it. This machine has one NUMA node (0); a node it lacks fails the start, naming the field."""
+    b = bundle(["sh", "-c", "cat /proc/self/numa_maps; exec sleep 100"])
+    edit_config(b, lambda s: s["linux"].update(memoryPolicy={"mode": "MPOL_BIND", "nodes": "0"}))
+    quark("run", "-d", "--bundle", b, "m1")
+    wait_status(quark, "m1", "running")
+    assert _policy_of(quark("exec", "m1", "cat", "/proc/self/numa_maps").stdout) == {"bind:0"}
+    b = bundle(["cat", "/proc/self/numa_maps"])
+    edit_config(b, lambda s: s["linux"].update(memoryPolicy={"mode": "MPOL_INTERLEAVE", "nodes": "0"}))
+    assert _policy_of(quark("run", "--bundle", b, "m2").stdout) == {"interleave:0"}
+    b = bundle(["true"])
+    edit_config(b, lambda s: s["linux"].update(memoryPolicy={"mode": "MPOL_BIND", "nodes": "1000"}))
+    quark("create", "--bundle", b, "m3")
+    r = quark("start", "m3", check=False)
+    assert r.returncode != 0 and "linux.memoryPolicy: MPOL_BIND 1000: Invalid argument" in r.stderr, r.stderr

@@ -140,8 +140,16 @@ MUTATIONS = [
      "linux.timeOffsets", "needs a new time namespace"),
     ("intel-rdt", lambda s: s["linux"].update(intelRdt={"closID": "x"}), "linux.intelRdt", "not supported"),
     ("net-devices", lambda s: s["linux"].update(netDevices={"eth1": {}}), "linux.netDevices", "not supported"),
-    ("memory-policy", lambda s: s["linux"].update(memoryPolicy={"mode": "MPOL_BIND", "nodes": "0"}),
-     "linux.memoryPolicy", "not supported"),
+    ("mpol-mode", lambda s: s["linux"].update(memoryPolicy={"mode": "MPOL_NEAR"}),
+     "linux.memoryPolicy.mode", "unknown memory policy mode"),
+    ("mpol-bind-no-nodes", lambda s: s["linux"].update(memoryPolicy={"mode": "MPOL_BIND"}),
+     "linux.memoryPolicy.nodes", "needs at least one node"),
+    ("mpol-local-nodes", lambda s: s["linux"].update(memoryPolicy={"mode": "MPOL_LOCAL", "nodes": "0"}),
+     "linux.memoryPolicy.nodes", "takes no nodes"),
+    ("mpol-nodes-text", lambda s: s["linux"].update(memoryPolicy={"mode": "MPOL_BIND", "nodes": "zero"}),
+     "linux.memoryPolicy.nodes", "is not a NUMA node list"),
+    ("mpol-flag", lambda s: s["linux"].update(memoryPolicy={"mode": "MPOL_BIND", "nodes": "0", "flags": ["MPOL_F_X"]}),
+     "linux.memoryPolicy.flags[0]", "unknown memory policy flag"),
 ]
 
 
@@ -278,6 +286,15 @@ def test_personality_and_time_offsets_parse():
     lin = parse_spec(data, CFG, "/b").linux
     assert lin.personality == "LINUX32"
     assert lin.time_offsets == {"monotonic": (-5, 7), "boottime": (86400, 0)}
+
+
+def test_memory_policy_parses():
+    data = default_spec()
+    data["linux"]["memoryPolicy"] = {"mode": "MPOL_INTERLEAVE", "nodes": "0-2,5", "flags": ["MPOL_F_STATIC_NODES"]}
+    mp = parse_spec(data, CFG, "/b").linux.memory_policy
+    assert (mp.mode, mp.nodes, mp.flags) == ("MPOL_INTERLEAVE", {0, 1, 2, 5}, ["MPOL_F_STATIC_NODES"])
+    data["linux"]["memoryPolicy"] = {"mode": "MPOL_PREFERRED"}   # zero or more nodes
+    assert parse_spec(data, CFG, "/b").linux.memory_policy.nodes == frozenset()
 
 
 def test_every_resource_field_is_modelled():
