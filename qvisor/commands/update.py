@@ -43,6 +43,8 @@ FLAGS: dict[str, tuple[str, str, Callable[[str], Any]]] = {
     "cpu-shares": ("cpu", "shares", _int),
     "cpu-quota": ("cpu", "quota", _int),
     "cpu-period": ("cpu", "period", _int),
+    "cpu-burst": ("cpu", "burst", _int),
+    "cpu-idle": ("cpu", "idle", _int),
     "cpu-rt-period": ("cpu", "realtimePeriod", _int),
     "cpu-rt-runtime": ("cpu", "realtimeRuntime", _int),
     "cpuset-cpus": ("cpu", "cpus", str),
@@ -51,6 +53,8 @@ FLAGS: dict[str, tuple[str, str, Callable[[str], Any]]] = {
     "blkio-weight": ("blockIO", "weight", _int),
 }
 
+ZERO_IS_A_VALUE = {"cpu-burst", "cpu-idle"}   # no burst; not SCHED_IDLE (runc applies a 0 of these)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--resources", default="",
@@ -58,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for flag, (obj, key, _) in FLAGS.items():
         names = [f"--{flag}"] + (["--cpu-share"] if flag == "cpu-shares" else [])  # runc's spelling
         p.add_argument(*names, dest=flag.replace("-", "_"), metavar="VALUE",
-                       help=f"linux.resources {obj}.{key} (0 or empty: unchanged, as in runc)")
+                       help=f"linux.resources {obj}.{key}" + ("" if flag in ZERO_IS_A_VALUE
+                                                                     else " (0 or empty: unchanged, as in runc)"))
     p.add_argument("id")
 
 
@@ -100,7 +105,7 @@ def _flag_values(args: argparse.Namespace) -> dict[tuple[str, str], Any]:
             value = parse(text)
         except ValueError as e:
             raise QuarkError(f"--{flag}: {e}") from None
-        if value in (0, ""):
+        if value in (0, "") and flag not in ZERO_IS_A_VALUE:
             continue
         parse_resources({obj: {key: value}}, f"--{flag}")  # a bad value names its flag
         values[(obj, key)] = value

@@ -228,6 +228,7 @@ class CpuResources:
     cpus: str = ""
     mems: str = ""
     idle: int | None = None
+    burst: int | None = None   # (us; 0 is a value: no burst)
 
 
 @dataclass

@@ -61,7 +61,8 @@ def _cpu(r: _Reader, f: str, v: Any) -> CpuResources:
         period=r.get(d, f, "period", _U64, None), realtime_runtime=r.get(d, f, "realtimeRuntime", _I64, None),
         realtime_period=r.get(d, f, "realtimePeriod", _U64, None), cpus=r.get(d, f, "cpus", _str, ""),
         mems=r.get(d, f, "mems", _str, ""),
-        idle=r.get(d, f, "idle", _int(0, 1), None))  # the kernel's cpu.idle takes 0 or 1
+        idle=r.get(d, f, "idle", _int(0, 1), None),  # the kernel's cpu.idle takes 0 or 1
+        burst=r.get(d, f, "burst", _U64, None))
 
 
 _BLKIO_WEIGHT = _int(10, 1000)  # the kernel's range for blkio (and BFQ) weights

@@ -268,7 +268,8 @@ def _v2_dir(tmp_path, controllers: str, **files: str) -> V2Cgroup:
 
 
 V2_FILES = dict(memory__max="max", memory__low="0", memory__swap__max="max", memory__current="4096",
-                cpu__weight="100", cpu__max="max 100000", cpu__idle="0", cpuset__cpus="", pids__max="max",
+                cpu__weight="100", cpu__max="max 100000", cpu__max__burst="0", cpu__idle="0", cpuset__cpus="",
+                pids__max="max",
                 io__weight="default 100", io__max="", hugetlb__2MB__max="max", hugetlb__2MB__rsvd__max="max",
                 rdma__max="", memory__high="max")
 V2_ALL = "cpuset cpu io memory hugetlb pids rdma"
@@ -279,12 +280,13 @@ def test_v2_file_mapping(tmp_path) -> None:
     cg.apply(resources(
         memory={"limit": 256 * MiB, "swap": 512 * MiB, "reservation": MiB, "checkBeforeUpdate": True,
                 "useHierarchy": True, "disableOOMKiller": False},
-        cpu={"shares": 1024, "quota": 50000, "idle": 1, "cpus": "0"}, pids={"limit": 9},
+        cpu={"shares": 1024, "quota": 50000, "burst": 20000, "idle": 1, "cpus": "0"}, pids={"limit": 9},
         blockIO={"weight": 500, "throttleWriteIOPSDevice": [{"major": 8, "minor": 0, "rate": 30}]},
         hugepageLimits=[{"pageSize": "2MB", "limit": 4 * MiB}],
         rdma={"mlx5_0": {"hcaHandles": 3, "hcaObjects": 100}}, unified={"memory.high": "300M"}))
     want = {"memory.max": str(256 * MiB), "memory.swap.max": str(256 * MiB), "memory.low": str(MiB),
-            "cpu.weight": "39", "cpu.max": "50000 100000", "cpu.idle": "1", "cpuset.cpus": "0", "pids.max": "9",
+            "cpu.weight": "39", "cpu.max": "50000 100000", "cpu.max.burst": "20000", "cpu.idle": "1",
+            "cpuset.cpus": "0", "pids.max": "9",
             "io.weight": "4950", "io.max": "8:0 wiops=30", "hugetlb.2MB.max": str(4 * MiB),
             "hugetlb.2MB.rsvd.max": str(4 * MiB), "rdma.max": "mlx5_0 hca_handle=3 hca_object=100",
             "memory.high": "300M"}
@@ -533,12 +535,14 @@ def test_create_applies_every_field(quark, bundle, tmp_path) -> None:
     b = bundle(["sleep", "100"])
     edit_config(b, lambda s: s["linux"]["resources"].update({
         "memory": {"limit": 64 * MiB, "swappiness": 11, "disableOOMKiller": True, "kernel": 64 * MiB},
-        "cpu": {"idle": 1}, "blockIO": {"throttleReadBpsDevice": [{"major": major, "minor": minor, "rate": 4096}]}}))
+        "cpu": {"idle": 1, "quota": 50000, "burst": 30000},
+        "blockIO": {"throttleReadBpsDevice": [{"major": major, "minor": minor, "rate": 4096}]}}))
     cid, log = _cid(), tmp_path / "quark.log"
     quark("--log", str(log), "run", "-d", "--bundle", b, cid)
     assert _container_file(cid, "memory", "memory.swappiness") == "11"
     assert "oom_kill_disable 1" in _container_file(cid, "memory", "memory.oom_control")
     assert _container_file(cid, "cpu", "cpu.idle") == "1"
+    assert _container_file(cid, "cpu", "cpu.cfs_burst_us") == "30000"   # (it was read and dropped)
     assert _container_file(cid, "blkio", "blkio.throttle.read_bps_device") == f"{dev} 4096"
     assert "linux.resources.memory.kernel is ignored" in log.read_text()
     quark("delete", "--force", cid)
@@ -596,6 +600,13 @@ def test_update_takes_runc_flags(quark, running) -> None:
     assert _container_file(running, "pids", "pids.max") == "50"
     r = quark("update", "--kernel-memory", "64M", running)
     assert "linux.resources.memory.kernel is ignored" in r.stderr
+    # --cpu-burst and --cpu-idle: 0 is a value there (no burst; not SCHED_IDLE), as runc takes it
+    quark("update", "--cpu-burst", "10000", "--cpu-idle", "1", running)
+    assert (_container_file(running, "cpu", "cpu.cfs_burst_us"), _container_file(running, "cpu", "cpu.idle")) == \
+        ("10000", "1")
+    quark("update", "--cpu-burst", "0", "--cpu-idle", "0", running)
+    assert (_container_file(running, "cpu", "cpu.cfs_burst_us"), _container_file(running, "cpu", "cpu.idle")) == \
+        ("0", "0")
 
 
 @needs_root

@@ -302,7 +302,7 @@ def test_every_resource_field_is_modelled():
         "memory": {"limit": 1 << 30, "reservation": 1 << 29, "swap": 2 << 30, "kernel": 1 << 20, "kernelTCP": 1 << 21,
                    "swappiness": 0, "disableOOMKiller": True, "useHierarchy": False, "checkBeforeUpdate": True},
         "cpu": {"shares": 512, "quota": 1000, "period": 2000, "realtimeRuntime": 300, "realtimePeriod": 4000,
-                "cpus": "0", "mems": "0", "idle": 1},
+                "cpus": "0", "mems": "0", "idle": 1, "burst": 500},
         "blockIO": {"weight": 10, "leafWeight": 1000,
                     "weightDevice": [{"major": 8, "minor": 0, "weight": 500}],
                     "throttleReadBpsDevice": [{"major": 8, "minor": 0, "rate": 1}],
@@ -313,7 +313,7 @@ def test_every_resource_field_is_modelled():
         "network": {"classID": 0x100001, "priorities": [{"name": "eth0", "priority": 5}]},
         "rdma": {"mlx5_1": {"hcaHandles": 3}}, "unified": {"memory.high": "max"}}, "r.json")
     assert res.memory == MemoryResources(1 << 30, 1 << 29, 2 << 30, 1 << 20, 1 << 21, 0, True, False, True)
-    assert res.cpu == CpuResources(512, 1000, 2000, 300, 4000, "0", "0", 1)
+    assert res.cpu == CpuResources(512, 1000, 2000, 300, 4000, "0", "0", 1, 500)
     assert res.block_io == BlockIO(10, 1000, [WeightDevice(8, 0, 500, None)], [ThrottleDevice(8, 0, 1)],
                                    [ThrottleDevice(8, 16, 2)], [ThrottleDevice(8, 32, 3)], [ThrottleDevice(8, 48, 4)])
     assert res.hugepage_limits == [HugepageLimit("2MB", 1 << 22), HugepageLimit("1GB", 0)]
