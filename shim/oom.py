@@ -39,55 +39,81 @@ def memory_cgroup(pid: int) -> tuple[str, bool] | None:
     return None
 
 
-def watch(pid: int, on_oom: Callable[[], None], stop: threading.Event) -> None:
-    """Call on_oom for each OOM kill in pid's memory cgroup, from a daemon thread, until stop."""
+class OomWatch:
+    """The OOM kills of one container's memory cgroup, published one TaskOOM per kill, in order
+    with the container's exit: the exit path flushes before it publishes TaskExit (a watcher thread
+    woken late, on a busy host, published its OOM after the exit, even after the delete), and
+    nothing is published once the container is deleted (close)."""
+
+    def __init__(self, path: str, v2: bool, on_oom: Callable[[], None]) -> None:
+        self.path, self.v2, self.on_oom = path, v2, on_oom
+        self._lock = threading.Lock()
+        self._closed = False
+        self.seen = self.kills() or 0   # (a cgroup made for this container: none yet)
+
+    def kills(self) -> int | None:
+        """The cgroup's OOM kill counter (v2 memory.events, v1 memory.oom_control), None if gone."""
+        name = "memory.events" if self.v2 else "memory.oom_control"
+        try:
+            with open(os.path.join(self.path, name), encoding="ascii") as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            return None
+        return 0
+
+    def flush(self) -> None:
+        """Publish the kills not published yet."""
+        with self._lock:
+            if self._closed:
+                return
+            now = self.kills()
+            while now is not None and self.seen < now:
+                self.seen += 1
+                self.on_oom()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+
+def watch(pid: int, on_oom: Callable[[], None], stop: threading.Event) -> OomWatch | None:
+    """Call on_oom for each OOM kill in pid's memory cgroup, from a daemon thread, until stop;
+    the OomWatch, whose flush() the exit path calls, or None when there is no memory cgroup."""
     found = memory_cgroup(pid)
     if found is None:
         log.debug("no memory cgroup for pid %d: OOM events off", pid)
-        return
-    path, v2 = found
-    target = _watch_v2 if v2 else _watch_v1
-    threading.Thread(target=target, args=(path, on_oom, stop), daemon=True, name="oom").start()
+        return None
+    w = OomWatch(*found, on_oom)
+    target = _watch_v2 if w.v2 else _watch_v1
+    threading.Thread(target=target, args=(w, stop), daemon=True, name="oom").start()
+    return w
 
 
-def _watch_v1(path: str, on_oom: Callable[[], None], stop: threading.Event) -> None:
+def _watch_v1(w: OomWatch, stop: threading.Event) -> None:
     try:
         efd = os.eventfd(0, os.EFD_CLOEXEC)
-        ofd = os.open(os.path.join(path, "memory.oom_control"), os.O_RDONLY | os.O_CLOEXEC)
-        with open(os.path.join(path, "cgroup.event_control"), "w", encoding="ascii") as f:
+        ofd = os.open(os.path.join(w.path, "memory.oom_control"), os.O_RDONLY | os.O_CLOEXEC)
+        with open(os.path.join(w.path, "cgroup.event_control"), "w", encoding="ascii") as f:
             f.write(f"{efd} {ofd}")
     except OSError as e:
-        log.debug("cannot watch OOM in %s: %s", path, e)
+        log.debug("cannot watch OOM in %s: %s", w.path, e)
         return
     try:
         while not stop.is_set():
             os.eventfd_read(efd)
-            if stop.is_set() or not os.path.exists(os.path.join(path, "memory.oom_control")):
+            if stop.is_set() or not os.path.exists(os.path.join(w.path, "memory.oom_control")):
                 return  # the cgroup was removed, which also signals the eventfd
-            on_oom()
+            w.flush()
     finally:
         os.close(ofd)
         os.close(efd)
 
 
-def _oom_kills_v2(path: str) -> int | None:
-    try:
-        with open(os.path.join(path, "memory.events"), encoding="ascii") as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
-    except OSError:
-        return None
-    return 0
-
-
-def _watch_v2(path: str, on_oom: Callable[[], None], stop: threading.Event) -> None:
-    seen = _oom_kills_v2(path) or 0
+def _watch_v2(w: OomWatch, stop: threading.Event) -> None:
     while not stop.wait(V2_POLL_S):
-        now = _oom_kills_v2(path)
-        if now is None:
+        if w.kills() is None:
             return
-        if now > seen:
-            seen = now
-            on_oom()
+        w.flush()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import Message
 
+from shim.oom import OomWatch
 from shim.pb import events_task_pb2 as ev
 from shim.pb import shim_pb2 as pb
 from shim.pb import types_task_pb2 as types
@@ -58,6 +59,7 @@ class Container:
     rootfs_mounted: bool = False
     execs: dict[str, Process] = field(default_factory=dict)
     oom_stop: threading.Event = field(default_factory=threading.Event)
+    oom: OomWatch | None = None   # (flushed before the init's TaskExit, closed before TaskDelete)
 
 
 class ProcessTable:
@@ -122,6 +124,8 @@ class ProcessTable:
             p.status = types.STOPPED
             if p.io is not None:
                 p.io.close_stdin()
+            if p is c.init and c.oom is not None:
+                c.oom.flush()   # the kills that ended it come before its exit, as containerd expects
             self.publish(ev.TaskExit(container_id=c.id, id=p.name, pid=exit_.pid or p.pid,
                                      exit_status=exit_.status, exited_at=exit_.exited_at))
             p.exited.set()

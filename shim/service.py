@@ -111,7 +111,7 @@ class TaskService(ProcessTable):
                 io=ev.TaskIO(stdin=req.stdin, stdout=req.stdout, stderr=req.stderr, terminal=req.terminal),
                 checkpoint=req.checkpoint))
         self._watch(c, init)
-        oom.watch(pid, lambda: self.publish(ev.TaskOOM(container_id=req.id)), c.oom_stop)
+        c.oom = oom.watch(pid, lambda: self.publish(ev.TaskOOM(container_id=req.id)), c.oom_stop)
         return pb.CreateTaskResponse(pid=pid)
 
     def start(self, req: pb.StartRequest) -> pb.StartResponse:
@@ -193,6 +193,8 @@ class TaskService(ProcessTable):
         remove_file(os.path.join(c.bundle, paths.INIT_PID))  # tells `shim delete` quark has nothing left
         if never_started and not p.exited.wait(FORCED_DELETE_EXIT_WAIT_S):
             self._record_exit(c, p, Exit(p.pid, 128 + 9, now()))
+        if c.oom is not None:
+            c.oom.close()   # no OOM event after the delete
         c.oom_stop.set()
         if p.io is not None:
             p.io.close()
