@@ -26,12 +26,6 @@ _SYS_SET_MEMPOLICY = syscalls.number("set_mempolicy")
 
 IOPRIO_WHO_PROCESS = 1
 IOPRIO_CLASS_SHIFT = 13
-IOPRIO_CLASSES = {"IOPRIO_CLASS_RT": 1, "IOPRIO_CLASS_BE": 2, "IOPRIO_CLASS_IDLE": 3}
-POLICIES = {"SCHED_OTHER": 0, "SCHED_FIFO": 1, "SCHED_RR": 2, "SCHED_BATCH": 3, "SCHED_ISO": 4,
-            "SCHED_IDLE": 5, "SCHED_DEADLINE": 6}
-SCHED_FLAGS = {"SCHED_FLAG_RESET_ON_FORK": 0x01, "SCHED_FLAG_RECLAIM": 0x02, "SCHED_FLAG_DL_OVERRUN": 0x04,
-               "SCHED_FLAG_KEEP_POLICY": 0x08, "SCHED_FLAG_KEEP_PARAMS": 0x10,
-               "SCHED_FLAG_UTIL_CLAMP_MIN": 0x20, "SCHED_FLAG_UTIL_CLAMP_MAX": 0x40}
 SCHED_RESET_ON_FORK = 0x40000000   # or'ed into sched_getscheduler's answer when the flag is set
 SCHED_DEADLINE = 6
 ALL_CPUS = range(8192)   # "every CPU there is": the kernel clamps the mask to its own size and the cpuset
@@ -80,8 +74,9 @@ def set_mempolicy(mode: int, nodes: frozenset[int]) -> None:
                          ctypes.c_ulong(words * 64 + 1 if nodes else 0)), "set_mempolicy")
 
 
-def ioprio_value(cls: str, level: int) -> int:
-    return IOPRIO_CLASSES[cls] << IOPRIO_CLASS_SHIFT | level
+def ioprio_value(io_class: int, level: int) -> int:
+    """ioprio_set(2)'s value of a class (1 RT, 2 BE, 3 IDLE; qvisor/spec/model.py IOPRIO_CLASSES) and level."""
+    return io_class << IOPRIO_CLASS_SHIFT | level
 
 
 @dataclass(frozen=True)

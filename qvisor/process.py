@@ -21,7 +21,7 @@ from qlib import procfs
 from qlib import sched
 from qlib.errors import SetupError
 from qvisor import paths, trampoline
-from qvisor.spec import CAPABILITIES, RLIMITS, Capabilities, Process
+from qvisor.spec import CAPABILITIES, IOPRIO_CLASSES, RLIMITS, SCHED_FLAGS, SCHED_POLICIES, Capabilities, Process
 
 log = logging.getLogger("quark.process")
 
@@ -56,15 +56,15 @@ def set_scheduling(proc: Process) -> None:
     if s is not None:
         flags = 0
         for name in set(s.flags):
-            flags |= sched.SCHED_FLAGS[name]
+            flags |= SCHED_FLAGS[name]
         try:
-            sched.sched_setattr(sched.POLICIES[s.policy], s.nice, s.priority, flags, s.runtime, s.deadline, s.period)
+            sched.sched_setattr(SCHED_POLICIES[s.policy], s.nice, s.priority, flags, s.runtime, s.deadline, s.period)
         except OSError as e:
             raise SetupError(f"process.scheduler: {s.policy}: {e.strerror}") from None
     if proc.io_priority is not None:
         io = proc.io_priority
         try:
-            sched.ioprio_set(sched.ioprio_value(io.io_class, io.priority))
+            sched.ioprio_set(sched.ioprio_value(IOPRIO_CLASSES[io.io_class], io.priority))
         except OSError as e:
             raise SetupError(f"process.ioPriority: {io.io_class} {io.priority}: {e.strerror}") from None
 

@@ -64,15 +64,16 @@ class OomWatch:
             return None
         return 0
 
-    def flush(self) -> None:
-        """Publish the kills not published yet."""
+    def flush(self) -> bool:
+        """Publish the kills not published yet; False once the cgroup is gone."""
         with self._lock:
             if self._closed:
-                return
+                return True
             now = self.kills()
             while now is not None and self.seen < now:
                 self.seen += 1
                 self.on_oom()
+            return now is not None
 
     def close(self) -> None:
         with self._lock:
@@ -113,7 +114,5 @@ def _watch_v1(w: OomWatch, stop: threading.Event) -> None:
 
 
 def _watch_v2(w: OomWatch, stop: threading.Event) -> None:
-    while not stop.wait(V2_POLL_S):
-        if w.kills() is None:
-            return
-        w.flush()
+    while not stop.wait(V2_POLL_S) and w.flush():
+        pass

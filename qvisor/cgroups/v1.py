@@ -59,9 +59,8 @@ def _plan_cpu(cpu: CpuResources) -> list[Write]:
         ("cpu.cfs_quota_us", cpu.quota, "cpu.quota"),
         ("cpu.rt_period_us", cpu.realtime_period, "cpu.realtimePeriod"),
         ("cpu.rt_runtime_us", cpu.realtime_runtime, "cpu.realtimeRuntime")) if value]
-    if cpu.burst is not None:   # after the quota it may not exceed
-        plan.insert(next((i + 1 for i, w in enumerate(plan) if w[1] == "cpu.cfs_quota_us"), len(plan)),
-                    ("cpu", "cpu.cfs_burst_us", cpu.burst, "cpu.burst"))
+    if cpu.burst is not None:   # after the quota it may not exceed (0 is a value)
+        plan.append(("cpu", "cpu.cfs_burst_us", cpu.burst, "cpu.burst"))
     if cpu.idle is not None:
         plan.append(("cpu", "cpu.idle", cpu.idle, "cpu.idle"))
     plan += [("cpuset", name, value, field) for name, value, field in (

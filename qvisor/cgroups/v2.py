@@ -88,9 +88,8 @@ def _plan_cpu(cpu: CpuResources) -> list[Write]:
         ("cpu.weight", shares_to_weight(cpu.shares or 0), "cpu.shares"),
         ("cpu.max", cpu_max(cpu.quota, cpu.period), "cpu.quota" if cpu.quota else "cpu.period"),
         ("cpuset.cpus", cpu.cpus, "cpu.cpus"), ("cpuset.mems", cpu.mems, "cpu.mems")) if value]
-    if cpu.burst is not None:   # after cpu.max, whose quota it may not exceed
-        writes.insert(next((i + 1 for i, w in enumerate(writes) if w[0] == "cpu.max"), len(writes)),
-                      ("cpu.max.burst", cpu.burst, "cpu.burst"))
+    if cpu.burst is not None:   # after cpu.max, whose quota it may not exceed (0 is a value)
+        writes.append(("cpu.max.burst", cpu.burst, "cpu.burst"))
     return writes
 
 

@@ -21,6 +21,7 @@ This package re-exports the public names, so callers import them from `qvisor.sp
 from .defaults import default_spec, make_rootless
 from .model import (
                     CAPABILITIES,
+                    IOPRIO_CLASSES,
                     MEMORY_POLICY_FLAGS,
                     MEMORY_POLICY_MODES,
                     NAMESPACE_TYPES,
@@ -29,6 +30,8 @@ from .model import (
                     PROPAGATIONS,
                     RLIM_INFINITY,
                     RLIMITS,
+                    SCHED_FLAGS,
+                    SCHED_POLICIES,
                     SECCOMP_ACTIONS,
                     SECCOMP_OPS,
                     THROTTLES,
@@ -70,6 +73,7 @@ from .resources import parse_resources
 
 __all__ = [
                     "CAPABILITIES",
+                    "IOPRIO_CLASSES",
                     "MEMORY_POLICY_FLAGS",
                     "MEMORY_POLICY_MODES",
                     "NAMESPACE_TYPES",
@@ -78,6 +82,8 @@ __all__ = [
                     "PROPAGATIONS",
                     "RLIMITS",
                     "RLIM_INFINITY",
+                    "SCHED_FLAGS",
+                    "SCHED_POLICIES",
                     "SECCOMP_ACTIONS",
                     "SECCOMP_OPS",
                     "THROTTLES",

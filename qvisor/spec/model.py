@@ -38,12 +38,13 @@ SECCOMP_OPS = ("SCMP_CMP_NE", "SCMP_CMP_LT", "SCMP_CMP_LE", "SCMP_CMP_EQ", "SCMP
 PROPAGATIONS = ("", "private", "rprivate", "slave", "rslave", "shared", "rshared",
                 "unbindable", "runbindable")
 RLIM_INFINITY = 2**64 - 1  # how the spec (a uint64) spells "unlimited"
-# process.scheduler and process.ioPriority (runtime-spec 1.2; qlib/sched.py has their numbers)
-SCHED_POLICIES = ("SCHED_OTHER", "SCHED_FIFO", "SCHED_RR", "SCHED_BATCH", "SCHED_ISO", "SCHED_IDLE",
-                  "SCHED_DEADLINE")
-SCHED_FLAGS = ("SCHED_FLAG_RESET_ON_FORK", "SCHED_FLAG_RECLAIM", "SCHED_FLAG_DL_OVERRUN", "SCHED_FLAG_KEEP_POLICY",
-               "SCHED_FLAG_KEEP_PARAMS", "SCHED_FLAG_UTIL_CLAMP_MIN", "SCHED_FLAG_UTIL_CLAMP_MAX")
-IOPRIO_CLASSES = ("IOPRIO_CLASS_RT", "IOPRIO_CLASS_BE", "IOPRIO_CLASS_IDLE")
+# process.scheduler and process.ioPriority (runtime-spec 1.2): name -> the kernel's number
+SCHED_POLICIES = {"SCHED_OTHER": 0, "SCHED_FIFO": 1, "SCHED_RR": 2, "SCHED_BATCH": 3, "SCHED_ISO": 4,
+                  "SCHED_IDLE": 5, "SCHED_DEADLINE": 6}
+SCHED_FLAGS = {"SCHED_FLAG_RESET_ON_FORK": 0x01, "SCHED_FLAG_RECLAIM": 0x02, "SCHED_FLAG_DL_OVERRUN": 0x04,
+               "SCHED_FLAG_KEEP_POLICY": 0x08, "SCHED_FLAG_KEEP_PARAMS": 0x10,
+               "SCHED_FLAG_UTIL_CLAMP_MIN": 0x20, "SCHED_FLAG_UTIL_CLAMP_MAX": 0x40}
+IOPRIO_CLASSES = {"IOPRIO_CLASS_RT": 1, "IOPRIO_CLASS_BE": 2, "IOPRIO_CLASS_IDLE": 3}
 PERSONALITIES = {"LINUX": 0x0000, "LINUX32": 0x0008}   # linux.personality.domain -> personality(2)'s
 TIME_CLOCKS = ("monotonic", "boottime")                # linux.timeOffsets keys: time_namespaces(7)
 # linux fields of runtime-spec 1.2-1.3 that quark cannot honour: refused, never dropped

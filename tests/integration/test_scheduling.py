@@ -14,6 +14,7 @@ import pytest
 
 from qlib import sched
 from qvisor import factory
+from qvisor.spec import IOPRIO_CLASSES
 from tests.integration.conftest import edit_config
 from tests.integration.test_lifecycle import wait_status
 
@@ -40,7 +41,7 @@ def as_caller(nice: int, cpus: set[int], policy: int = os.SCHED_OTHER, ioprio: i
     return apply
 
 
-BE6 = sched.ioprio_value("IOPRIO_CLASS_BE", 6)
+BE6 = sched.ioprio_value(IOPRIO_CLASSES["IOPRIO_CLASS_BE"], 6)
 
 
 @pytest.mark.parametrize("factory_on", ["1", "0"], ids=["factory", "cli"])
@@ -102,7 +103,7 @@ def test_process_scheduler_and_io_priority_are_applied(quark, bundle, tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(proc))
     quark("exec", "-d", "--process", str(tmp_path / "p.json"), "--pid-file", str(tmp_path / "pid"), "s3")
     pid = int((tmp_path / "pid").read_text())
-    assert attrs(pid)[:3] == (os.SCHED_IDLE, 0, sched.ioprio_value("IOPRIO_CLASS_IDLE", 0))
+    assert attrs(pid)[:3] == (os.SCHED_IDLE, 0, sched.ioprio_value(IOPRIO_CLASSES["IOPRIO_CLASS_IDLE"], 0))
 
 
 def test_a_scheduler_the_kernel_refuses_fails_the_create_naming_the_field(quark, bundle):
