@@ -15,9 +15,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from qlib import syscalls
+from qlib.linux import _libc   # (the one libc handle)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
 # resolved at import, as in qlib/linux.py: the calls may run after a pivot into a container's root
 _SYS_SCHED_SETATTR = syscalls.number("sched_setattr")
 _SYS_IOPRIO_GET = syscalls.number("ioprio_get")
