@@ -25,6 +25,7 @@ OPTIONS = (TCP_NODELAY, TCP_CORK)
 class FastPath:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
+        self._keys: dict[tuple, _OptionKeys] = {}
         lib.qfp_serve.argtypes = [ctypes.c_int, ctypes.POINTER(sn.SeccompNotif)]
         lib.qfp_serve.restype = ctypes.c_int
         lib.qfp_add.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
@@ -34,6 +35,9 @@ class FastPath:
         lib.qfp_init.argtypes = [ctypes.c_int, ctypes.c_uint32]
         lib.qfp_answered.restype = ctypes.c_uint64
         lib.qfp_held_elsewhere.argtypes = [ctypes.c_uint32, ctypes.c_int, ctypes.c_uint64]
+        lib.qfp_sockopts.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_void_p]
+        lib.qfp_sockopts.restype = None
 
     def init(self, setsockopt_nr: int, audit_arch: int) -> None:
         self._lib.qfp_init(setsockopt_nr, audit_arch)
@@ -66,9 +70,31 @@ class FastPath:
         of the task, or in one of its epoll sets (or are its fds unreadable)?"""
         return self._lib.qfp_held_elsewhere(pid, fd, ino) != 0
 
+    def sockopts(self, fd: int, keys: tuple[tuple[int, int], ...]) -> list[bytes | None]:
+        """getsockopt(fd, level, opt) of every (level, opt) of `keys`, at most 64 bytes each, in
+        one call; None where the socket refuses the option. One caller at a time (the supervisor's
+        loop): the buffers are kept per `keys`."""
+        keys = self._keys.get(keys) or self._keys.setdefault(keys, _OptionKeys(keys))
+        self._lib.qfp_sockopts(fd, keys.n, keys.levels, keys.opts, keys.vals, keys.lens)
+        raw, out = keys.vals.raw, []
+        for i, n in enumerate(keys.lens):
+            out.append(raw[i * 64:i * 64 + n] if n >= 0 else None)
+        return out
+
     @property
     def answered(self) -> int:
         return self._lib.qfp_answered()
+
+
+class _OptionKeys:
+    """A fixed list of (level, optname) for `FastPath.sockopts`, with the buffers it fills."""
+
+    def __init__(self, keys: tuple[tuple[int, int], ...]) -> None:
+        self.n = len(keys)
+        self.levels = (ctypes.c_int * self.n)(*(k[0] for k in keys))
+        self.opts = (ctypes.c_int * self.n)(*(k[1] for k in keys))
+        self.vals = ctypes.create_string_buffer(64 * self.n)
+        self.lens = (ctypes.c_int * self.n)()
 
 
 @cache

@@ -17,15 +17,27 @@ from qlib.linux import CLONE_NEWNET, setns
 def socket_in_netns(netns_fd: int, family: int) -> socket.socket:
     """A TCP socket created in another network namespace (sockets keep the netns they were made
     in). The calling thread enters that netns for the one socket() call and comes back."""
+    return sockets_in_netns(netns_fd, family, 1)[0]
+
+
+def sockets_in_netns(netns_fd: int, family: int, count: int) -> list[socket.socket]:
+    """`count` non-blocking TCP sockets made in another network namespace, for one pair of setns."""
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    made: list[socket.socket] = []
     try:
         setns(netns_fd, CLONE_NEWNET)
         try:
-            return socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+            for _ in range(count):
+                made.append(socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC))
+        except OSError:
+            for s in made:
+                s.close()
+            raise
         finally:
             setns(own, CLONE_NEWNET)
     finally:
         os.close(own)
+    return made
 
 
 def socket_inode(pid: int, fd: int) -> int | None:

@@ -30,7 +30,8 @@ RECONNECT_S = 1.0
 HELLO_TIMEOUT_S = 1.0
 SWEEP_S = 5.0
 SWEEP_BATCH = 256
-_LINGER_RESET = struct.pack("ii", 1, 0)   # fds looked at per turn of the loop (~1 ms), however many the sandbox holds
+_LINGER_RESET = struct.pack("ii", 1, 0)
+BELL_BATCH = 16   # doorbell sockets made ahead per setns into the pod   # fds looked at per turn of the loop (~1 ms), however many the sandbox holds
 
 Reply = Callable[[dict | None, list[int]], None]
 
@@ -260,6 +261,7 @@ class SandboxNet:
         self.sockets: dict[int, Redirected] = {}
         self.listeners: dict[int, Listener] = {}
         self.bells: dict[Endpoint, Queued] = {}
+        self._spare_bells: dict[int, list[socket.socket]] = {}   # by family: made ahead in the pod
         hello = protocol.Hello(sandbox, init_pid, self.addrs, direct=True, offload=offload is not None)
         self.client = TsordClient(loop, path, hello, self._incoming, self._up, self._serve_peer, self._tsord_down)
         # direct channels to the other sandboxes' listeners on this node (tsor/peers.py)
@@ -292,6 +294,10 @@ class SandboxNet:
             os.close(q.fd)
             q.bell.close()
         self.bells.clear()
+        for spare in self._spare_bells.values():
+            for s in spare:
+                s.close()
+        self._spare_bells.clear()
         os.close(self.netns_fd)
         if self.offload is not None:
             self.offload.close()
@@ -362,10 +368,7 @@ class SandboxNet:
             if msg.greet:
                 os.write(fd, b"\x01")
             target = (msg.local[0], msg.local[1])
-            bell = _sys.socket_in_netns(self.netns_fd, family_of(target[0]))
-            # closed with a reset once accepted (take_bell): one packet instead of TCP's four-way
-            # close, and no TIME_WAIT entry holding a port of the pod's for a minute per connection
-            bell.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+            bell = self._bell_socket(family_of(target[0]))
             err = bell.connect_ex(target)
             if err not in (0, errno.EINPROGRESS):
                 bell.close()
@@ -376,6 +379,18 @@ class SandboxNet:
             return False
         self.bells[key] = Queued(os.dup(fd), msg.peer, msg.local, msg.path, bell)
         return True
+
+    def _bell_socket(self, family: int) -> socket.socket:
+        """A fresh socket of the pod's for a doorbell; made BELL_BATCH at a time, each batch for one
+        setns into the pod and one back (two per connection before)."""
+        spare = self._spare_bells.setdefault(family, [])
+        if not spare:
+            spare.extend(_sys.sockets_in_netns(self.netns_fd, family, BELL_BATCH))
+        bell = spare.pop()
+        # closed with a reset once accepted (take_bell): one packet instead of TCP's four-way
+        # close, and no TIME_WAIT entry holding a port of the pod's for a minute per connection
+        bell.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+        return bell
 
     def _incoming_direct(self, msg: protocol.Incoming, fd: int) -> bool:
         """An offer over a direct channel: as tsord's, once the listener is checked to cover the

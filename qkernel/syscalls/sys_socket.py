@@ -60,7 +60,8 @@ def _s32(v: int) -> int:
 
 def _set_nonblock(fd: int, on: bool) -> None:
     fl = fcntl.fcntl(fd, fcntl.F_GETFL)
-    fcntl.fcntl(fd, fcntl.F_SETFL, fl | os.O_NONBLOCK if on else fl & ~os.O_NONBLOCK)
+    if bool(fl & os.O_NONBLOCK) != on:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fl ^ os.O_NONBLOCK)
 
 
 def _write_sized(req: Request, buf: int, lenp: int, data: bytes) -> None:

@@ -1,6 +1,8 @@
 """The mountinfo readers: the full parse and the fast one a mount check uses agree, escapes included."""
 from __future__ import annotations
 
+import os
+
 from qlib import procfs
 
 SAMPLE = (b"22 1 253:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
@@ -17,3 +19,12 @@ def test_the_fast_mount_tree_agrees_with_the_full_parse():
 
 def test_on_this_host_too():
     assert procfs.mount_tree() == {m.mount_id: (m.parent_id, m.mount_point) for m in procfs.mountinfo()}
+
+
+def test_read_small_reads_to_the_end(tmp_path):
+    """procfs.read_small (TSoR's /proc reads without a buffered file) reads past its first read's size."""
+    data = os.urandom(200_000)
+    (tmp_path / "f").write_bytes(data)
+    assert procfs.read_small(str(tmp_path / "f")) == data
+    with open("/proc/self/fdinfo/0") as f:
+        assert procfs.fdinfo(0)["flags"] == procfs.parse_keyed(f.read())["flags"]

@@ -137,3 +137,19 @@ def test_held_elsewhere_compiled_agrees_with_python(fast, how):
     finally:
         for x in keep:
             x.close()
+
+
+def test_sockopts_in_one_call_agree_with_getsockopt(fast):
+    """TSoR reads the options a connecting socket carries in one compiled call: the same bytes as
+    getsockopt, the application's values included, None where the socket refuses the option."""
+    keys = ((socket.SOL_SOCKET, socket.SO_SNDBUF), (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+            (socket.IPPROTO_TCP, 13),   # TCP_CONGESTION: a string
+            (socket.SOL_SOCKET, socket.SO_LINGER), (socket.IPPROTO_IPV6, socket.IPV6_V6ONLY))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 33)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, (1).to_bytes(4, "little") + (7).to_bytes(4, "little"))
+        got = fast.sockopts(s.fileno(), keys)
+        assert got[:4] == [s.getsockopt(level, opt, 64) for level, opt in keys[:4]]
+        assert int.from_bytes(got[1], "little") == 33
+        assert got[4] is None   # an IPv6 option of an AF_INET socket: EOPNOTSUPP
+        assert fast.sockopts(s.fileno(), keys) == got   # the buffers are reused per key list
