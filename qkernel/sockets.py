@@ -90,6 +90,11 @@ class SocketHooks(Protocol):
         sockaddr), the fd ours to install or close; an errno accept(2) failed with; None when none
         is queued."""
 
+    def accept_waiting(self, listener: object, deliver: Callable[[int, bytes], bool]) -> Callable[[], None]:
+        """A blocking accept() waits on `listener`: the hooks may hand it a connection directly,
+        `deliver(fd, sockaddr)` (True: the accept took the fd; False: it no longer waits, the fd is
+        still the hooks'). Returns what to call once the accept no longer waits."""
+
     def use_option_table(self, table: OptionTable) -> None:
         """QKernel answers TCP_NODELAY/TCP_CORK itself for the sockets the hooks put in `table`
         (qkernel/fastpath.py): the hooks keep those two options there, and read them from there."""

@@ -42,7 +42,7 @@ from typing import Any
 from qlib.linux import accept4, pidfd_getfd, pidfd_open_thread
 from tsor import EMULATED_LEVELS, RECORDED_SOCKET_OPTS, UNIX_REFUSED_SOCKET_OPTS, _sys
 from tsor.addr import is_loopback, is_unspecified, parse_sockaddr, sockaddr, unmapped
-from tsor.sandbox import Listener, Redirected, SandboxNet
+from tsor.sandbox import Listener, Queued, Redirected, SandboxNet
 
 log = logging.getLogger("quark.qkernel")
 
@@ -444,23 +444,37 @@ class SocketIntercept:
             if queued is not None:   # a doorbell: the application gets the TSoR connection
                 os.close(conn)
                 conn = queued.fd
-                real = (socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, conn) if queued.path == "local"
-                        else socket.socket(fileno=conn))
-                try:
-                    if real.family == socket.AF_UNIX:
-                        real.setsockopt(SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SNDBUF)
-                    state = Redirected(family=listener.family, local=queued.local, peer=queued.peer,
-                                       path=queued.path, real_family=real.family)
-                    ino_new = os.fstat(conn).st_ino
-                    self._to_table(ino_new, state, real)
-                    self.net.redirected(ino_new, state)
-                finally:
-                    real.detach()
-                raw = sockaddr(listener.family, queued.peer)
+                raw = self._adopt(listener, queued)
         except BaseException:
             os.close(conn)
             raise
         return conn, raw
+
+    def accept_waiting(self, listener: Listener, deliver: Callable[[int, bytes], bool]) -> Callable[[], None]:
+        def take(queued: Queued) -> bool:
+            try:
+                raw = self._adopt(listener, queued)
+            except OSError:
+                return False
+            return deliver(queued.fd, raw)
+        return self.net.accept_waiting(listener.token, take)
+
+    def _adopt(self, listener: Listener, queued: Queued) -> bytes:
+        """Make the queued TSoR connection one of the application's redirected sockets; the
+        sockaddr its accept() answers."""
+        real = (socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, queued.fd) if queued.path == "local"
+                else socket.socket(fileno=queued.fd))
+        try:
+            if real.family == socket.AF_UNIX:
+                real.setsockopt(SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SNDBUF)
+            state = Redirected(family=listener.family, local=queued.local, peer=queued.peer,
+                               path=queued.path, real_family=real.family)
+            ino_new = os.fstat(queued.fd).st_ino
+            self._to_table(ino_new, state, real)
+            self.net.redirected(ino_new, state)
+        finally:
+            real.detach()
+        return sockaddr(listener.family, queued.peer)
 
 
 # ---- the task's sockets -----------------------------------------------------------------------

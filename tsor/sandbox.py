@@ -29,9 +29,9 @@ log = logging.getLogger("quark.tsor")
 RECONNECT_S = 1.0
 HELLO_TIMEOUT_S = 1.0
 SWEEP_S = 5.0
-SWEEP_BATCH = 256
+SWEEP_BATCH = 256   # fds looked at per turn of the loop (~1 ms), however many the sandbox holds
 _LINGER_RESET = struct.pack("ii", 1, 0)
-BELL_BATCH = 16   # doorbell sockets made ahead per setns into the pod   # fds looked at per turn of the loop (~1 ms), however many the sandbox holds
+BELL_BATCH = 16   # doorbell sockets made ahead per setns into the pod
 
 Reply = Callable[[dict | None, list[int]], None]
 
@@ -229,7 +229,7 @@ class Queued:
     peer: Endpoint
     local: Endpoint
     path: str
-    bell: socket.socket      # the doorbell connection that made the listener readable
+    bell: socket.socket | None = None   # the doorbell connection that made the listener readable
 
 
 @dataclass
@@ -262,6 +262,9 @@ class SandboxNet:
         self.listeners: dict[int, Listener] = {}
         self.bells: dict[Endpoint, Queued] = {}
         self._spare_bells: dict[int, list[socket.socket]] = {}   # by family: made ahead in the pod
+        # blocking accepts waiting on a listener (by token), oldest first: they take a TSoR
+        # connection directly, with no doorbell to ring and accept
+        self._accepting: dict[int, list[Callable[[Queued], bool]]] = {}
         hello = protocol.Hello(sandbox, init_pid, self.addrs, direct=True, offload=offload is not None)
         self.client = TsordClient(loop, path, hello, self._incoming, self._up, self._serve_peer, self._tsord_down)
         # direct channels to the other sandboxes' listeners on this node (tsor/peers.py)
@@ -292,7 +295,8 @@ class SandboxNet:
         self.client.close()
         for q in self.bells.values():
             os.close(q.fd)
-            q.bell.close()
+            if q.bell is not None:
+                q.bell.close()
         self.bells.clear()
         for spare in self._spare_bells.values():
             for s in spare:
@@ -367,6 +371,8 @@ class SandboxNet:
         try:
             if msg.greet:
                 os.write(fd, b"\x01")
+            if self._hand_to_waiting(lst.token, msg, fd):
+                return True
             target = (msg.local[0], msg.local[1])
             bell = self._bell_socket(family_of(target[0]))
             err = bell.connect_ex(target)
@@ -379,6 +385,28 @@ class SandboxNet:
             return False
         self.bells[key] = Queued(os.dup(fd), msg.peer, msg.local, msg.path, bell)
         return True
+
+    def accept_waiting(self, token: int, take: Callable[[Queued], bool]) -> Callable[[], None]:
+        """A blocking accept waits on listener `token`: `take(queued)` hands it a connection (True:
+        taken; False: it no longer waits, the fd stays ours). Returns the call that unregisters it."""
+        waiting = self._accepting.setdefault(token, [])
+        waiting.append(take)
+
+        def unwait() -> None:
+            if take in waiting:
+                waiting.remove(take)
+            if not waiting and self._accepting.get(token) is waiting:
+                del self._accepting[token]
+        return unwait
+
+    def _hand_to_waiting(self, token: int, msg: protocol.Incoming, fd: int) -> bool:
+        """Give the offered connection to an accept already waiting on the listener, if one does."""
+        for take in list(self._accepting.get(token, ())):
+            queued = Queued(os.dup(fd), msg.peer, msg.local, msg.path)
+            if take(queued):
+                return True
+            os.close(queued.fd)
+        return False
 
     def _bell_socket(self, family: int) -> socket.socket:
         """A fresh socket of the pod's for a doorbell; made BELL_BATCH at a time, each batch for one
@@ -409,7 +437,7 @@ class SandboxNet:
     def take_bell(self, peer: Endpoint) -> Queued | None:
         """The TSoR connection whose doorbell came from `peer`, if that accepted connection is one."""
         q = self.bells.pop(_ep(peer), None)
-        if q is not None:
+        if q is not None and q.bell is not None:
             q.bell.close()
         return q
 

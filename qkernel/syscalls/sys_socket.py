@@ -222,11 +222,14 @@ class _Accept:
         self.flags, self.addr, self.lenp = flags, addr, lenp
         self.deferred: Deferred | None = None
         self._fd: int | None = None
+        self._unwait: Callable[[], None] | None = None
 
     def wait(self) -> Deferred:
         d = self.deferred = self.req.defer()
         self._fd = self.sock.fileno()
         self.req.kernel.loop.add_reader(self._fd, self._ready)
+        # a TSoR connection for this listener comes straight here, without a doorbell to accept
+        self._unwait = self.hooks.accept_waiting(self.lst, self._deliver)
         d.on_cancel(self._stop)
         sec, usec = struct.unpack("qq", self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
         if sec or usec:   # the listener's SO_RCVTIMEO bounds a blocking accept (EAGAIN), as in Linux
@@ -239,10 +242,33 @@ class _Accept:
             self.deferred.complete(Errno(errno.EAGAIN))
 
     def _stop(self) -> None:
+        if self._unwait is not None:
+            self._unwait()
+            self._unwait = None
         if self._fd is not None:
             self.req.kernel.loop.remove_reader(self._fd)
             self._fd = None
         self.sock.close()
+
+    def _deliver(self, conn: int, raw: bytes) -> bool:
+        """The hooks' connection for this waiting accept (see SocketHooks.accept_waiting)."""
+        d = self.deferred
+        if d.done or not self.req.is_valid():
+            self._stop()
+            return False
+        try:
+            answer = self._answer(conn, raw)   # owns conn from here, whatever happens
+        except TaskGone:
+            self._stop()
+            return True   # gone meanwhile: the connection went with it
+        except MemoryFault:
+            answer = Errno(errno.EFAULT)
+        except Exception:
+            log.exception("TSoR accept for pid %d", self.req.pid)
+            answer = Errno(errno.ECONNABORTED)
+        self._stop()
+        d.complete(answer)
+        return True
 
     def _ready(self) -> None:
         d = self.deferred
@@ -276,7 +302,14 @@ class _Accept:
         if isinstance(got, int):   # accept(2) failed
             self._close_if_immediate()
             return Errno(got)
-        conn, raw = got
+        try:
+            answer = self._answer(*got)
+        finally:
+            self._close_if_immediate()
+        return answer
+
+    def _answer(self, conn: int, raw: bytes):
+        """Install `conn` (ours) for this accept, the peer's sockaddr written where the task asked."""
         try:
             _set_nonblock(conn, bool(self.flags & socket.SOCK_NONBLOCK))
             if self.addr and self.lenp:
@@ -284,11 +317,9 @@ class _Accept:
                 self.req.write(self.lenp, struct.pack("i", len(raw)))
         except BaseException as e:
             os.close(conn)
-            self._close_if_immediate()
             if isinstance(e, _Fail):
                 return Errno(e.errno)
             raise
-        self._close_if_immediate()
         return InstallFd(conn, flags=os.O_CLOEXEC if self.flags & socket.SOCK_CLOEXEC else 0)
 
     def _close_if_immediate(self) -> None:

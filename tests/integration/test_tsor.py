@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from qlib import procfs
+from qlib import procfs, syscalls
 from tests.integration.conftest import needs_root
 from tests.support.testbed import local_connections, wait_file
 from tsor import protocol
@@ -181,26 +181,70 @@ def test_doorbells_hold_no_port_of_the_server_pod(bed):
     TIME_WAIT entry holding one of the pod's ephemeral ports for a minute, so a server taking more
     connections a minute than the pod has ports (~28k by default, ~470 a second) had new TSoR
     connections fail. The pod here has 40 ports; 150 connections in a row must all work, over TSoR,
-    and leave nothing in TIME_WAIT."""
+    and leave nothing in TIME_WAIT. The server polls before it accepts (Python's http.server, as
+    nginx does with epoll), so every connection rings a doorbell."""
     pod_s, pod_c = bed.node_a.pod("dbs"), bed.node_a.pod("dbc")
     subprocess.run(["ip", "netns", "exec", pod_s.netns, "sysctl", "-qw",
                     "net.ipv4.ip_local_port_range=40000 40039"], check=True)
-    bed.start("quark", "db-httpd", bed.bundle("db-httpd", ["busybox", "httpd", "-f", "-p", "8080", "-h", "/etc"],
+    bed.start("quark", "db-httpd", bed.bundle("db-httpd", ["python3", "-m", "http.server", "-d", "/etc", "8080"],
                                               pod_s))
     pod_s.wait_listening(8080)
+    opens = _passive_opens(pod_s)
     before = local_connections(bed.node_a)
     r = bed.run("quark", "db-wget", timeout=120, bundle=bed.bundle("db-wget", ["sh", "-c",
-                f"for i in $(seq 150); do busybox wget -q -O /dev/null http://{pod_s.ip}:8080/hostname || exit 1; done"],
+                f"for i in $(seq 150); do busybox wget -q -O /dev/null http://{pod_s.ip}:8080/hostname || exit 1; "
+                "done"],
                 pod_c))
     assert r.returncode == 0, r.stderr
     deadline = time.monotonic() + 10
     while local_connections(bed.node_a) < before + 150 and time.monotonic() < deadline:
         time.sleep(0.2)   # connections over a direct channel are tallied to tsord in batches
     assert local_connections(bed.node_a) >= before + 150
+    assert _passive_opens(pod_s) >= opens + 150   # the doorbells, accepted in the server's pod
     ss = subprocess.run(["ip", "netns", "exec", pod_s.netns, "ss", "-Htan", "state", "time-wait"],
                         capture_output=True, text=True, check=True).stdout
     assert ss.strip() == ""
     bed.stop("quark", "db-httpd")
+
+
+def _passive_opens(pod) -> int:
+    """TCP connections the pod's network namespace has accepted (its TcpPassiveOpens counter)."""
+    snmp = subprocess.run(["ip", "netns", "exec", pod.netns, "cat", "/proc/net/snmp"],
+                          capture_output=True, text=True, check=True).stdout
+    names, values = (line.split() for line in snmp.splitlines() if line.startswith("Tcp:"))
+    return int(values[names.index("PassiveOpens")])
+
+
+def test_a_blocking_accept_takes_tsor_connections_without_a_doorbell(bed):
+    """A server blocked in accept() (busybox httpd, a thread per connection, ...) is handed each TSoR
+    connection directly: no doorbell connection is made and accepted in its pod (its TCP counters
+    show none), and every request is answered over the local path."""
+    pod_s, pod_c = bed.node_a.pod("bas"), bed.node_a.pod("bac")
+    bed.start("quark", "ba-httpd", bed.bundle("ba-httpd", ["busybox", "httpd", "-f", "-p", "8080", "-h", "/etc"],
+                                              pod_s))
+    pod_s.wait_listening(8080)
+    pid = json.loads(bed.quark("state", "ba-httpd").stdout)["pid"]
+    accepts = {str(syscalls.number(name)) for name in ("accept", "accept4")}
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{pid}/syscall").read().split()[0] not in accepts:   # until httpd waits in accept
+        assert time.monotonic() < deadline, "httpd never blocked in accept"
+        time.sleep(0.05)
+    opens, before = _passive_opens(pod_s), local_connections(bed.node_a)
+    r = bed.run("quark", "ba-wget", timeout=60, bundle=bed.bundle("ba-wget", ["sh", "-c",
+                f"for i in $(seq 20); do busybox wget -q -O /out/ba-$i.txt http://{pod_s.ip}:8080/hostname || exit 1; "
+                "done"], pod_c))
+    assert r.returncode == 0, r.stderr
+    with open("/etc/hostname") as f:
+        want = f.read()
+    for i in range(1, 21):
+        with open(bed.out(f"ba-{i}.txt")) as g:
+            assert g.read() == want
+    deadline = time.monotonic() + 10
+    while local_connections(bed.node_a) < before + 20 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert local_connections(bed.node_a) >= before + 20
+    assert _passive_opens(pod_s) == opens
+    bed.stop("quark", "ba-httpd")
 
 
 def test_a_tsor_peer_wakes_a_hibernated_server(bed):
