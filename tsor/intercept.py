@@ -207,7 +207,7 @@ class SocketIntercept:
                     or _sys.socket_inode(call.pid, fd) != ino):   # fd closed or reused meanwhile
                 d.native()
                 return False
-            _set_nonblock(new, nonblock)
+            os.set_blocking(new, not nonblock)
             # a local-path end is known to be AF_UNIX: saying so spares the three getsockopt calls
             # with which socket() finds out (a connection costs ~40 syscalls here; each counts)
             sock = (socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, new) if reply["path"] == "local"
@@ -518,12 +518,6 @@ def _is_multicast(ip: str) -> bool:
 
 def _tcp_state(s: socket.socket) -> int:
     return s.getsockopt(SOL_TCP, TCP_INFO, 8)[0]
-
-
-def _set_nonblock(fd: int, on: bool) -> None:
-    fl = fcntl.fcntl(fd, fcntl.F_GETFL)
-    if bool(fl & os.O_NONBLOCK) != on:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fl ^ os.O_NONBLOCK)
 
 
 def _emulated(st: Redirected, level: int, opt: int) -> bool:

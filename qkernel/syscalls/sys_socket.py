@@ -58,12 +58,6 @@ def _s32(v: int) -> int:
     return v - (1 << 32) if v & 0x80000000 else v
 
 
-def _set_nonblock(fd: int, on: bool) -> None:
-    fl = fcntl.fcntl(fd, fcntl.F_GETFL)
-    if bool(fl & os.O_NONBLOCK) != on:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fl ^ os.O_NONBLOCK)
-
-
 def _write_sized(req: Request, buf: int, lenp: int, data: bytes) -> None:
     """Linux's move_addr_to_user / getsockopt convention: copy at most *lenp bytes, then store the
     full (sockaddr) or copied (option) length in *lenp."""
@@ -311,7 +305,7 @@ class _Accept:
     def _answer(self, conn: int, raw: bytes):
         """Install `conn` (ours) for this accept, the peer's sockaddr written where the task asked."""
         try:
-            _set_nonblock(conn, bool(self.flags & socket.SOCK_NONBLOCK))
+            os.set_blocking(conn, not bool(self.flags & socket.SOCK_NONBLOCK))
             if self.addr and self.lenp:
                 _write_sized(self.req, self.addr, self.lenp, raw)
                 self.req.write(self.lenp, struct.pack("i", len(raw)))
