@@ -5,7 +5,9 @@ installed on PATH (the C front end, qvisor/frontend.c, and the sandbox factory, 
 quark without the factory (the Python CLI for every verb, QUARK_FACTORY=0: how quark ran before the
 factory), and runc; median and p95 of each phase and the ratios to runc. The supervisors' resident
 (RSS) and proportional (PSS) memory per sandbox over --sandboxes running sandboxes, with and
-without the factory. `ctr run --rm` of a busybox image through containerd with quark's shim vs
+without the factory, and with the factory and supervisor.memory_merge after the host's ksmd has
+merged what the supervisors offer (only on a host whose KSM is off: the bench runs ksmd for the
+measurement, then stops it and unmerges). `ctr run --rm` of a busybox image through containerd with quark's shim vs
 io.containerd.runc.v2. JSON to bench/results/startup.json.
 Usage: python bench/startup.py [--runs 50] [--ctr-runs 20] [--sandboxes 50] [--no-containerd]
 """
@@ -122,14 +124,74 @@ def phase_rows(q: list[dict], nf: list[dict], r: list[dict]) -> list[dict]:
     return rows
 
 
-def supervisor_memory(argv: list[str], bundle: str, n: int, env: dict | None = None) -> dict:
-    """Resident and proportional memory of the supervisors of n running sandboxes."""
+KSM = "/sys/kernel/mm/ksm"
+
+
+def _ksm_read(name: str) -> str:
+    with open(os.path.join(KSM, name)) as f:
+        return f.read().strip()
+
+
+def _ksm_write(name: str, value: str) -> None:
+    with open(os.path.join(KSM, name), "w") as f:
+        f.write(value)
+
+
+def _ksmd_cpu_s() -> float:
+    """CPU time of the ksmd kernel thread (0 when there is none)."""
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/comm") as f:
+                if f.read().strip() != "ksmd":
+                    continue
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError):
+            continue
+    return 0.0
+
+
+def ksmd_merge(scans: int = 3) -> dict:
+    """Run the host's ksmd until it has scanned everything `scans` times, then stop it (what it
+    merged stays merged until unmerged: ksm_unmerge). Only on a host not using KSM already."""
+    if _ksm_read("run") != "0":
+        raise RuntimeError(f"the host's KSM is in use ({KSM}/run is not 0): not measured")
+    saved = {n: _ksm_read(n) for n in ("pages_to_scan", "sleep_millisecs")}
+    cpu0, t0 = _ksmd_cpu_s(), time.monotonic()
+    _ksm_write("pages_to_scan", "5000")
+    _ksm_write("sleep_millisecs", "10")
+    target = int(_ksm_read("full_scans")) + scans
+    _ksm_write("run", "1")
+    try:
+        while int(_ksm_read("full_scans")) < target and time.monotonic() - t0 < 120:
+            time.sleep(0.2)
+    finally:
+        _ksm_write("run", "0")
+        for name, value in saved.items():
+            _ksm_write(name, value)
+    return {"ksmd_seconds": round(time.monotonic() - t0, 1), "ksmd_cpu_s": round(_ksmd_cpu_s() - cpu0, 2),
+            "pages_shared": int(_ksm_read("pages_shared")), "pages_sharing": int(_ksm_read("pages_sharing"))}
+
+
+def ksm_unmerge() -> None:
+    if _ksm_read("run") == "0":
+        _ksm_write("run", "2")   # unmerge all, then off
+        _ksm_write("run", "0")
+
+
+def supervisor_memory(argv: list[str], bundle: str, n: int, env: dict | None = None, ksm: bool = False) -> dict:
+    """Resident and proportional memory of the supervisors of n running sandboxes; `ksm`: after the
+    host's ksmd has merged what the supervisors offer (env's config has supervisor.memory_merge)."""
     rss, pss = [], []
+    merged: dict = {}
     try:
         for i in range(n):
             subprocess.run(argv + ["create", "--bundle", bundle, f"mem-{i}"], check=True,
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
             subprocess.run(argv + ["start", f"mem-{i}"], check=True, env=env)
+        if ksm:
+            merged = ksmd_merge()
         for i in range(n):
             init = json.loads(subprocess.run(argv + ["state", f"mem-{i}"], check=True,
                                              capture_output=True, env=env).stdout)["pid"]
@@ -141,8 +203,10 @@ def supervisor_memory(argv: list[str], bundle: str, n: int, env: dict | None = N
     finally:
         for i in range(n):
             subprocess.run(argv + ["delete", "--force", f"mem-{i}"], capture_output=True, env=env)
+        if ksm:
+            ksm_unmerge()
     return {"sandboxes": n, "rss_median_mib": round(statistics.median(rss), 1),
-            "pss_median_mib": round(statistics.median(pss), 1), "pss_total_mib": round(sum(pss), 1)}
+            "pss_median_mib": round(statistics.median(pss), 1), "pss_total_mib": round(sum(pss), 1), **merged}
 
 
 def time_ctr(runs: int, work: str, env: dict[str, str]) -> dict | None:
@@ -249,6 +313,15 @@ def main() -> int:
         make_bundle(sleeper, ["sleep", "1000"])
         result["supervisor_memory"] = supervisor_memory(
             [front, "--root", os.path.join(work, "mem")], sleeper, a.sandboxes, with_factory)
+        merge_config = os.path.join(work, "config.yaml")
+        with open(merge_config, "w") as f:
+            f.write("supervisor:\n  memory_merge: true\n")
+        try:
+            result["supervisor_memory_ksm"] = supervisor_memory(
+                [front, "--root", os.path.join(work, "mem")], sleeper, a.sandboxes,
+                dict(with_factory, QUARK_CONFIG=merge_config), ksm=True)
+        except (OSError, RuntimeError) as e:   # no KSM here, or the host uses it: said, not measured
+            result["supervisor_memory_ksm"] = {"not_measured": str(e)}
         result["supervisor_memory_no_factory"] = supervisor_memory(
             [QUARK_PY, "--root", os.path.join(work, "mem")], sleeper, min(a.sandboxes, 10), no_factory)
         if not a.no_containerd:
@@ -286,10 +359,16 @@ def main() -> int:
     for x in result["imports"]:
         print(f"| {x['verb']} | {x['imports_ms']} ms | {'yes' if x['spec_model'] else 'no'} "
               f"| {'yes' if x['libseccomp'] else 'no'} |")
-    for key, what in (("supervisor_memory", "with the factory"), ("supervisor_memory_no_factory", "without")):
+    for key, what in (("supervisor_memory", "with the factory"),
+                      ("supervisor_memory_ksm", "with the factory, supervisor.memory_merge and ksmd"),
+                      ("supervisor_memory_no_factory", "without")):
         m = result[key]
+        if "not_measured" in m:
+            print(f"\nsupervisor memory {what}: not measured ({m['not_measured']})")
+            continue
         print(f"\nsupervisor memory {what} ({m['sandboxes']} sandboxes): RSS median {m['rss_median_mib']} MiB, "
-              f"PSS median {m['pss_median_mib']} MiB, PSS total {m['pss_total_mib']} MiB")
+              f"PSS median {m['pss_median_mib']} MiB, PSS total {m['pss_total_mib']} MiB"
+              + (f"; ksmd {m['ksmd_cpu_s']} s CPU over {m['ksmd_seconds']} s to merge" if "ksmd_cpu_s" in m else ""))
     return 0
 
 

@@ -40,8 +40,24 @@ def _config_value(path: str, key: str) -> str | None:
 
 def config_entry(path: str, key: str) -> object:
     """A top-level entry of the config file as YAML gives it (None: no file, or no such key)."""
-    if not os.path.exists(path):
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        raise ConfigError(path, "", e.strerror or str(e)) from None
+    # one create reads several sections (platform, security, supervisor): the file is parsed once
+    stamp = (path, st.st_ino, st.st_mtime_ns, st.st_size)
+    if _parsed[0] != stamp:
+        _parsed[:] = [stamp, _parse(path)]
+    raw = _parsed[1]
+    return None if raw is None else raw.get(key)
+
+
+_parsed: list = [None, None]   # [(path, inode, mtime, size), its top-level mapping or None]
+
+
+def _parse(path: str) -> dict | None:
     # imported here, not at the top: the CLI's create path imports this module and reads the file
     # only when --platform is not given, and yaml costs ~25 ms of start-up that nothing else there pays
     import yaml
@@ -56,4 +72,4 @@ def config_entry(path: str, key: str) -> object:
         return None   # an empty file (or only comments)
     if not isinstance(raw, dict):
         raise ConfigError(path, "", "expected a mapping at the top level")
-    return raw.get(key)
+    return raw

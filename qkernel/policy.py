@@ -100,7 +100,7 @@ def add_denial(f: seccomp.SyscallFilter, sc: table.Syscall, nr: int | str, grant
         for index, mask, value in sc.grant.still_denied:
             f.add_rule(err, nr, seccomp.Arg(index, seccomp.MASKED_EQ, mask, value))
     elif sc.when is not None:
-        f.add_rule(err, nr, seccomp.Arg(sc.when.index, seccomp.MASKED_EQ, sc.when.mask, sc.when.mask))
+        f.add_rule(err, nr, seccomp.Arg(sc.when.index, seccomp.MASKED_EQ, sc.when.mask, sc.when.match))
     else:
         f.add_rule(err, nr)
 

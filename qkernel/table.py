@@ -31,10 +31,16 @@ class Fate(str, enum.Enum):
 
 @dataclass(frozen=True)
 class ArgMask:
-    """The entry applies only when `args[index] & mask == mask` (a bit the BPF filter can see)."""
+    """The entry applies only when `args[index] & mask == value` (bits the BPF filter can see);
+    `value` None: the mask itself (a flag is set)."""
     index: int
     mask: int
     describe: str
+    value: int | None = None
+
+    @property
+    def match(self) -> int:
+        return self.mask if self.value is None else self.value
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,12 @@ _MOUNT = "the mount table is fixed once the runtime has set up the rootfs"
 _KEYS = "the kernel keyring is not namespaced; it widens the host attack surface"
 _TIME = "the clock is the host's, shared by every container"
 _NEWUSER = ArgMask(0, CLONE_NEWUSER, "flags has CLONE_NEWUSER")
+# Both arguments are C ints: the kernel reads the low 32 bits, so the filter compares those alone
+# (a value with high bits set must not slip past).
+MADV_MERGEABLE, PR_SET_MEMORY_MERGE = 12, 67
+_KSM = ("asks the host's samepage merging (KSM) to merge the container's pages with other processes' (quark's "
+        "supervisors' too, with supervisor.memory_merge): copy-on-write timing then tells whether another "
+        "process holds the same bytes. EINVAL, as from a kernel without KSM")
 # mount(2) flags (qlib.linux has the same values; qkernel does not import qvisor's helpers)
 MS_RDONLY, MS_REMOUNT, MS_BIND, MS_MOVE = 1, 32, 4096, 8192
 MS_UNBINDABLE, MS_PRIVATE, MS_SLAVE, MS_SHARED = 1 << 17, 1 << 18, 1 << 19, 1 << 20
@@ -203,6 +215,8 @@ POLICY: dict[str, dict] = {
     "ptrace": _denied(errno.EPERM, "debugging other tasks; the ptrace platform is the tracer"),
     "process_vm_readv": _denied(errno.EPERM, "reads other tasks' memory"),
     "process_vm_writev": _denied(errno.EPERM, "writes other tasks' memory"),
+    "madvise": _denied(errno.EINVAL, _KSM, ArgMask(2, 0xFFFFFFFF, "advice is MADV_MERGEABLE", MADV_MERGEABLE)),
+    "prctl": _denied(errno.EINVAL, _KSM, ArgMask(0, 0xFFFFFFFF, "option is PR_SET_MEMORY_MERGE", PR_SET_MEMORY_MERGE)),
     # mounts, namespaces
     "mount": _denied(errno.EPERM, _MOUNT, grant=_MOUNT_GRANT),
     "umount2": _denied(errno.EPERM, _MOUNT, grant=_MOUNTS_OWN),

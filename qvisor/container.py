@@ -60,7 +60,7 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     who adopts it (see Supervisor._choose_reaper). In a sandbox factory's worker (`in_factory`)
     the answer is known — the factory declines every caller whose manager reaps the init itself —
     so one fork does, and the supervisor reaps its container's processes."""
-    from qvisor import security, validate
+    from qvisor import page_merge, security, validate
     from qvisor.spec import load_spec
     preserved_fds(preserve_fds)   # first: loading the spec must not take one of those numbers
     store = StateStore(root)
@@ -70,6 +70,7 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     spec.own_namespaces = validate.own_namespaces(spec)
     # privileged / Unconfined: refused here (nothing made yet) or honoured in the sandbox and reported
     report = security.apply(spec, security.load_settings())
+    merge_pages = page_merge.load_setting()   # supervisor.memory_merge
     if spec.process.terminal and not console_socket:
         raise QuarkError("process.terminal is true: --console-socket is required to receive the pty master")
     store.reserve(container_id)
@@ -83,18 +84,18 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
                             platform=platform, cgroup_path=cgroup.path)
         r, w = os.pipe2(os.O_CLOEXEC)
         pid = 0
-        if in_factory and _hand_over(w, (store, st, spec, platform, console_socket, preserve_fds, log_file, cgroup)):
+        args = (store, st, spec, platform, console_socket, preserve_fds, log_file, cgroup, merge_pages)
+        if in_factory and _hand_over(w, args):
             pass   # a seed of the factory's is the supervisor now: nothing is forked here
         elif (pid := os.fork()) == 0:
             try:
                 os.close(r)
                 os.setsid()   # detach: a new session
                 if in_factory:
-                    _supervise(store, st, spec, platform, console_socket, w, 0, preserve_fds, log_file, cgroup)
+                    _supervise(w, 0, *args)
                 launcher = os.getpid()
                 if os.fork() == 0:   # the supervisor is the grandchild
-                    _supervise(store, st, spec, platform, console_socket, w, launcher, preserve_fds, log_file,
-                               cgroup)
+                    _supervise(w, launcher, *args)
             finally:
                 os._exit(0)
         os.close(w)
@@ -184,7 +185,7 @@ def supervise_handed_over(data: bytes, fds: list[int]) -> None:
         os.setsid()   # detach: a new session
         _root_level(context["log_level"])
         phases.verb_started = context["verb_started"]
-        store, st, spec, platform, console_socket, preserve_fds, log_file, cgroup = context["args"]
+        args = context["args"]
     except BaseException as e:   # noqa: BLE001 — tell the waiting create; nothing was made yet
         if ready_fd >= 0:
             msg = {"error": f"the supervisor could not take on the create's context: {e}"}
@@ -194,13 +195,17 @@ def supervise_handed_over(data: bytes, fds: list[int]) -> None:
                 pass
         os._exit(1)
     try:
-        _supervise(store, st, spec, platform, console_socket, ready_fd, 0, preserve_fds, log_file, cgroup)
+        _supervise(ready_fd, 0, *args)
     finally:
         os._exit(0)
 
 
-def _supervise(store: StateStore, st: ContainerState, spec, platform: str, console_socket: str, ready_fd: int,
-               launcher: int, preserve_fds: int, log_file: str, cgroup: cgroups.Cgroup | None = None) -> None:
+def _supervise(ready_fd: int, launcher: int, store: StateStore, st: ContainerState, spec, platform: str,
+               console_socket: str, preserve_fds: int, log_file: str, cgroup: cgroups.Cgroup | None = None,
+               merge_pages: bool = False) -> None:
+    if merge_pages:   # first: every page written from here on is offered (qvisor/page_merge.py)
+        from qvisor import page_merge
+        page_merge.offer()
     from qvisor.supervisor import Supervisor
     _log_to(log_file or store.path(st.id, "supervisor.log"))
     from qvisor import security

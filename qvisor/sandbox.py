@@ -23,7 +23,7 @@ from typing import Callable, Iterable, NoReturn
 from qlib import linux as L
 from qlib import sched
 from qlib.errors import QuarkError, SetupError
-from qvisor import channel, hooks, process, rootfs, rootfs_lock
+from qvisor import channel, hooks, page_merge, process, rootfs, rootfs_lock
 from qvisor.spec import (MEMORY_POLICY_FLAGS, MEMORY_POLICY_MODES, PERSONALITIES, PROC_NS_NAMES, Process, Spec,
                          sysctl_key)
 
@@ -35,6 +35,7 @@ def run_child(sock: socket.socket, body: Callable[[], None]) -> NoReturn:
     """Run `body` in a forked child; report any failure to the supervisor; never return."""
     code = 0
     try:
+        page_merge.withdraw_in_child()   # the container's memory is never offered to KSM
         body()
     except BaseException as e:  # a forked child must never unwind into the parent's code
         code = 1

@@ -136,6 +136,21 @@ def test_sysinfo_reports_the_cgroup_limit(progs, platform):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+def test_only_the_ksm_opt_ins_of_madvise_and_prctl_are_refused(platform):
+    # the rules match one value of a C int: other advice and options work, and high bits do not
+    # smuggle MADV_MERGEABLE past the filter (the kernel reads only the low 32)
+    code = ("import ctypes, mmap; libc = ctypes.CDLL(None, use_errno=True); m = mmap.mmap(-1, 4096);"
+            "addr = ctypes.addressof(ctypes.c_char.from_buffer(m));"
+            "sc = lambda *a: (libc.syscall(*map(ctypes.c_long, a)), ctypes.get_errno());"
+            "print(sc(28, addr, 4096, 4)[0], sc(157, 15, ctypes.addressof(ctypes.create_string_buffer(b'q')))[0],"
+            "     sc(28, addr, 4096, 12 | 1 << 32)[1], sc(28, addr, 4096, 12)[1], sc(157, 67, 0)[1])")
+    r = harness(platform, [sys.executable, "-c", code])
+    assert r.returncode == 0, r.stderr
+    # MADV_DONTNEED 0, PR_SET_NAME 0; MADV_MERGEABLE with high bits, MADV_MERGEABLE, PR_SET_MEMORY_MERGE: EINVAL
+    assert r.stdout.split() == ["0", "0"] + [str(errno.EINVAL)] * 3
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 def test_sockets_pass_through(platform):
     code = ("import socket; s = socket.create_server(('127.0.0.1', 0)); c = socket.create_connection(s.getsockname());"
             "a, peer = s.accept(); c.sendall(b'ping'); assert a.recv(4) == b'ping';"

@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/personality.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -87,6 +88,10 @@ int main(void) {
     CALL(fsmount, -1, 0, 0);
     CALL(fspick, -1, NOPATH, 0);
     CALL(setns, -1, 0);
+    /* KSM opt-ins: one anonymous page offered (harmless where allowed), and merge-any switched off */
+    void *page = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CALL(madvise, page, 4096, 12 /* MADV_MERGEABLE */);
+    CALL(prctl, 67 /* PR_SET_MEMORY_MERGE */, 0, 0, 0, 0);
     in_child("unshare", SYS_unshare, CLONE_NEWUSER);
     in_child("clone", SYS_clone, CLONE_NEWUSER | SIGCHLD);
     struct clone_args ca;
