@@ -72,7 +72,7 @@ class ControlMixin:
         try:
             op = msg.get("op")
             if op == "start":
-                self._start(conn)
+                self._start(conn, msg.get("direct") is True)
             elif op == "wait":
                 self._wait(conn, msg.get("pid") or self.state.pid)
             elif op == "exec":
@@ -98,7 +98,12 @@ class ControlMixin:
 
     # ---- start -------------------------------------------------------------------------------
 
-    def _start(self, conn: socket.socket) -> None:
+    def _start(self, conn: socket.socket, direct: bool = False) -> None:
+        # `direct`: the C front end's `quark start` (qvisor/frontend.c), which cannot run poststart
+        # hooks or word a refusal as the CLI does: what it cannot finish goes back to the CLI
+        # before anything happened
+        if direct and (self.state.status != CREATED or self.pending_start is not None or self.spec.hooks.poststart):
+            return self._reply(conn, {"fallback": True})
         if self.state.status != CREATED or self.pending_start is not None:
             return self._fail(conn, InvalidState(f"cannot start a container in state {self.state.status}"))
         self.pending_start = conn
