@@ -17,6 +17,7 @@ from typing import Callable
 import seccomp
 
 import tsor
+from qlib import linux
 
 from qkernel.syscalls import sys_personality, sys_socket, sys_sysinfo
 
@@ -123,9 +124,8 @@ _MOUNT = "the mount table is fixed once the runtime has set up the rootfs"
 _KEYS = "the kernel keyring is not namespaced; it widens the host attack surface"
 _TIME = "the clock is the host's, shared by every container"
 _NEWUSER = ArgMask(0, CLONE_NEWUSER, "flags has CLONE_NEWUSER")
-# Both arguments are C ints: the kernel reads the low 32 bits, so the filter compares those alone
-# (a value with high bits set must not slip past).
-MADV_MERGEABLE, PR_SET_MEMORY_MERGE = 12, 67
+# madvise's advice and prctl's option are C ints: the kernel reads the low 32 bits, so the filter
+# compares those alone (a value with high bits set must not slip past).
 _KSM = ("asks the host's samepage merging (KSM) to merge the container's pages with other processes' (quark's "
         "supervisors' too, with supervisor.memory_merge): copy-on-write timing then tells whether another "
         "process holds the same bytes. EINVAL, as from a kernel without KSM")
@@ -215,8 +215,8 @@ POLICY: dict[str, dict] = {
     "ptrace": _denied(errno.EPERM, "debugging other tasks; the ptrace platform is the tracer"),
     "process_vm_readv": _denied(errno.EPERM, "reads other tasks' memory"),
     "process_vm_writev": _denied(errno.EPERM, "writes other tasks' memory"),
-    "madvise": _denied(errno.EINVAL, _KSM, ArgMask(2, 0xFFFFFFFF, "advice is MADV_MERGEABLE", MADV_MERGEABLE)),
-    "prctl": _denied(errno.EINVAL, _KSM, ArgMask(0, 0xFFFFFFFF, "option is PR_SET_MEMORY_MERGE", PR_SET_MEMORY_MERGE)),
+    "madvise": _denied(errno.EINVAL, _KSM, ArgMask(2, 0xFFFFFFFF, "advice is MADV_MERGEABLE", linux.MADV_MERGEABLE)),
+    "prctl": _denied(errno.EINVAL, _KSM, ArgMask(0, 0xFFFFFFFF, "option is PR_SET_MEMORY_MERGE", linux.PR_SET_MEMORY_MERGE)),
     # mounts, namespaces
     "mount": _denied(errno.EPERM, _MOUNT, grant=_MOUNT_GRANT),
     "umount2": _denied(errno.EPERM, _MOUNT, grant=_MOUNTS_OWN),

@@ -97,6 +97,8 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_RAISE = 2
 PR_CAP_AMBIENT_CLEAR_ALL = 4
+PR_SET_MEMORY_MERGE = 67   # KSM for the whole process (6.4+)
+PR_GET_MEMORY_MERGE = 68
 
 # resolved once, at import: the calls that need them may run after a pivot into a container's root
 _SYS_PIVOT_ROOT = syscalls.number("pivot_root")
@@ -250,6 +252,7 @@ def process_vm_readv(pid: int, addr: int, size: int) -> bytes:
 
 # process_madvise advice (asm-generic/mman-common.h): the ones the kernel takes for another process
 MADV_WILLNEED = 3
+MADV_MERGEABLE = 12
 MADV_COLD = 20
 MADV_PAGEOUT = 21
 IOV_MAX = 1024

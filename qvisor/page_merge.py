@@ -24,8 +24,6 @@ import errno
 from qlib import linux as L
 from qlib.errors import ConfigError
 
-PR_SET_MEMORY_MERGE, PR_GET_MEMORY_MERGE = 67, 68
-KSM_RUN = "/sys/kernel/mm/ksm/run"
 _FIELD = "supervisor.memory_merge"
 
 _offered = False   # this process marked itself (its forked children take the mark off)
@@ -55,7 +53,7 @@ def load_setting(config_path: str | None = None) -> bool:
 
 def supported() -> bool:
     try:
-        L.prctl(PR_GET_MEMORY_MERGE)
+        L.prctl(L.PR_GET_MEMORY_MERGE)
     except OSError as e:
         if e.errno == errno.EINVAL:
             return False
@@ -66,7 +64,7 @@ def supported() -> bool:
 def offer() -> None:
     """Mark this process's memory mergeable (the supervisor, before it forks anything)."""
     global _offered
-    L.prctl(PR_SET_MEMORY_MERGE, 1)
+    L.prctl(L.PR_SET_MEMORY_MERGE, 1)
     _offered = True
 
 
@@ -74,12 +72,4 @@ def withdraw_in_child() -> None:
     """In a child forked by an offering supervisor: take the mark off, before the container's code
     could run with it."""
     if _offered:
-        L.prctl(PR_SET_MEMORY_MERGE, 0)
-
-
-def ksmd_running() -> bool:
-    try:
-        with open(KSM_RUN) as f:
-            return f.read().strip() == "1"
-    except OSError:
-        return False
+        L.prctl(L.PR_SET_MEMORY_MERGE, 0)
