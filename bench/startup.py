@@ -6,14 +6,15 @@ quark without the factory (the Python CLI for every verb, QUARK_FACTORY=0: how q
 factory), and runc; median and p95 of each phase and the ratios to runc. The supervisors' resident
 (RSS) and proportional (PSS) memory per sandbox over --sandboxes running sandboxes, with and
 without the factory, and with the factory and supervisor.memory_merge after the host's ksmd has
-merged what the supervisors offer (only on a host whose KSM is off: the bench runs ksmd for the
-measurement, then stops it and unmerges). `ctr run --rm` of a busybox image through containerd with quark's shim vs
+merged what the supervisors offer (only on a host whose KSM is off: the bench runs ksmd from then
+until the sandboxes are gone, then unmerges and stops it; tests/support/ksm.py). `ctr run --rm` of a busybox image through containerd with quark's shim vs
 io.containerd.runc.v2. JSON to bench/results/startup.json.
 Usage: python bench/startup.py [--runs 50] [--ctr-runs 20] [--sandboxes 50] [--no-containerd]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from qlib import linux as L
 from qlib.procfs import parent_pid  # noqa: E402
 from tests.cleanup import quark_cgroup_dirs, remove_empty_since  # noqa: E402
+from tests.support import ksm  # noqa: E402
 from tests.support.busybox import make_bundle  # noqa: E402
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
@@ -124,87 +126,37 @@ def phase_rows(q: list[dict], nf: list[dict], r: list[dict]) -> list[dict]:
     return rows
 
 
-KSM = "/sys/kernel/mm/ksm"
-
-
-def _ksm_read(name: str) -> str:
-    with open(os.path.join(KSM, name)) as f:
-        return f.read().strip()
-
-
-def _ksm_write(name: str, value: str) -> None:
-    with open(os.path.join(KSM, name), "w") as f:
-        f.write(value)
-
-
-def _ksmd_cpu_s() -> float:
-    """CPU time of the ksmd kernel thread (0 when there is none)."""
-    for d in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{d}/comm") as f:
-                if f.read().strip() != "ksmd":
-                    continue
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError):
-            continue
-    return 0.0
-
-
-def ksmd_merge(scans: int = 3) -> dict:
-    """Run the host's ksmd until it has scanned everything `scans` times, then stop it (what it
-    merged stays merged until unmerged: ksm_unmerge). Only on a host not using KSM already."""
-    if _ksm_read("run") != "0":
-        raise RuntimeError(f"the host's KSM is in use ({KSM}/run is not 0): not measured")
-    saved = {n: _ksm_read(n) for n in ("pages_to_scan", "sleep_millisecs")}
-    cpu0, t0 = _ksmd_cpu_s(), time.monotonic()
-    _ksm_write("pages_to_scan", "5000")
-    _ksm_write("sleep_millisecs", "10")
-    target = int(_ksm_read("full_scans")) + scans
-    _ksm_write("run", "1")
-    try:
-        while int(_ksm_read("full_scans")) < target and time.monotonic() - t0 < 120:
-            time.sleep(0.2)
-    finally:
-        _ksm_write("run", "0")
-        for name, value in saved.items():
-            _ksm_write(name, value)
-    return {"ksmd_seconds": round(time.monotonic() - t0, 1), "ksmd_cpu_s": round(_ksmd_cpu_s() - cpu0, 2),
-            "pages_shared": int(_ksm_read("pages_shared")), "pages_sharing": int(_ksm_read("pages_sharing"))}
-
-
-def ksm_unmerge() -> None:
-    if _ksm_read("run") == "0":
-        _ksm_write("run", "2")   # unmerge all, then off
-        _ksm_write("run", "0")
-
-
-def supervisor_memory(argv: list[str], bundle: str, n: int, env: dict | None = None, ksm: bool = False) -> dict:
-    """Resident and proportional memory of the supervisors of n running sandboxes; `ksm`: after the
-    host's ksmd has merged what the supervisors offer (env's config has supervisor.memory_merge)."""
+def supervisor_memory(argv: list[str], bundle: str, n: int, env: dict | None = None, merge: bool = False) -> dict:
+    """Resident and proportional memory of the supervisors of n running sandboxes; `merge`: with the
+    host's ksmd run (tests/support/ksm.py) until it has merged what they offer (env's config has
+    supervisor.memory_merge)."""
     rss, pss = [], []
     merged: dict = {}
-    try:
-        for i in range(n):
-            subprocess.run(argv + ["create", "--bundle", bundle, f"mem-{i}"], check=True,
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
-            subprocess.run(argv + ["start", f"mem-{i}"], check=True, env=env)
-        if ksm:
-            merged = ksmd_merge()
-        for i in range(n):
-            init = json.loads(subprocess.run(argv + ["state", f"mem-{i}"], check=True,
-                                             capture_output=True, env=env).stdout)["pid"]
-            sup = parent_pid(init)
-            with open(f"/proc/{sup}/smaps_rollup") as f:
-                fields = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.endswith("kB\n")}
-            rss.append(fields["Rss"] / 1024)
-            pss.append(fields["Pss"] / 1024)
-    finally:
-        for i in range(n):
-            subprocess.run(argv + ["delete", "--force", f"mem-{i}"], capture_output=True, env=env)
-        if ksm:
-            ksm_unmerge()
+    with contextlib.ExitStack() as ksmd:   # closed after the sandboxes are deleted: unmerged, ksmd off
+        try:
+            for i in range(n):
+                subprocess.run(argv + ["create", "--bundle", bundle, f"mem-{i}"], check=True,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
+                subprocess.run(argv + ["start", f"mem-{i}"], check=True, env=env)
+            if merge:   # what ksmd takes to merge them: three scans of everything
+                cpu0, t0 = ksm.ksmd_cpu_s(), time.monotonic()
+                ksmd.enter_context(ksm.running())
+                ksm.wait_full_scans(3)
+                merged = {"ksmd_seconds": round(time.monotonic() - t0, 1),
+                          "ksmd_cpu_s": round(ksm.ksmd_cpu_s() - cpu0, 2),
+                          "pages_shared": int(ksm.read("pages_shared")),
+                          "pages_sharing": int(ksm.read("pages_sharing"))}
+            for i in range(n):
+                init = json.loads(subprocess.run(argv + ["state", f"mem-{i}"], check=True,
+                                                 capture_output=True, env=env).stdout)["pid"]
+                sup = parent_pid(init)
+                with open(f"/proc/{sup}/smaps_rollup") as f:
+                    fields = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.endswith("kB\n")}
+                rss.append(fields["Rss"] / 1024)
+                pss.append(fields["Pss"] / 1024)
+        finally:
+            for i in range(n):
+                subprocess.run(argv + ["delete", "--force", f"mem-{i}"], capture_output=True, env=env)
     return {"sandboxes": n, "rss_median_mib": round(statistics.median(rss), 1),
             "pss_median_mib": round(statistics.median(pss), 1), "pss_total_mib": round(sum(pss), 1), **merged}
 
@@ -319,8 +271,8 @@ def main() -> int:
         try:
             result["supervisor_memory_ksm"] = supervisor_memory(
                 [front, "--root", os.path.join(work, "mem")], sleeper, a.sandboxes,
-                dict(with_factory, QUARK_CONFIG=merge_config), ksm=True)
-        except (OSError, RuntimeError) as e:   # no KSM here, or the host uses it: said, not measured
+                dict(with_factory, QUARK_CONFIG=merge_config), merge=True)
+        except (OSError, ksm.InUse) as e:   # no KSM here, or the host uses it: said, not measured
             result["supervisor_memory_ksm"] = {"not_measured": str(e)}
         result["supervisor_memory_no_factory"] = supervisor_memory(
             [QUARK_PY, "--root", os.path.join(work, "mem")], sleeper, min(a.sandboxes, 10), no_factory)

@@ -216,7 +216,8 @@ POLICY: dict[str, dict] = {
     "process_vm_readv": _denied(errno.EPERM, "reads other tasks' memory"),
     "process_vm_writev": _denied(errno.EPERM, "writes other tasks' memory"),
     "madvise": _denied(errno.EINVAL, _KSM, ArgMask(2, 0xFFFFFFFF, "advice is MADV_MERGEABLE", linux.MADV_MERGEABLE)),
-    "prctl": _denied(errno.EINVAL, _KSM, ArgMask(0, 0xFFFFFFFF, "option is PR_SET_MEMORY_MERGE", linux.PR_SET_MEMORY_MERGE)),
+    "prctl": _denied(errno.EINVAL, _KSM,
+                     ArgMask(0, 0xFFFFFFFF, "option is PR_SET_MEMORY_MERGE", linux.PR_SET_MEMORY_MERGE)),
     # mounts, namespaces
     "mount": _denied(errno.EPERM, _MOUNT, grant=_MOUNT_GRANT),
     "umount2": _denied(errno.EPERM, _MOUNT, grant=_MOUNTS_OWN),

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from qlib.procfs import parent_pid
+from tests.support import ksm
 
 pytestmark = pytest.mark.root
-KSM = "/sys/kernel/mm/ksm"
 
 
 def _config(tmp_path, text: str) -> dict:
@@ -62,33 +62,18 @@ def test_a_bad_setting_fails_create_naming_the_file_and_field_and_leaves_nothing
     assert quark.ids() == []
 
 
-def _write(name: str, value: str) -> None:
-    with open(os.path.join(KSM, name), "w") as f:
-        f.write(value)
-
-
 @pytest.fixture
 def ksmd():
     """The host's ksmd running for the test, fast; put back as it was (and everything it merged
     unmerged) after. Skipped when the host already uses KSM: the test would disturb it."""
     try:
-        with open(os.path.join(KSM, "run")) as f:
-            run = f.read().strip()
+        ksm.check_unused()
     except OSError:
         pytest.skip("needs a kernel with KSM (/sys/kernel/mm/ksm)")
-    if run != "0":
-        pytest.skip(f"the host's KSM is in use ({KSM}/run = {run}): this test would change it")
-    saved = {n: open(os.path.join(KSM, n)).read().strip() for n in ("pages_to_scan", "sleep_millisecs")}
-    _write("pages_to_scan", "5000")
-    _write("sleep_millisecs", "10")
-    _write("run", "1")
-    try:
+    except ksm.InUse as e:
+        pytest.skip(f"{e}: this test would change it")
+    with ksm.running():
         yield
-    finally:
-        _write("run", "2")   # unmerge what was merged, then stop
-        _write("run", "0")
-        for name, value in saved.items():
-            _write(name, value)
 
 
 def test_ksmd_merges_the_supervisors_pages_and_none_of_the_containers(quark, bundle, tmp_path, ksmd):
