@@ -12,15 +12,16 @@ host's redis-server / redis-benchmark and their shared objects, built here (noth
 Also recorded, per 10,000 requests: the CPU time of both pods' cgroups (cpuacct: the containers'
 processes), of quark's supervisors (which run outside the pods' cgroups; runc has none in the data
 path) and of tsord.
+Each run also measures the kernel alone (bench/bare_redis.py): the same binaries with no container,
+in two network namespaces on a CNI bridge, over a unix socket and over veth + bridge; that ratio is
+the most a runtime handing its pods AF_UNIX ends can show here (at -c 50, the goal's row).
 Median of the runs, per-run ratio quark/runc (GET/SET mean); JSON to bench/results/cri_redis.json.
 Usage (root): python bench/cri_redis.py [--runs 5] [--n50 100000] [--n1 20000]
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
-import io
 import json
 import os
 import statistics
@@ -33,16 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.integration import containerd_env as ce  # noqa: E402
 from tests.integration import cri_env  # noqa: E402
 
+from bare_redis import VIAS, BareRedis, redis_rps  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 HANDLERS = ("quark", "runc")
 GOAL_C50 = 1.5
 SERVER = ["redis-server", "--port", "6379", "--save", "", "--appendonly", "no", "--protected-mode", "no"]
-
-
-def redis_rps(text: str) -> dict[str, float]:
-    """redis-benchmark --csv: {"GET": req/s, "SET": req/s}."""
-    rows = [r for r in csv.reader(io.StringIO(text)) if len(r) > 1 and r[0] in ("GET", "SET")]
-    return {r[0]: float(r[1]) for r in rows}
 
 
 def cgroup_cpu_s(cgroup: str) -> float:
@@ -160,6 +157,11 @@ def summary(samples: dict[str, list[dict]], sizes: dict[int, int]) -> list[dict]
                                 for q, r in zip(samples["quark"], samples["runc"])]
         row["ratio_median"] = round(statistics.median(row["ratio_per_run"]), 2)
         row["ratio_of_medians"] = round(row["quark_mean_rps_median"] / row["runc_mean_rps_median"], 2)
+        if samples.get("unix"):   # the kernel alone: unix socket / veth + bridge, no container
+            for via in VIAS:
+                row[f"kernel_{via}_mean_rps_median"] = round(statistics.median(s[k] for s in samples[via]))
+            row["kernel_ratio_per_run"] = [round(u[k] / v[k], 2) for u, v in zip(samples["unix"], samples["veth"])]
+            row["kernel_ratio_median"] = round(statistics.median(row["kernel_ratio_per_run"]), 2)
         rows.append(row)
     return rows
 
@@ -187,8 +189,14 @@ def main() -> int:
     result: dict = {"command": "python bench/cri_redis.py " + " ".join(sys.argv[1:]),
                     "shim": os.path.realpath(shim), "cpus": os.cpu_count(),
                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    samples: dict[str, list[dict]] = {h: [] for h in HANDLERS}
+    samples: dict[str, list[dict]] = {h: [] for h in (*HANDLERS, *VIAS)}
+    bed = bare = None
     try:
+        from tests.support.testbed import Testbed
+        bed = Testbed(prefix="qbk", octet=219)     # the kernel-alone pair's own namespaces and bridge
+        node = bed.node("n")
+        bare_srv, bare_cli = node.pod("srv"), node.pod("cli")
+        bare = BareRedis(bare_srv.netns, bare_srv.ip, bed.dir)
         tsord.start(debug=False)
         d.start()
         d.import_images(redis=True)
@@ -200,7 +208,16 @@ def main() -> int:
                     samples[h].append(one_run(cri, d, tsord, h, i, sizes))
                     print(f"run {i} {h}: " + ", ".join(f"-c {k[1:]} {v['mean_rps']:.0f} req/s"
                                                        for k, v in samples[h][-1].items()), flush=True)
+                for via in VIAS:
+                    samples[via].append({f"c{c}": round(bare.rps(via, bare_cli.netns, c, n), 1)
+                                         for c, n in sorted(sizes.items(), reverse=True)})
+                    print(f"run {i} kernel alone, {via}: " + ", ".join(
+                        f"-c {k[1:]} {v:.0f} req/s" for k, v in samples[via][-1].items()), flush=True)
     finally:
+        if bare is not None:
+            bare.close()
+        if bed is not None:
+            bed.close()
         d.close()
         tsord.stop()
         import shutil
@@ -219,6 +236,13 @@ def main() -> int:
               f" / {r['quark_set_rps_median']}) | {r['runc_mean_rps_median']} ({r['runc_get_rps_median']} / "
               f"{r['runc_set_rps_median']}) | {r['ratio_median']}x | "
               f"{' / '.join(f'{x}' for x in r['ratio_per_run'])} | {goal} |")
+    print("\n| the kernel alone (no container) | unix socket median | veth + bridge median | ratio (median of "
+          "per-run) | per-run ratios |")
+    print("|---|---|---|---|---|")
+    for r in result["rows"]:
+        print(f"| -c {r['concurrency']}, -n {r['requests']} | {r['kernel_unix_mean_rps_median']} | "
+              f"{r['kernel_veth_mean_rps_median']} | {r['kernel_ratio_median']}x | "
+              f"{' / '.join(f'{x}' for x in r['kernel_ratio_per_run'])} |")
     return 0
 
 

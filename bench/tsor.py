@@ -6,6 +6,8 @@ One node  — two containers in two pods on one bridge (CNI bridge plugin):
             taskset to one CPU and to two), redis-benchmark GET/SET at -c 1 and -c 50, connection
             set-up time, and nginx (Debian's default nginx.conf) under `wrk -t1 -c16 -d10s`, keep-alive
             and `Connection: close`, with the CPU time of quark's supervisors and tsord per 10,000 requests.
+            Beside runc's redis rows, the kernel alone (bench/bare_redis.py: no container, the same pods'
+            namespaces): -c 50 over a unix socket vs over veth + bridge.
 Two nodes — two network namespaces joined by a veth, each with a bridge, pods and tsord:
             quark + TSoR (tcp path) vs runc (plain TCP, same veth): iperf3 throughput, 64 B
             ping-pong RTT and connection set-up time (connect + 1-byte echo + close).
@@ -21,8 +23,6 @@ The chart needs matplotlib (`make bench` installs the `bench` extra).
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import os
 import platform
@@ -38,6 +38,8 @@ sys.path.insert(0, REPO)
 from tests.cleanup import quark_cgroup_dirs, remove_empty_since
 from tests.support.nginx import ensure_nginx, prepare_bundle
 from tests.support.testbed import Testbed, python_succeeds, wait_file
+
+from bare_redis import VIAS, BareRedis, redis_rps  # noqa: E402  (bench/)
 
 GOALS = {"iperf3_gbps": (">=", 2.0), "rtt_p50_us": ("<=", 0.75), "redis_c50_rps": (">=", 1.5),
          "redis_c1_rps": (">=", 1.05), "two_node_iperf3_gbps": (">=", 0.95),
@@ -88,11 +90,6 @@ def client(bed: Testbed, runtime: str, name: str, pod, shell: str, timeout: floa
     if r.returncode != 0:
         raise RuntimeError(f"{name} ({runtime}) failed: {text[-2000:]} {r.stderr[-2000:]}")
     return text
-
-
-def redis_rps(text: str) -> dict[str, float]:
-    rows = list(csv.reader(io.StringIO(text)))
-    return {row[0]: float(row[1]) for row in rows[1:] if len(row) > 1}
 
 
 def cpu_seconds(pids: list[int]) -> dict[int, float]:
@@ -209,6 +206,12 @@ def one_node(runtime: str, pp: str, tag: str, parts: set[str]) -> dict:
                                        f"redis-benchmark -h {srv.ip} -p 6379 -t get,set -n {n} -c {c} --csv"))
                 res[f"redis_c{c}_rps"] = (rps["GET"] + rps["SET"]) / 2
                 res[f"redis_c{c}_get_rps"], res[f"redis_c{c}_set_rps"] = rps["GET"], rps["SET"]
+            if runtime == "runc":
+                # the kernel alone in the same pods' namespaces, no container: unix socket vs veth +
+                # bridge, the most a local path made of AF_UNIX ends can show against runc here
+                with BareRedis(srv.netns, srv.ip, bed.dir) as bare:
+                    for via in VIAS:
+                        res[f"kernel_{via}_c50_rps"] = bare.rps(via, cli.netns, 50, 100000)
         if "setup" in parts:
             p50, p99 = map(float, client(bed, runtime, "setup", cli, f"{pp} connect {srv.ip} 7001 300").split())
             res["setup_p50_us"], res["setup_p99_us"] = p50, p99
@@ -407,6 +410,12 @@ def main() -> int:
         plain = f" (plain TCP: {t['ratio_to_plain_tcp']:.2f}x)" if "ratio_to_plain_tcp" in t else ""
         print(f"{t['label'] + ' (' + t['unit'] + ')':<36} {t['quark']:>12.1f} {t['runc']:>12.1f} {t['ratio']:>6.2f}x  "
               f"{per_run}  {goal}{plain}")
+    r = results.get("one_node", {}).get("runc_bridge", {})
+    if "kernel_unix_c50_rps" in r:
+        per_run = " / ".join(f"{x['kernel_unix_c50_rps'] / x['kernel_veth_c50_rps']:.2f}" for x in r.get("runs", [r]))
+        print(f"redis -c 50, the kernel alone (no container, the same pods' namespaces): unix socket "
+              f"{r['kernel_unix_c50_rps']:.0f} vs veth + bridge {r['kernel_veth_c50_rps']:.0f} req/s, "
+              f"{r['kernel_unix_c50_rps'] / r['kernel_veth_c50_rps']:.2f}x (per run {per_run})")
     q = results.get("one_node", {}).get("quark_tsor_local", {})
     for kind in ("keepalive", "close"):
         if f"nginx_{kind}_rps" in q:
