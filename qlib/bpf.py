@@ -184,3 +184,9 @@ def prog_info(prog_fd: int) -> tuple[str, list[int]]:
     nr = struct.unpack_from("<I", info.raw, 52)[0]
     name = info.raw[64:80].split(b"\0", 1)[0].decode(errors="replace")
     return name, list(map_ids[:min(nr, len(map_ids))])
+
+
+def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, name: str) -> int:
+    """A map without BTF (hash, array, sockhash, ...); its fd."""
+    return _bpf(MAP_CREATE, _attr("<IIIIIII16s", map_type, key_size, value_size, max_entries, 0, 0, 0,
+                                  name.encode()[:15]), f"making the map {name}")
