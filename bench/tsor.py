@@ -156,12 +156,12 @@ def wrk(bed: Testbed, runtime: str, name: str, pod, node, url: str, extra: str) 
     return res
 
 
-def one_node(runtime: str, pp: str, tag: str, parts: set[str]) -> dict:
+def one_node(runtime: str, pp: str, tag: str, parts: set[str], local_path: str | None = None) -> dict:
     bed = Testbed(prefix=f"qb{tag}", octet=215)
     try:
         node = bed.node("n")
         if runtime == "quark":
-            node.start_tsord(debug=False)
+            node.start_tsord(debug=False, local_path=local_path)
         srv, cli = node.pod("srv"), node.pod("cli")
         tsor = runtime == "quark"
         ports = []
@@ -225,6 +225,10 @@ def one_node(runtime: str, pp: str, tag: str, parts: set[str]) -> dict:
         return res
     finally:
         bed.close()
+        if local_path == "sockmap":   # tsord leaves its programs attached for the connections they carry
+            from tsor import sockmap
+            from tsor.sockopt_offload import cgroup2_root
+            sockmap.remove_attached(cgroup2_root())
 
 
 def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None) -> dict:
@@ -366,6 +370,8 @@ def main() -> int:
     p.add_argument("--only", default=",".join(PARTS),
                    help=f"comma-separated parts to run (default all): {','.join(PARTS)}")
     p.add_argument("--runs", type=int, default=1, help="repeat each side N times; numbers are medians")
+    p.add_argument("--sockmap", action="store_true",
+                   help="one node: also quark with tsord's local_path: sockmap (nothing trapped; tsor/sockmap.py)")
     args = p.parse_args()
     parts = {x.strip() for x in args.only.split(",") if x.strip()}
     if not parts or parts - set(PARTS):
@@ -388,6 +394,9 @@ def main() -> int:
             results["one_node"] = {
                 "quark_tsor_local": merge([one_node("quark", pp_in, "q", one) for _ in range(args.runs)]),
                 "runc_bridge": merge([one_node("runc", pp_in, "r", one) for _ in range(args.runs)])}
+            if args.sockmap:
+                results["one_node"]["quark_tsor_sockmap"] = merge([one_node("quark", pp_in, "m", one, "sockmap")
+                                                                   for _ in range(args.runs)])
         if parts & {"two_nodes", "rdma"}:   # the rdma rows need the tcp path beside them
             configs = ["quark_tsor_tcp", *(["quark_tsor_rdma"] if "rdma" in parts else []), "runc_plain_tcp"]
             results["two_nodes"] = two_node_runs(configs, pp_in, args.runs)
@@ -416,6 +425,15 @@ def main() -> int:
         print(f"redis -c 50, the kernel alone (no container, the same pods' namespaces): unix socket "
               f"{r['kernel_unix_c50_rps']:.0f} vs veth + bridge {r['kernel_veth_c50_rps']:.0f} req/s, "
               f"{r['kernel_unix_c50_rps'] / r['kernel_veth_c50_rps']:.2f}x (per run {per_run})")
+    m = results.get("one_node", {}).get("quark_tsor_sockmap")
+    if m is not None:
+        print("\nquark with local_path: sockmap against runc + bridge (and the socketpair path's ratio):")
+        q = results["one_node"]["quark_tsor_local"]
+        for key in sorted(k for k in m if isinstance(m[k], float) and "cpu" not in k and k in r and r[k]):
+            per_run = " / ".join(f"{a[key] / b[key]:.2f}" for a, b in zip(m.get("runs", [m]), r.get("runs", [r]))
+                                 if a.get(key) and b.get(key))
+            print(f"{key:<36} {m[key]:>12.1f} {r[key]:>12.1f} {m[key] / r[key]:>6.2f}x  {per_run}  (socketpair "
+                  f"{q[key] / r[key] if key in q else float('nan'):.2f}x)")
     q = results.get("one_node", {}).get("quark_tsor_local", {})
     for kind in ("keepalive", "close"):
         if f"nginx_{kind}_rps" in q:

@@ -1,5 +1,5 @@
-"""The thin layer over bpf(2) quark needs: load a program, make a socket-storage map, attach
-programs to a cgroup and find what is attached there.
+"""The thin layer over bpf(2) quark needs: load a program, make maps and read and write their
+entries, attach programs to a cgroup or a map and find what is attached there.
 
 No compiler is involved: quark's programs are a few dozen instructions, assembled in Python (the
 cgroup v2 device filter, qvisor/cgroups/devicefilter.py; TSoR's socket-option programs with `Asm`,
@@ -21,7 +21,7 @@ _libc.syscall.restype = ctypes.c_long
 _ATTR_SIZE = 128   # sizeof(union bpf_attr) is larger; the kernel zero-checks the tail we pass
 
 # commands (linux/bpf.h)
-MAP_CREATE = 0
+MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 0, 1, 2, 3, 4
 PROG_LOAD, PROG_ATTACH, PROG_DETACH = 5, 8, 9
 PROG_GET_FD_BY_ID, MAP_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD, PROG_QUERY, BTF_LOAD = 13, 14, 15, 16, 18
 MAP_TYPE_SK_STORAGE = 24
@@ -186,7 +186,67 @@ def prog_info(prog_fd: int) -> tuple[str, list[int]]:
     return name, list(map_ids[:min(nr, len(map_ids))])
 
 
-def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, name: str) -> int:
+def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, name: str, flags: int = 0) -> int:
     """A map without BTF (hash, array, sockhash, ...); its fd."""
-    return _bpf(MAP_CREATE, _attr("<IIIIIII16s", map_type, key_size, value_size, max_entries, 0, 0, 0,
+    return _bpf(MAP_CREATE, _attr("<IIIIIII16s", map_type, key_size, value_size, max_entries, flags, 0, 0,
                                   name.encode()[:15]), f"making the map {name}")
+
+
+def map_info(map_fd: int) -> tuple[int, int, str]:
+    """A map's type, key size and name (struct bpf_map_info)."""
+    info = ctypes.create_string_buffer(96)
+    _bpf(OBJ_GET_INFO_BY_FD, _attr("<IIQ", map_fd, len(info), ctypes.addressof(info)), "reading a map's info")
+    map_type, _, key_size = struct.unpack_from("<III", info.raw, 0)
+    return map_type, key_size, info.raw[24:40].split(b"\0", 1)[0].decode(errors="replace")
+
+
+def map_by_id(map_id: int) -> int:
+    return _bpf(MAP_GET_FD_BY_ID, _attr("<I", map_id), f"opening map {map_id}")
+
+
+def map_update(map_fd: int, key: bytes, value: bytes, flags: int = 0) -> None:
+    k, v = ctypes.create_string_buffer(key, len(key)), ctypes.create_string_buffer(value, len(value))
+    _bpf(MAP_UPDATE_ELEM, _attr("<IxxxxQQQ", map_fd, ctypes.addressof(k), ctypes.addressof(v), flags),
+         "updating a map entry")
+
+
+def map_delete(map_fd: int, key: bytes) -> bool:
+    """False when there was no such entry."""
+    k = ctypes.create_string_buffer(key, len(key))
+    try:
+        _bpf(MAP_DELETE_ELEM, _attr("<IxxxxQ", map_fd, ctypes.addressof(k)), "deleting a map entry")
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            return False
+        raise
+    return True
+
+
+def map_lookup(map_fd: int, key: bytes, value_size: int) -> bytes | None:
+    k, v = ctypes.create_string_buffer(key, len(key)), ctypes.create_string_buffer(value_size)
+    try:
+        _bpf(MAP_LOOKUP_ELEM, _attr("<IxxxxQQ", map_fd, ctypes.addressof(k), ctypes.addressof(v)),
+             "reading a map entry")
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            return None
+        raise
+    return v.raw
+
+
+def map_keys(map_fd: int, key_size: int) -> list[bytes]:
+    """Every key of a hash-like map (sockhash included), in the kernel's order."""
+    keys: list[bytes] = []
+    prev = None
+    nxt = ctypes.create_string_buffer(key_size)
+    while True:
+        k = ctypes.create_string_buffer(prev, key_size) if prev is not None else None
+        try:
+            _bpf(MAP_GET_NEXT_KEY, _attr("<IxxxxQQ", map_fd, ctypes.addressof(k) if k is not None else 0,
+                                         ctypes.addressof(nxt)), "listing a map's keys")
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return keys
+            raise
+        prev = nxt.raw
+        keys.append(prev)

@@ -7,6 +7,14 @@ socket handlers (qkernel/syscalls/sys_socket.py).
 """
 DEFAULT_SOCKET = "/run/quark/tsord.sock"
 DEFAULT_CONFIG = "/etc/quark/tsor.yaml"
+
+
+def local_path_marker(tsord_socket: str) -> str:
+    """The file beside tsord's socket that says `sockmap` when tsord runs the sockmap local path
+    (tsor/sockmap.py): a sandbox reads it before its filter is made, to trap no socket call."""
+    return f"{tsord_socket}.local-path"
+
+
 # Annotation naming another tsord socket for one sandbox (several tsords on one machine: tests).
 SOCKET_ANNOTATION = "io.quark.tsor.socket"
 # The socket options TSoR answers for a redirected socket instead of the socket underneath (an

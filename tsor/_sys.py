@@ -20,6 +20,25 @@ def socket_in_netns(netns_fd: int, family: int) -> socket.socket:
     return sockets_in_netns(netns_fd, family, 1)[0]
 
 
+SO_NETNS_COOKIE = 71
+
+
+def netns_cookie(path: str, inode: int) -> int | None:
+    """The cookie of the network namespace at `path` (/proc/PID/ns/net, /var/run/netns/NAME) —
+    what BPF programs know a namespace by — or None when that is no longer the namespace `inode`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_ino != inode:
+            return None
+        with socket_in_netns(fd, socket.AF_INET) as s:
+            return struct.unpack("Q", s.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8))[0]
+    finally:
+        os.close(fd)
+
+
 def sockets_in_netns(netns_fd: int, family: int, count: int) -> list[socket.socket]:
     """`count` non-blocking TCP sockets made in another network namespace, for one pair of setns."""
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)

@@ -15,6 +15,8 @@
     transport: auto                 # node to node: auto|rdma|tcp|softverbs, or per peer node:
                                     #   {node-b: softverbs, "*": auto}   ("*": every other node)
     state_dir: /run/quark/tsord     # what survives a restart of tsord: the pods quark-cni registered
+    local_path: socketpair          # between pods of this node: socketpair (connect trapped, one
+                                    #   AF_UNIX socketpair) or sockmap (nothing trapped, tsor/sockmap.py)
 
 `transport`: `rdma` carries connections over an RC queue pair on this host's RDMA device (pyverbs),
 `softverbs` over the software provider (a TCP connection between the tsords is its cable: for hosts
@@ -38,11 +40,12 @@ from tsor import DEFAULT_SOCKET
 from tsor.errors import ConfigError
 
 _KEYS = {"node", "socket", "listen", "metrics", "routes", "kubernetes", "cluster_secret_file", "insecure_no_auth",
-         "transport", "state_dir", "sockopt_offload"}
+         "transport", "state_dir", "sockopt_offload", "local_path"}
 _KUBE_KEYS = {"kubeconfig", "context", "runtime_class", "tsord_port"}
 DEFAULT_TSORD_PORT = 7470
 DEFAULT_STATE_DIR = "/run/quark/tsord"
 TRANSPORTS = ("auto", "rdma", "tcp", "softverbs")
+LOCAL_PATHS = ("socketpair", "sockmap")
 MIN_SECRET = 16   # bytes: a guessable secret would be no authentication
 
 
@@ -79,6 +82,8 @@ class Config:
     # join quark's cgroup, whose BPF programs answer local-path ends' options (tsor/sockopt_offload.py);
     # tsor.yaml's default is true, a Daemon built in-process (tests) stays where it is unless asked
     sockopt_offload: bool = False
+    local_path: str = "socketpair"
+    path: str = ""   # the file it was read from (errors found later name it)
 
     def transport_for(self, node: str) -> str:
         """The node-to-node transport configured for peer `node`."""
@@ -163,10 +168,13 @@ def load(path: str) -> Config:
     offload = raw.get("sockopt_offload", True)
     if not isinstance(offload, bool):
         raise ConfigError(path, "sockopt_offload", f"expected true or false, got {offload!r}")
+    local_path = raw.get("local_path", "socketpair")
+    if local_path not in LOCAL_PATHS:
+        raise ConfigError(path, "local_path", f"expected one of {list(LOCAL_PATHS)}, got {local_path!r}")
     return Config(node=node, socket=sock, listen=listen, metrics=metrics, routes=routes, kubernetes=kube,
                   cluster_secret=secret, insecure_no_auth=insecure,
                   transport=_transport(raw.get("transport", "auto"), path), state_dir=state_dir,
-                  sockopt_offload=offload)
+                  sockopt_offload=offload, local_path=local_path, path=path)
 
 
 def _kubernetes(value: object, path: str) -> Kubernetes | None:

@@ -25,7 +25,7 @@ import threading
 import time
 
 from tsor import DEFAULT_CONFIG, config as configmod, protocol, routes as routesmod
-from tsor import _sys, sockopt_offload
+from tsor import _sys, local_path_marker, sockmap, sockopt_offload
 from tsor.addr import Endpoint, family_of, is_unspecified, unmapped
 from tsor.bytecount import TcpByteCounter
 from tsor.errors import ConfigError, NotAllowed, ProtocolError
@@ -143,11 +143,13 @@ class Daemon:
         self.rdma: RdmaTransport | None = None
         self.server: socket.socket | None = None
         self.offload: sockopt_offload.Offload | None = None
+        self.sockmap: sockmap.Registrar | None = None   # local_path: sockmap
         self.gate: Gate | None = None
         self.metrics_server: MetricsServer | None = None
         self.metrics.gauges = lambda: {"sandboxes": len(self.sessions), "listeners": len(self.listeners),
                                        "pods": len(self.pods), "route_pods": len(self.routes.pods),
-                                       "route_services": len(self.routes.services)}
+                                       "route_services": len(self.routes.services),
+                                       **({"sockmap_ends": self.sockmap.path.connections()} if self.sockmap else {})}
         self.bytes = TcpByteCounter()   # tcp path: the kernel counts, see tsor/bytecount.py
         self.metrics.byte_counts = self._byte_counts
         self.metrics.rdma_links = lambda: self.rdma.status() if self.rdma is not None else {}
@@ -168,6 +170,7 @@ class Daemon:
             # the local-path and rdma-path ends made here must be covered by the option program
             # for sandboxes whose filter no longer traps TCP_NODELAY/TCP_CORK (tsor/sockopt_offload.py)
             self.offload = sockopt_offload.join()
+        self._local_path()
         if self.route_source is not None:
             self.route_source.start(self.routes)
         self.bytes.start()
@@ -191,6 +194,50 @@ class Daemon:
         log.info("tsord node %s serving %s (tcp transport: %s, metrics: %s)", self.cfg.node,
                  self.cfg.socket, self.cfg.listen or "off", self.cfg.metrics or "off")
 
+    def _local_path(self) -> None:
+        """local_path: sockmap — take over or attach the programs (tsor/sockmap.py) and tell the
+        sandboxes, by a file beside the socket, that they trap no socket call; socketpair — retire
+        the programs a sockmap tsord left, if any."""
+        root = sockopt_offload.cgroup2_root()
+        marker = local_path_marker(self.cfg.socket)
+        if self.cfg.local_path != "sockmap":
+            _remove(marker)
+            said = sockmap.retire(root) if root is not None else None
+            if said:
+                log.info("sockmap local path off: %s", said)
+            return
+        if root is None:
+            raise ConfigError(self.cfg.path, "local_path",
+                              "sockmap needs the unified cgroup hierarchy (cgroup2) mounted")
+        try:
+            path = sockmap.SockmapPath.open(root)
+        except OSError as e:
+            raise ConfigError(self.cfg.path, "local_path", f"sockmap: {e}") from None
+        path.clear()   # a tsord before us registered these; ours follow from hellos and the pod state
+        self.sockmap = sockmap.Registrar(path)
+        self._sync_sockmap()
+        # written before the socket is bound: a sandbox that sees the socket sees this too
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        with open(f"{marker}.tmp", "w") as f:
+            f.write("sockmap\n")
+        os.replace(f"{marker}.tmp", marker)
+        log.info("local path: sockmap (programs on %s)", root)
+
+    def _sync_sockmap(self) -> None:
+        """The sockmap programs' address map = the addresses of registered sandboxes and pods."""
+        if self.sockmap is None:
+            return
+        with self._lock:
+            want = {ip: (f"/proc/{s.identity.pid}/ns/net", s.identity.netns)
+                    for s in self.sessions if s.identity is not None for ip in s.identity.addrs}
+        for pod in self.pods.all():
+            for ip in pod.ips:
+                want.setdefault(ip, (pod.netns, pod.netns_inode))
+        try:
+            self.sockmap.sync(want)
+        except OSError as e:
+            log.warning("sockmap: registrations not updated: %s", e)
+
     def stop(self) -> None:
         if self._stopped.is_set():
             return
@@ -200,6 +247,7 @@ class Daemon:
                 os.unlink(self.cfg.socket)
             except FileNotFoundError:
                 pass
+            _remove(local_path_marker(self.cfg.socket))
             self.gate.close()
             self.server.close()
         if self.remote is not None:
@@ -215,6 +263,8 @@ class Daemon:
             sess.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.generation.close()
+        if self.sockmap is not None:   # attached it stays: the connections it carries keep their way
+            self.sockmap.path.close()
         log.info("tsord stopped")
 
     # ---- new connections: no thread until the hello checks out -----------------------------------
@@ -241,6 +291,7 @@ class Daemon:
         sess.sock.setblocking(True)
         with self._lock:
             self.sessions.add(sess)
+        self._sync_sockmap()
         threading.Thread(target=self._serve, args=(sess,), name="sandbox", daemon=True).start()
         return True
 
@@ -293,6 +344,7 @@ class Daemon:
             sess.close()
         if sess.identity:
             log.info("sandbox %s gone", sess.name)
+            self._sync_sockmap()
 
     def _request(self, sess: Session, mid: int, msg: object) -> None:
         if isinstance(msg, protocol.Hello):
@@ -366,11 +418,13 @@ class Daemon:
             return {"ok": True, "node": self.cfg.node}
         if isinstance(msg, protocol.PodGc):
             removed = self.pods.gc(set(msg.keep))
+            self._sync_sockmap()
             for key in removed:
                 log.info("pod %s: no longer an attachment of the runtime; forgotten", key)
             return {"ok": True, "removed": removed}
         if isinstance(msg, protocol.PodDel):
             existed = self.pods.remove(f"{msg.sandbox}/{msg.ifname}")
+            self._sync_sockmap()
             if existed:
                 log.info("pod %s/%s deregistered", msg.sandbox, msg.ifname)
             return {"ok": True, "existed": existed}
@@ -389,6 +443,7 @@ class Daemon:
                 self._refuse_held_by_another_sandbox(set(ips), inode)
             pod = Pod(msg.sandbox, msg.ifname, msg.netns, inode, ips, msg.name, msg.namespace, msg.uid)
             self.pods.add(pod)
+            self._sync_sockmap()
         except NotAllowed as e:
             self.metrics.error("claim")
             log.warning("pod %s/%s: %s", msg.sandbox, msg.ifname, e)
@@ -566,6 +621,13 @@ class Daemon:
                 self.bytes.untrack(sock)
         fut.add_done_callback(done)
         return fut
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _route_source(cfg: configmod.Config) -> routesmod.RouteSource | None:

@@ -106,6 +106,12 @@ class SocketIntercept:
     def offload(self) -> Any:
         return self.net.offload
 
+    @property
+    def traps_sockets(self) -> bool:
+        """False with tsord's sockmap local path: the kernel carries the sandbox's connections and
+        nothing of the socket family is trapped (tsor/sockmap.py)."""
+        return self.net.local_path != "sockmap"
+
     def use_option_table(self, table: Any) -> None:
         self.fast = table
         for ino, st in self.net.sockets.items():

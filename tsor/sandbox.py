@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tsor import DEFAULT_SOCKET, SOCKET_ANNOTATION, _sys, protocol, sockopt_offload
+from tsor import DEFAULT_SOCKET, SOCKET_ANNOTATION, _sys, local_path_marker, protocol, sockopt_offload
 from tsor.addr import Endpoint, family_of, unmapped
 from tsor.errors import ProtocolError
 from tsor.peers import PeerLinks
@@ -247,12 +247,24 @@ class Listener:
     fd: int
 
 
+def _local_path(tsord_socket: str) -> str:
+    """What tsord says of its local path, in the file beside its socket (tsor/daemon.py)."""
+    try:
+        with open(local_path_marker(tsord_socket)) as f:
+            return "sockmap" if f.read().strip() == "sockmap" else "socketpair"
+    except FileNotFoundError:
+        return "socketpair"
+
+
 class SandboxNet:
     """TSoR state of one sandbox (the supervisor holds one, QKernel's handlers use it)."""
 
     def __init__(self, loop, sandbox: str, init_pid: int, pids: Callable[[], list[int]],
-                 path: str = DEFAULT_SOCKET, offload: Offload | None = None) -> None:
+                 path: str = DEFAULT_SOCKET, offload: Offload | None = None, local_path: str = "socketpair") -> None:
         self.loop, self.init_pid, self.pids = loop, init_pid, pids
+        # "sockmap": tsord runs the trap-free local path (tsor/sockmap.py); we only register, so that
+        # tsord puts our addresses in the programs' map, and the filter traps no socket call
+        self.local_path = local_path
         # the kernel answers TCP_NODELAY/TCP_CORK of our local-path ends (tsor/sockopt_offload.py);
         # tsord is told, so that it gives us only ends made where the program covers them
         self.offload = offload
@@ -281,8 +293,10 @@ class SandboxNet:
         try:
             if _sys.netns_inode(init_pid) == _sys.netns_inode(os.getpid()):
                 return None   # host network: nothing to redirect, and no identity to claim
-            offload = sockopt_offload.join() if sockopt_offload.wanted(annotations) else None
-            net = cls(loop, sandbox, init_pid, pids, path, offload)
+            local_path = _local_path(path)
+            offload = (sockopt_offload.join() if local_path == "socketpair" and sockopt_offload.wanted(annotations)
+                       else None)
+            net = cls(loop, sandbox, init_pid, pids, path, offload, local_path)
         except OSError as e:
             log.warning("TSoR off for %s: %s", sandbox, e)
             return None

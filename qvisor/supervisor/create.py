@@ -167,11 +167,13 @@ class CreateMixin:
 
     def _socket_filter(self) -> dict[str, bool]:
         """What the container's filter traps of the socket family (the start message's fields):
-        `sockets` only for a sandbox TSoR serves (a sandbox without it pays nothing for sockets);
+        `sockets` only for a sandbox TSoR serves with the socketpair local path (a sandbox without
+        TSoR, or with tsord's sockmap path, tsor/sockmap.py, pays nothing for sockets);
         `sockopt_offload` when the kernel answers TCP_NODELAY/TCP_CORK of its local-path sockets
         (tsor/sockopt_offload.py), so setsockopt of those is not trapped either."""
         tsor = self.kernel.context.tsor if self.kernel is not None else None
-        return {"sockets": tsor is not None, "sockopt_offload": tsor is not None and tsor.offload is not None}
+        sockets = tsor is not None and tsor.traps_sockets
+        return {"sockets": sockets, "sockopt_offload": sockets and tsor.offload is not None}
 
     def _forward_console(self, master: int, name: str) -> None:
         """Send the pty master to --console-socket (runc's protocol: one fd with the pty name)."""

@@ -139,10 +139,11 @@ class Node:
         return p
 
     def start_tsord(self, *, wait: bool = True, debug: bool = True, transport: str | None = None,
-                    kubeconfig: str | None = None) -> None:
+                    kubeconfig: str | None = None, local_path: str | None = None) -> None:
         """`debug`: tsord logs every connection (the tests read it); benchmarks run without, as a
         node does. `transport`: tsor.yaml's node-to-node transport (default: tsord's, auto).
-        `kubeconfig`: routes from that API server (tsor/routes_k8s.py) instead of the bed's file."""
+        `kubeconfig`: routes from that API server (tsor/routes_k8s.py) instead of the bed's file.
+        `local_path`: tsor.yaml's local_path (default: tsord's, socketpair)."""
         cfg = os.path.join(self.bed.dir, f"{self.name}-tsor.yaml")
         routes = {"kubernetes": {"kubeconfig": kubeconfig}} if kubeconfig else {"routes": self.bed.routes_file}
         with open(cfg, "w") as f:
@@ -150,7 +151,8 @@ class Node:
                        **routes, "cluster_secret_file": self.bed.secret_file,
                        "state_dir": os.path.join(self.bed.dir, f"{self.name}-state"),
                        **({"listen": f"{self.address}:{TSORD_PORT}"} if self.address else {}),
-                       **({"transport": transport} if transport else {})}, f)
+                       **({"transport": transport} if transport else {}),
+                       **({"local_path": local_path} if local_path else {})}, f)
         log = open(os.path.join(self.bed.dir, f"{self.name}-tsord.log"), "a")
         # nsenter, not `ip netns exec`: that one also remounts /sys, which would hide the cgroup2
         # hierarchy tsord joins for the socket-option offload (tsor/sockopt_offload.py)

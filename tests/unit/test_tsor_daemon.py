@@ -552,3 +552,18 @@ def test_a_wedged_tsord_never_holds_the_supervisors_loop(tmp_path):
     finally:
         sb.client.close()
         wedged.close()
+
+
+def test_sockmap_local_path_without_cgroup2_refuses_to_start_naming_the_field(tmp_path, monkeypatch):
+    """local_path: sockmap where the programs cannot be attached: tsord does not start (and leaves
+    no socket a sandbox could find), rather than run the socketpair path the operator did not ask for."""
+    from tsor import sockopt_offload
+    monkeypatch.setattr(sockopt_offload, "cgroup2_root", lambda: None)
+    cfg = Config(node="n", socket=str(tmp_path / "tsord.sock"), state_dir=str(tmp_path / "state"),
+                 local_path="sockmap", path="/etc/quark/tsor.yaml")
+    d = Daemon(cfg)
+    with pytest.raises(ConfigError) as e:
+        d.start()
+    assert "local_path" in str(e.value) and "/etc/quark/tsor.yaml" in str(e.value)
+    assert not os.path.exists(cfg.socket) and not os.path.exists(cfg.socket + ".local-path")
+    d.stop()

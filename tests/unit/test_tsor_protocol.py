@@ -115,9 +115,12 @@ def test_config_parses_and_names_bad_fields(tmp_path):
     assert c.sockopt_offload   # tsord joins quark's socket cgroup unless told not to
     f.write_text("sockopt_offload: false\n")
     assert not config.load(str(f)).sockopt_offload
+    assert c.local_path == "socketpair"
+    f.write_text("local_path: sockmap\n")
+    assert config.load(str(f)).local_path == "sockmap"
     for text, field in [("socket: rel.sock", "socket"), ("listen: 7470", "listen"),
                         ("bogus: 1", "bogus"), ("metrics: localhost:x", "metrics"), ("- 1", "mapping"),
-                        ("sockopt_offload: maybe", "sockopt_offload")]:
+                        ("sockopt_offload: maybe", "sockopt_offload"), ("local_path: rdma", "local_path")]:
         f.write_text(text)
         with pytest.raises(ConfigError, match=field):
             config.load(str(f))

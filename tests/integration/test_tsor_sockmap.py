@@ -1,0 +1,386 @@
+"""The sockmap local path's kernel side (tsor/sockmap.py), with real sockets in two pods of a testbed
+node (network namespaces on a CNI bridge): which connections it carries, that what it carries skips
+the pods' veths and arrives intact and in order, and that it outlives the tsord that set it up.
+
+Whether bytes took the stack is read from the pod's veth counters: a carried connection's payload
+never crosses eth0 (only its handshake and close do)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from qlib import procfs
+from tests.support import testbed
+from tsor import _sys, sockmap
+from tsor.sockopt_offload import cgroup2_root
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, bpf(2))"),
+    pytest.mark.skipif(cgroup2_root() is None, reason="needs the unified cgroup hierarchy (cgroup2) mounted"),
+]
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def pods():
+    root = cgroup2_root()
+    running = sockmap.attached_names(root)
+    if running:
+        pytest.skip(f"a tsord with local_path: sockmap runs on this host ({', '.join(sorted(running))} attached)")
+    bed = testbed.Testbed(prefix="qsm", octet=224)
+    try:
+        node = bed.node("a")
+        yield bed, node.pod("one"), node.pod("two")
+    finally:
+        bed.close()
+        sockmap.remove_attached(root)
+
+
+@pytest.fixture
+def path():
+    p = sockmap.SockmapPath.open(cgroup2_root())
+    try:
+        yield p
+    finally:
+        p.remove()
+
+
+def _netns_fd(pod: testbed.Pod) -> int:
+    return os.open(pod.netns_path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _socket_in(pod: testbed.Pod) -> socket.socket:
+    fd = _netns_fd(pod)
+    try:
+        s = _sys.socket_in_netns(fd, socket.AF_INET)
+    finally:
+        os.close(fd)
+    s.setblocking(True)
+    return s
+
+
+def _cookie(pod: testbed.Pod) -> int:
+    return _sys.netns_cookie(pod.netns_path, os.stat(pod.netns_path).st_ino)
+
+
+def _tx_bytes(pod: testbed.Pod) -> int:
+    return int(testbed.sh("cat", "/sys/class/net/eth0/statistics/tx_bytes", netns=pod.netns).stdout)
+
+
+class Pair:
+    """A TCP connection from pod `a` to pod `b` (`client`, `server`: the two ends)."""
+
+    def __init__(self, a: testbed.Pod, b: testbed.Pod, port: int) -> None:
+        with _socket_in(b) as ls:
+            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            ls.bind((b.ip, port))
+            ls.listen(1)
+            self.client = _socket_in(a)
+            self.client.connect((b.ip, port))
+            self.server, _ = ls.accept()
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
+
+
+def _send_recv(src: socket.socket, dst: socket.socket, data: bytes) -> bytes:
+    """`data` written on `src` (another thread) and read back on `dst`."""
+    t = threading.Thread(target=src.sendall, args=(data,))
+    t.start()
+    got = bytearray()
+    while len(got) < len(data):
+        chunk = dst.recv(len(data) - len(got))
+        assert chunk, "the connection closed early"
+        got += chunk
+    t.join()
+    return bytes(got)
+
+
+def _pattern(n: int) -> bytes:
+    return bytes((i * 7 + i // 251) & 0xFF for i in range(n))
+
+
+def test_a_connection_between_two_registered_pods_skips_their_veths(pods, path):
+    _, one, two = pods
+    path.register(one.ip, _cookie(one))
+    path.register(two.ip, _cookie(two))
+    pair = Pair(one, two, 7101)
+    try:
+        assert path.connections() == 2
+        data = _pattern(4 * MIB)
+        before = _tx_bytes(one), _tx_bytes(two)
+        assert _send_recv(pair.client, pair.server, data) == data
+        assert _send_recv(pair.server, pair.client, data[::-1]) == data[::-1]
+        sent = _tx_bytes(one) - before[0], _tx_bytes(two) - before[1]
+        assert max(sent) < 64 * 1024, f"payload crossed the veths: {sent} bytes"
+        pair.client.shutdown(socket.SHUT_WR)            # half-close: the server reads EOF, can still send
+        assert pair.server.recv(1) == b""
+        assert _send_recv(pair.server, pair.client, b"after") == b"after"
+    finally:
+        pair.close()
+    assert path.connections() == 0   # closed ends leave the map by themselves
+
+
+def test_unregistered_or_foreign_namespace_ends_take_the_stack(pods, path):
+    _, one, two = pods
+    path.register(one.ip, _cookie(one))
+    pair = Pair(one, two, 7102)   # two's address is not a quark pod's
+    try:
+        assert path.connections() == 0
+        before = _tx_bytes(one)
+        data = _pattern(MIB)
+        assert _send_recv(pair.client, pair.server, data) == data
+        assert _tx_bytes(one) - before >= len(data)
+    finally:
+        pair.close()
+    # two's address registered for one's namespace (an address another pod claims): two's end is
+    # not inserted, so nothing is redirected
+    path.register(two.ip, _cookie(one))
+    pair = Pair(one, two, 7103)
+    try:
+        assert path.connections() == 1
+        before = _tx_bytes(one)
+        assert _send_recv(pair.client, pair.server, data) == data
+        assert _tx_bytes(one) - before >= len(data)
+    finally:
+        pair.close()
+
+
+def test_loopback_inside_a_pod_is_not_carried(pods, path):
+    _, one, _ = pods
+    path.register(one.ip, _cookie(one))
+    with _socket_in(one) as ls:
+        ls.bind(("127.0.0.1", 7104))
+        ls.listen(1)
+        with _socket_in(one) as c:
+            c.connect(("127.0.0.1", 7104))
+            s, _ = ls.accept()
+            with s:
+                assert path.connections() == 0
+                assert _send_recv(c, s, b"local") == b"local"
+
+
+def test_the_first_message_decides_and_the_choice_sticks(pods, path):
+    """An end whose first message found no peer in the map keeps taking the stack even once the peer
+    is there: a later redirected message could otherwise be read before the earlier one."""
+    _, one, two = pods
+    path.register(one.ip, _cookie(one))
+    path.register(two.ip, _cookie(two))
+    pair = Pair(one, two, 7105)
+    try:
+        keys = sockmap.bpf.map_keys(path.pairs, 16)
+        server_key = next(k for k in keys if k[:4] == socket.inet_aton(two.ip))
+        assert sockmap.bpf.map_delete(path.pairs, server_key)     # as if its ACK were not processed yet
+        before = _tx_bytes(one)
+        assert _send_recv(pair.client, pair.server, b"first") == b"first"
+        sockmap.bpf.map_update(path.pairs, server_key, pair.server.fileno().to_bytes(8, "little"))
+        data = _pattern(MIB)
+        assert _send_recv(pair.client, pair.server, data) == data
+        assert _tx_bytes(one) - before >= len(data), "the client's later messages were redirected"
+        before = _tx_bytes(two)
+        assert _send_recv(pair.server, pair.client, data) == data   # the other direction decided for itself
+        assert _tx_bytes(two) - before < 64 * 1024
+    finally:
+        pair.close()
+
+
+def test_connections_outlive_tsord_and_the_next_one_takes_over(pods):
+    _, one, two = pods
+    first = sockmap.SockmapPath.open(cgroup2_root())
+    first.register(one.ip, _cookie(one))
+    first.register(two.ip, _cookie(two))
+    pair = Pair(one, two, 7106)
+    second = None
+    try:
+        assert _send_recv(pair.client, pair.server, b"x") == b"x"
+        first.close()                          # tsord exits
+        data = _pattern(MIB)
+        before = _tx_bytes(one)
+        assert _send_recv(pair.client, pair.server, data) == data
+        assert _tx_bytes(one) - before < 64 * 1024, "the connection lost its way when tsord went"
+        second = sockmap.SockmapPath.open(cgroup2_root())   # the next tsord
+        assert second.connections() == 2
+        assert set(second.registered()) == {one.ip, two.ip}
+        other = Pair(one, two, 7107)
+        try:
+            assert second.connections() == 4
+            assert _send_recv(other.client, other.server, data) == data
+        finally:
+            other.close()
+    finally:
+        pair.close()
+        if second is not None:
+            second.remove()
+        else:
+            sockmap.remove_attached(cgroup2_root())
+
+
+
+def test_a_socketpair_tsord_retires_the_programs_once_no_connection_needs_them(pods):
+    """tsord switched back to the socketpair path: while a connection is carried the programs stay
+    (its bytes in flight would be lost with the map) but carry no new one; once none is, they go."""
+    _, one, two = pods
+    root = cgroup2_root()
+    first = sockmap.SockmapPath.open(root)
+    first.register(one.ip, _cookie(one))
+    first.register(two.ip, _cookie(two))
+    pair = Pair(one, two, 7108)
+    try:
+        first.close()
+        assert "left attached" in sockmap.retire(root)
+        assert sockmap.attached_names(root) == {sockmap.OPS_NAME}
+        later = Pair(one, two, 7109)            # not carried: the addresses are no longer registered
+        try:
+            before = _tx_bytes(one)
+            assert _send_recv(later.client, later.server, _pattern(MIB)) == _pattern(MIB)
+            assert _tx_bytes(one) - before >= MIB
+        finally:
+            later.close()
+        before = _tx_bytes(one)
+        assert _send_recv(pair.client, pair.server, _pattern(MIB)) == _pattern(MIB)
+        assert _tx_bytes(one) - before < 64 * 1024   # the carried one still is
+    finally:
+        pair.close()
+    assert "detached" in sockmap.retire(root)
+    assert sockmap.attached_names(root) == set()
+
+
+# ---- quark containers with tsord's local_path: sockmap ----------------------------------------------
+ECHO_SERVER = r"""
+import os, socket, sys, threading
+tag, ip, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+l = socket.socket(); l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); l.bind((ip, port)); l.listen(16)
+open(f"/out/{tag}-ready", "w").close()
+def serve(s):
+    while True:
+        d = s.recv(1 << 16)
+        if not d:
+            break
+        s.sendall(d)
+    s.close()
+while True:
+    s, _ = l.accept()
+    threading.Thread(target=serve, args=(s,), daemon=True).start()
+"""
+ECHO_CLIENT = r"""
+import json, os, socket, struct, sys, threading, time
+tag, ip, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def wait(name):
+    while not os.path.exists(f"/out/{tag}-{name}"):
+        time.sleep(0.02)
+data = bytes(range(256)) * (16 << 10)   # 4 MiB
+wait("go")
+c = socket.create_connection((ip, port))
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+cork = c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)
+t = threading.Thread(target=c.sendall, args=(data,)); t.start()
+got = bytearray()
+while len(got) < len(data):
+    chunk = c.recv(1 << 16)
+    if not chunk:
+        break
+    got += chunk
+t.join()
+info = c.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+with open(f"/out/{tag}-result.tmp", "w") as f:
+    json.dump({"intact": bytes(got) == data, "peer": list(c.getpeername()), "cork": cork,
+               "state": info[0], "rtt_us": struct.unpack_from("I", info, 68)[0]}, f)
+os.rename(f"/out/{tag}-result.tmp", f"/out/{tag}-result")
+wait("close")
+c.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def sockmap_bed(pods):
+    """A node whose tsord runs local_path: sockmap, an echo server in a quark container."""
+    from tests.integration.test_tsor import needs_tsor_in_qkernel
+    needs_tsor_in_qkernel()
+    bed = testbed.Testbed(prefix="qsq", octet=225)
+    try:
+        node = bed.node("a")
+        node.start_tsord(local_path="sockmap")
+        srv = node.pod("srv")
+        bed.start("quark", "srv", bed.bundle("srv", ["python3", "-c", ECHO_SERVER, "srv", srv.ip, "7200"], srv))
+        testbed.wait_file(bed.out("srv-ready"))
+        bed.node_a, bed.srv = node, srv
+        yield bed
+    finally:
+        bed.close()
+        sockmap.remove_attached(cgroup2_root())
+
+
+def _gauge(node: testbed.Node, name: str) -> float:
+    from tsor.metrics import fetch, parse
+    return parse(fetch(node.metrics)).get(name, 0.0)
+
+
+def _wait_gauge(node: testbed.Node, name: str, at_least: float, timeout: float = 10) -> float:
+    deadline = time.monotonic() + timeout
+    while (value := _gauge(node, name)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
+def test_quark_pods_talk_through_the_kernel_with_no_trapped_call(sockmap_bed):
+    """The client exchanges 4 MiB with the server while its supervisor is stopped: nothing it does
+    is trapped (a trapped call would wait for that supervisor). The connection is carried socket to
+    socket (in the map; the payload never crosses the client pod's veth), and what the application
+    sees of its socket is the kernel's own TCP (TCP_CORK kept, TCP_INFO with a measured RTT)."""
+    bed, node = sockmap_bed, sockmap_bed.node_a
+    pod = node.pod("cli")
+    bed.start("quark", "cli", bed.bundle("cli", ["python3", "-c", ECHO_CLIENT, "cli", bed.srv.ip, "7200"], pod))
+    assert _wait_gauge(node, "tsor_sandboxes", 2) >= 2, node.log()   # both registered: in the map
+    sup = procfs.parent_pid(json.loads(bed.quark("state", "cli").stdout)["pid"])
+    before = _tx_bytes(pod)
+    os.kill(sup, signal.SIGSTOP)
+    try:
+        open(bed.out("cli-go"), "w").close()
+        deadline = time.monotonic() + 20
+        while not os.path.exists(bed.out("cli-result")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(bed.out("cli-result")), "the client waited: a socket call was trapped"
+    finally:
+        os.kill(sup, signal.SIGCONT)
+    with open(bed.out("cli-result")) as f:
+        res = json.load(f)
+    assert res["intact"]
+    assert res["peer"] == [bed.srv.ip, 7200]
+    assert (res["cork"], res["state"]) == (1, 1)       # TCP_CORK read back; TCP_ESTABLISHED
+    assert res["rtt_us"] > 0                           # the kernel measured it: not an emulated record
+    assert _gauge(node, "tsor_sockmap_ends") == 2, node.log()   # the client's end and the server's
+    assert _tx_bytes(pod) - before < 256 * 1024, "the payload crossed the client pod's veth"
+    open(bed.out("cli-close"), "w").close()
+    bed.stop("quark", "cli")
+    deadline = time.monotonic() + 10
+    while _gauge(node, "tsor_sockmap_ends") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gauge(node, "tsor_sockmap_ends") == 0      # closed ends leave the map
+
+
+def test_a_sandbox_of_a_socketpair_tsord_still_traps(sockmap_bed):
+    """The marker beside tsord's socket is what tells a sandbox: without it (tsord's default local
+    path) the same client's calls wait for its stopped supervisor."""
+    bed = sockmap_bed
+    node = bed.node_b = bed.node("b")
+    node.start_tsord()
+    pod = node.pod("cli2")
+    assert not os.path.exists(node.socket + ".local-path")
+    bed.start("quark", "cli2", bed.bundle("cli2", ["python3", "-c", ECHO_CLIENT, "cli2", pod.ip, "7201"], pod))
+    sup = procfs.parent_pid(json.loads(bed.quark("state", "cli2").stdout)["pid"])
+    os.kill(sup, signal.SIGSTOP)
+    try:
+        open(bed.out("cli2-go"), "w").close()
+        time.sleep(2)
+        assert not os.path.exists(bed.out("cli2-result"))
+    finally:
+        os.kill(sup, signal.SIGCONT)
+        bed.stop("quark", "cli2")
