@@ -7,7 +7,11 @@ interleaved, alternating which goes first. One containerd (tests/integration/cri
 CRI plugin on, bridge + host-local CNI with quark-cni chained after them, failing closed) and one
 tsord of the benchmark's own (no --debug, as a node runs it); the quark pods carry the annotation
 naming it (`io.quark.tsor.socket`), so their connections take TSoR's local path: tsord's
-tsor_connections_total{path="local"} is recorded per run to show it. The image is busybox plus the
+tsor_connections_total{path="local"} is recorded per run to show it. With `--local-path sockmap`
+that tsord runs tsor.yaml's `local_path: sockmap` (nothing trapped; the kernel's TCP makes the
+connection and SK_MSG moves its bytes socket to socket): the bytes that crossed the server pod's
+eth0 per request (recorded for every run, both handlers) show which connections skipped the veth.
+The image is busybox plus the
 host's redis-server / redis-benchmark and their shared objects, built here (nothing is pulled).
 Also recorded, per 10,000 requests: the CPU time of both pods' cgroups (cpuacct: the containers'
 processes), of quark's supervisors (which run outside the pods' cgroups; runc has none in the data
@@ -15,8 +19,9 @@ path) and of tsord.
 Each run also measures the kernel alone (bench/bare_redis.py): the same binaries with no container,
 in two network namespaces on a CNI bridge, over a unix socket and over veth + bridge; that ratio is
 the most a runtime handing its pods AF_UNIX ends can show here (at -c 50, the goal's row).
-Median of the runs, per-run ratio quark/runc (GET/SET mean); JSON to bench/results/cri_redis.json.
-Usage (root): python bench/cri_redis.py [--runs 5] [--n50 100000] [--n1 20000]
+Median of the runs, per-run ratio quark/runc (GET/SET mean); JSON to bench/results/cri_redis.json
+(cri_redis_sockmap.json with `--local-path sockmap`).
+Usage (root): python bench/cri_redis.py [--runs 5] [--n50 100000] [--n1 20000] [--local-path sockmap]
 """
 from __future__ import annotations
 
@@ -113,15 +118,16 @@ def one_run(cri, cd, tsord, handler: str, i: int, sizes: dict[int, int]) -> dict
         cri.start_container(cid)
         wait("redis-server", lambda: cri.exec_sync(cid, ["sh", "-c", "netstat -ltn | grep -q :6379"]).exit_code == 0)
         groups = [srv_conf.linux.cgroup_parent, cli_conf.linux.cgroup_parent]
+        netns = tsord.registered()[srv]["netns"]   # quark-cni registered it (every pod of the conflist)
         out: dict = {}
         for c, n in sorted(sizes.items(), reverse=True):
             m0, cpu0, t0 = tsord.counters(), [cgroup_cpu_s(g) for g in groups], proc_cpu_s(tsord.proc.pid)
-            s0 = supervisors_cpu_s(cd)
+            s0, b0 = supervisors_cpu_s(cd), cri_env.eth0_bytes(netns)
             text = run_to_exit(cri, cli, cli_conf, f"bench-c{c}",
                                ["redis-benchmark", "-h", ip, "-p", "6379", "-t", "get,set", "-n", str(n),
                                 "-c", str(c), "--csv"])
             m1, cpu1, t1 = tsord.counters(), [cgroup_cpu_s(g) for g in groups], proc_cpu_s(tsord.proc.pid)
-            s1 = supervisors_cpu_s(cd)
+            s1, b1 = supervisors_cpu_s(cd), cri_env.eth0_bytes(netns)
             rps = redis_rps(text)
             if set(rps) != {"GET", "SET"}:
                 raise RuntimeError(f"redis-benchmark -c {c} ({handler}): no GET/SET rows in {text[-1000:]}")
@@ -130,6 +136,7 @@ def one_run(cri, cd, tsord, handler: str, i: int, sizes: dict[int, int]) -> dict
             out[f"c{c}"] = {
                 "get_rps": rps["GET"], "set_rps": rps["SET"], "mean_rps": round((rps["GET"] + rps["SET"]) / 2, 1),
                 "local_connections": m1.get(key, 0.0) - m0.get(key, 0.0),
+                "server_eth0_bytes_per_request": round((b1 - b0) / (2 * n), 1),
                 "server_pod_cpu_s_per_10k": round((cpu1[0] - cpu0[0]) * per10k, 4),
                 "client_pod_cpu_s_per_10k": round((cpu1[1] - cpu0[1]) * per10k, 4),
                 "tsord_cpu_s_per_10k": round((t1 - t0) * per10k, 4),
@@ -149,7 +156,7 @@ def summary(samples: dict[str, list[dict]], sizes: dict[int, int]) -> list[dict]
             for m in ("mean_rps", "get_rps", "set_rps"):
                 row[f"{h}_{m}_median"] = round(statistics.median(s[k][m] for s in samples[h]))
             for m in ("server_pod_cpu_s_per_10k", "client_pod_cpu_s_per_10k", "tsord_cpu_s_per_10k",
-                      "supervisors_cpu_s_per_10k"):
+                      "supervisors_cpu_s_per_10k", "server_eth0_bytes_per_request"):
                 row[f"{h}_{m}_median"] = round(statistics.median(s[k][m] for s in samples[h]), 4)
             row[f"{h}_mean_rps_runs"] = [round(s[k]["mean_rps"]) for s in samples[h]]
         row["quark_local_connections_per_run"] = [s[k]["local_connections"] for s in samples["quark"]]
@@ -171,6 +178,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--n50", type=int, default=100000, help="requests per test at -c 50")
     ap.add_argument("--n1", type=int, default=20000, help="requests per test at -c 1")
+    ap.add_argument("--local-path", choices=("socketpair", "sockmap"), default="socketpair",
+                    help="tsord's local_path (tsor.yaml) for the quark pods")
     ap.add_argument("--shim-dir", help="directory holding containerd-shim-quark-v1 to use (default: the tests')")
     a = ap.parse_args()
     reason = cri_env.skip_reason() or cri_env.redis_image_skip_reason()
@@ -187,7 +196,7 @@ def main() -> int:
                               quark_cni_conf={"failOpen": False, "tsorSocket": tsord.socket})
     shim = os.path.join(a.shim_dir or ce._BIN, "containerd-shim-quark-v1")
     result: dict = {"command": "python bench/cri_redis.py " + " ".join(sys.argv[1:]),
-                    "shim": os.path.realpath(shim), "cpus": os.cpu_count(),
+                    "shim": os.path.realpath(shim), "cpus": os.cpu_count(), "local_path": a.local_path,
                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     samples: dict[str, list[dict]] = {h: [] for h in (*HANDLERS, *VIAS)}
     bed = bare = None
@@ -197,7 +206,7 @@ def main() -> int:
         node = bed.node("n")
         bare_srv, bare_cli = node.pod("srv"), node.pod("cli")
         bare = BareRedis(bare_srv.netns, bare_srv.ip, bed.dir)
-        tsord.start(debug=False)
+        tsord.start(debug=False, local_path=a.local_path)
         d.start()
         d.import_images(redis=True)
         with CriClient(d.address, cgroup_parent=d.cgroup_parent, log_root=str(d.log_dir)) as cri:
@@ -225,8 +234,9 @@ def main() -> int:
     result["rows"] = summary(samples, sizes)
     result["runs"] = samples
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cri_redis.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{result['command']}  ({result['date']}, shim {result['shim']})")
+    name = "cri_redis.json" if a.local_path == "socketpair" else f"cri_redis_{a.local_path}.json"
+    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{result['command']}  ({result['date']}, shim {result['shim']}, local_path {a.local_path})")
     print("| redis-benchmark GET/SET | quark median (GET / SET) | runc median (GET / SET) | ratio (median of "
           "per-run) | per-run ratios | goal |")
     print("|---|---|---|---|---|---|")
@@ -236,6 +246,9 @@ def main() -> int:
               f" / {r['quark_set_rps_median']}) | {r['runc_mean_rps_median']} ({r['runc_get_rps_median']} / "
               f"{r['runc_set_rps_median']}) | {r['ratio_median']}x | "
               f"{' / '.join(f'{x}' for x in r['ratio_per_run'])} | {goal} |")
+    print("\nbytes across the server pod's eth0 per request (median): " + ", ".join(
+        f"-c {r['concurrency']} quark {r['quark_server_eth0_bytes_per_request_median']}, "
+        f"runc {r['runc_server_eth0_bytes_per_request_median']}" for r in result["rows"]))
     print("\n| the kernel alone (no container) | unix socket median | veth + bridge median | ratio (median of "
           "per-run) | per-run ratios |")
     print("|---|---|---|---|---|")

@@ -224,15 +224,14 @@ class Daemon:
         log.info("local path: sockmap (programs on %s)", root)
 
     def _sync_sockmap(self) -> None:
-        """The sockmap programs' address map = the addresses of registered sandboxes and pods."""
+        """The sockmap programs' address map = the addresses of the quark sandboxes registered with
+        this tsord (their hellos). Pods quark-cni registered are not enough on their own: the
+        conflist registers every pod of the node, runc's too, and those did not ask for quark."""
         if self.sockmap is None:
             return
         with self._lock:
             want = {ip: (f"/proc/{s.identity.pid}/ns/net", s.identity.netns)
                     for s in self.sessions if s.identity is not None for ip in s.identity.addrs}
-        for pod in self.pods.all():
-            for ip in pod.ips:
-                want.setdefault(ip, (pod.netns, pod.netns_inode))
         try:
             self.sockmap.sync(want)
         except OSError as e:
@@ -418,13 +417,11 @@ class Daemon:
             return {"ok": True, "node": self.cfg.node}
         if isinstance(msg, protocol.PodGc):
             removed = self.pods.gc(set(msg.keep))
-            self._sync_sockmap()
             for key in removed:
                 log.info("pod %s: no longer an attachment of the runtime; forgotten", key)
             return {"ok": True, "removed": removed}
         if isinstance(msg, protocol.PodDel):
             existed = self.pods.remove(f"{msg.sandbox}/{msg.ifname}")
-            self._sync_sockmap()
             if existed:
                 log.info("pod %s/%s deregistered", msg.sandbox, msg.ifname)
             return {"ok": True, "existed": existed}
@@ -443,7 +440,6 @@ class Daemon:
                 self._refuse_held_by_another_sandbox(set(ips), inode)
             pod = Pod(msg.sandbox, msg.ifname, msg.netns, inode, ips, msg.name, msg.namespace, msg.uid)
             self.pods.add(pod)
-            self._sync_sockmap()
         except NotAllowed as e:
             self.metrics.error("claim")
             log.warning("pod %s/%s: %s", msg.sandbox, msg.ifname, e)

@@ -125,10 +125,6 @@ class PodRegistry:
     def get(self, key: str) -> Pod | None:
         return self._pods.get(key)
 
-    def all(self) -> list[Pod]:
-        with self._lock:
-            return list(self._pods.values())
-
     def claimed_elsewhere(self, addrs: set[str], inode: int) -> Pod | None:
         """A pod of another network namespace registered with one of `addrs`."""
         with self._lock:

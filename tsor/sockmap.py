@@ -24,8 +24,10 @@ Three rules keep it safe (bench/README.md says how each was found):
   the map and their bytes in flight are not lost. The next tsord finds them by name and takes them
   over (a newer version replaces older programs; connections made under the old ones keep them).
 
-IPv4 only (IPv6 connections take the stack). Connections to a Service ClusterIP are rewritten by the
-node's NAT, not in the socket, so their ends' keys do not pair up: they take the stack.
+IPv4 only: an AF_INET6 socket is carried when both its addresses are IPv4-mapped (a dual-stack
+listener's connection from an IPv4 client); IPv6 connections take the stack. Connections to a
+Service ClusterIP are rewritten by the node's NAT, not in the socket, so their ends' keys do not
+pair up: they take the stack.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from qlib.bpf import ADD64_K, CALL, EXIT, JEQ_K, JNE_K, LDX_DW, LDX_W, MOV64_K, 
 
 log = logging.getLogger("tsor.sockmap")
 
-VERSION = 1
+VERSION = 2          # 2: IPv4-mapped ends of AF_INET6 sockets (dual-stack listeners) carried too
 PREFIX = "quark_smap"
 OPS_NAME, MSG_NAME = f"{PREFIX}{VERSION}_ops", f"{PREFIX}{VERSION}_msg"
 PROG_TYPE_SOCK_OPS, PROG_TYPE_SK_MSG = 13, 16
@@ -53,10 +55,15 @@ NOEXIST, F_INGRESS, SK_PASS = 1, 1, 1
 JNE_X, RSH64_K, LSH64_K, TO_BE = 0x5D, 0x77, 0x67, 0xDC
 WAY_STACK, WAY_REDIRECT = 1, 2
 MAX_PAIRS, MAX_ADDRS = 65536, 16384
-# struct bpf_sock_ops: op @0, family @20, remote_ip4 @24, local_ip4 @28, remote_port @64 (network
-# order in the high 16 bits), local_port @68 (host order), bytes_received @168 (u64)
+# struct bpf_sock_ops: op @0, family @20, remote_ip4 @24, local_ip4 @28, remote_ip6 @32, local_ip6 @48,
+# remote_port @64 (network order in the high 16 bits), local_port @68 (host order), bytes_received
+# @168 (u64). remote_ip4/local_ip4 read the socket's IPv4 addresses, which an AF_INET6 socket has when
+# its addresses are IPv4-mapped (::ffff:a.b.c.d: a dual-stack listener's connection from an IPv4
+# peer, as Go's and Java's servers make by default); a truly IPv6 one holds a placeholder there.
 # struct sk_msg_md: family @16, remote_ip4 @20, local_ip4 @24, remote_port @60, local_port @64, sk @72
 _OPS_FAMILY, _OPS_RIP, _OPS_LIP, _OPS_RPORT, _OPS_LPORT, _OPS_BYTES_RECEIVED = 20, 24, 28, 64, 68, 168
+_OPS_RIP6, _OPS_LIP6 = 32, 48
+MAPPED_WORD = 0xFFFF0000     # the third 32-bit word of ::ffff:a.b.c.d, as a little-endian load reads it
 _MSG_FAMILY, _MSG_RIP, _MSG_LIP, _MSG_RPORT, _MSG_LPORT, _MSG_SK = 16, 20, 24, 60, 64, 72
 
 
@@ -70,7 +77,12 @@ def sock_ops_program(addrs_fd: int, pairs_fd: int) -> bytes:
     a.j(JEQ_K, 2, ACTIVE_ESTABLISHED_CB, "established").j(JNE_K, 2, PASSIVE_ESTABLISHED_CB, "out")
     a(LDX_DW, 2, 6, _OPS_BYTES_RECEIVED).j(JNE_K, 2, 0, "out")   # Fast Open data already queued
     a.label("established")
-    a(LDX_W, 2, 6, _OPS_FAMILY).j(JNE_K, 2, socket.AF_INET, "out")
+    a(LDX_W, 2, 6, _OPS_FAMILY).j(JEQ_K, 2, socket.AF_INET, "ipv4").j(JNE_K, 2, socket.AF_INET6, "out")
+    a(MOV64_K, 3, 0, 0, MAPPED_WORD >> 16)(LSH64_K, 3, 0, 0, 16)   # (as an imm it would be sign-extended)
+    for base in (_OPS_LIP6, _OPS_RIP6):                        # AF_INET6: both ends IPv4-mapped, or out
+        a(LDX_W, 2, 6, base).j(JNE_K, 2, 0, "out")(LDX_W, 2, 6, base + 4).j(JNE_K, 2, 0, "out")
+        a(LDX_W, 2, 6, base + 8).j(JNE_X, 2, 0, "out", src=3)
+    a.label("ipv4")
     a(MOV64_X, 1, 6)(CALL, 0, 0, 0, FUNC_GET_NETNS_COOKIE)(MOV64_X, 7, 0)          # r7 = this netns
     a(LDX_W, 2, 6, _OPS_LIP)(STX_W, 10, 2, -4)
     a.map_fd(1, addrs_fd)(MOV64_X, 2, 10)(ADD64_K, 2, 0, 0, -4)(CALL, 0, 0, 0, FUNC_MAP_LOOKUP)
@@ -92,7 +104,9 @@ def sk_msg_program(pairs_fd: int, ways_fd: int) -> bytes:
     end's first message went there, through the stack if its first message did."""
     a = Asm()
     a(MOV64_X, 6, 1)
-    a(LDX_W, 2, 6, _MSG_FAMILY).j(JNE_K, 2, socket.AF_INET, "pass")
+    # only ends the sock_ops program put in the map come here: IPv4, or IPv4-mapped AF_INET6
+    a(LDX_W, 2, 6, _MSG_FAMILY).j(JEQ_K, 2, socket.AF_INET, "ipv4").j(JNE_K, 2, socket.AF_INET6, "pass")
+    a.label("ipv4")
     a(LDX_DW, 2, 6, _MSG_SK).j(JEQ_K, 2, 0, "pass")
     a.map_fd(1, ways_fd)(MOV64_K, 3, 0, 0, 0)(MOV64_K, 4, 0, 0, bpf.SK_STORAGE_GET_F_CREATE)
     a(CALL, 0, 0, 0, bpf.FUNC_SK_STORAGE_GET).j(JEQ_K, 0, 0, "pass")                # no memory: the stack

@@ -355,6 +355,15 @@ def pause_image_tar(path: Path, name: str = PAUSE_IMAGE) -> Path:
                             dirs=("dev", "proc", "sys", "etc"), entrypoint=["/pause"], cmd=[])
 
 
+def eth0_bytes(netns: str) -> int:
+    """Bytes a pod's eth0 sent and received, read in its network namespace (`netns`: a path) over
+    netlink: which connections crossed the pod's veth."""
+    out = subprocess.run(["nsenter", f"--net={netns}", "ip", "-j", "-s", "link", "show", "eth0"],
+                         check=True, capture_output=True, text=True).stdout
+    stats = json.loads(out)[0]["stats64"]
+    return stats["rx"]["bytes"] + stats["tx"]["bytes"]
+
+
 class Tsord:
     """One tsord of a test's (or benchmark's) own, as a node's in the host network namespace, run
     from this checkout (`python -m tsor.daemon`); socket, metrics socket and state_dir under `base`;
@@ -367,13 +376,17 @@ class Tsord:
         self.state_dir = base / "state"
         self.log_path = base / "tsord.log"
         self.proc: subprocess.Popen | None = None
+        self.local_path: str | None = None
 
-    def start(self, kubeconfig: str | None = None, debug: bool = True) -> None:
-        """`debug`: a log line per connection (the tests read them; a benchmark runs without)."""
+    def start(self, kubeconfig: str | None = None, debug: bool = True, local_path: str | None = None) -> None:
+        """`debug`: a log line per connection (the tests read them; a benchmark runs without).
+        `local_path`: tsor.yaml's (default: tsord's, socketpair)."""
         cfg = self.base / "tsor.yaml"
+        self.local_path = local_path
         cfg.write_text(json.dumps({"node": self.node, "socket": self.socket, "metrics": f"unix:{self.metrics}",
                                    "state_dir": str(self.state_dir),
-                                   **({"kubernetes": {"kubeconfig": kubeconfig}} if kubeconfig else {})}))
+                                   **({"kubernetes": {"kubeconfig": kubeconfig}} if kubeconfig else {}),
+                                   **({"local_path": local_path} if local_path else {})}))
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "tsor.daemon", "--config", str(cfg),
                                           *(["--debug"] if debug else [])],
@@ -398,8 +411,10 @@ class Tsord:
         for path in (self.socket, self.metrics):
             if os.path.exists(path):
                 os.unlink(path)
-        from tsor import sockopt_offload
+        from tsor import sockmap, sockopt_offload
         sockopt_offload.remove_if_unused()
+        if self.local_path == "sockmap":   # tsord leaves its programs attached for the connections they carry
+            sockmap.remove_attached(sockopt_offload.cgroup2_root())
 
     def counters(self) -> dict[str, float]:
         from tsor.metrics import fetch, parse

@@ -15,7 +15,9 @@ and the test installs the node's enforcement of it (no policy agent runs here: a
 the server pod's netns); the quark pod's connection goes native (tsor_policy_native_total{verdict=
 "deny"}) and fails exactly as a runc pod's does; once the policy allows it, the local path; a policy
 tsord cannot decide (an ipBlock covering a pod address) leaves it native ({verdict="unknown"}).
-Two nodes through CRI: test_cri_tsor_nodes.py.
+With tsor.yaml's `local_path: sockmap` nothing is trapped: the server pod's eth0 counters show the
+bytes of a quark pod's connection skipped it while a runc pod's crossed it. Two nodes through CRI:
+test_cri_tsor_nodes.py.
 """
 from __future__ import annotations
 
@@ -276,3 +278,51 @@ def test_network_policy_through_cri_deny_goes_native_where_the_node_refuses_it_a
         if srv_netns and refused:
             refuse_in_pod(srv_netns, refused, 8080, undo=True)
         api.stop()
+
+
+def test_sockmap_local_path_through_cri_quark_pods_skip_the_veth_runc_pods_and_refusals_take_the_stack(
+        cd, tsord, cri):
+    # tsor.yaml's local_path: sockmap, through CRI as kubelet drives it: between two quark pods
+    # nothing is trapped (tsord's local counter stays) and a file's bytes arrive intact without
+    # crossing the server pod's eth0 (busybox httpd listens on [::]: its end is an AF_INET6 socket
+    # with IPv4-mapped addresses); a runc pod of the same conflist (quark-cni registered it too)
+    # is not carried; and the node's refusal still decides a quark pod's connection
+    from tsor import sockmap
+    from tsor.sockopt_offload import cgroup2_root
+    root = cgroup2_root()
+    if root is None:
+        pytest.skip("needs the unified cgroup hierarchy (cgroup2) mounted")
+    if sockmap.attached_names(root):
+        pytest.skip("a tsord with local_path: sockmap runs on this host")
+    size = 4 << 20
+    tsord.start(local_path="sockmap")
+    srv, srv_conf, srv_ip = tsor_pod(cri, "sm-srv", tsord.socket)
+    cli, cli_conf, cli_ip = tsor_pod(cri, "sm-cli", tsord.socket)
+    ref, ref_conf = cri.run_pod("sm-ref", "runc")
+    assert {srv, cli, ref} <= set(tsord.registered())
+    cid = cri.create_container(srv, srv_conf, "srv", IMAGE, [
+        "sh", "-c", f"mkdir -p /www && head -c {size} /dev/urandom > /www/big && exec httpd -f -p 8080 -h /www"])
+    cri.start_container(cid)
+    wait_for("srv's httpd", lambda: cri.exec_sync(cid, ["sh", "-c", "netstat -ltn | grep -q :8080"]).exit_code == 0)
+    want = cri.exec_sync(cid, ["md5sum", "/www/big"]).stdout.split()[0].decode()
+    srv_netns = tsord.registered()[srv]["netns"]
+    fetch = f"wget -qO- http://{srv_ip}:8080/big | md5sum; echo exit=$?"
+
+    before, b0 = tsord.counters(), cri_env.eth0_bytes(srv_netns)
+    code, out = run_script(cri, cli, cli_conf, "quark-fetch", fetch)
+    crossed = cri_env.eth0_bytes(srv_netns) - b0
+    assert (code, out.split()[0], out.split()[-1]) == (0, want, "exit=0"), out
+    assert crossed < size // 16, f"{crossed} bytes crossed eth0 for a {size}-byte file\n{tsord.log()[-3000:]}"
+    assert tsord.counters().get(LOCAL, 0.0) == before.get(LOCAL, 0.0)   # no connect was trapped
+
+    b0 = cri_env.eth0_bytes(srv_netns)
+    code, out = run_script(cri, ref, ref_conf, "runc-fetch", fetch)
+    assert (code, out.split()[0]) == (0, want), out
+    assert cri_env.eth0_bytes(srv_netns) - b0 >= size   # the runc pod's connection took the veth
+
+    refuse_in_pod(srv_netns, [cli_ip], 8080)
+    try:
+        code, out = run_script(cri, cli, cli_conf, "refused", f"wget -qO- http://{srv_ip}:8080/big 2>&1; echo exit=$?")
+    finally:
+        refuse_in_pod(srv_netns, [cli_ip], 8080, undo=True)
+    assert "Connection refused" in out and "exit=1" in out, out

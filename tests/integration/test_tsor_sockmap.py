@@ -55,10 +55,10 @@ def _netns_fd(pod: testbed.Pod) -> int:
     return os.open(pod.netns_path, os.O_RDONLY | os.O_CLOEXEC)
 
 
-def _socket_in(pod: testbed.Pod) -> socket.socket:
+def _socket_in(pod: testbed.Pod, family: int = socket.AF_INET) -> socket.socket:
     fd = _netns_fd(pod)
     try:
-        s = _sys.socket_in_netns(fd, socket.AF_INET)
+        s = _sys.socket_in_netns(fd, family)
     finally:
         os.close(fd)
     s.setblocking(True)
@@ -151,6 +151,46 @@ def test_unregistered_or_foreign_namespace_ends_take_the_stack(pods, path):
         assert _tx_bytes(one) - before >= len(data)
     finally:
         pair.close()
+
+
+def _ipv6_address(pod: testbed.Pod, addr: str) -> bool:
+    """`addr`/64 on the pod's eth0 (no duplicate detection: usable at once); False if IPv6 is off."""
+    return testbed.sh("ip", "-6", "addr", "replace", f"{addr}/64", "dev", "eth0", "nodad",
+                      check=False, netns=pod.netns).returncode == 0
+
+
+def test_a_dual_stack_listeners_ipv4_mapped_connections_are_carried_and_ipv6_ones_are_not(pods, path):
+    # a server listening on [::] with IPV6_V6ONLY off (busybox httpd, Go's and Java's servers by
+    # default) accepts IPv4 clients on AF_INET6 sockets whose addresses are ::ffff:a.b.c.d
+    _, one, two = pods
+    path.register(one.ip, _cookie(one))
+    path.register(two.ip, _cookie(two))
+    with _socket_in(two, socket.AF_INET6) as ls:
+        ls.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        ls.bind(("::", 7110))
+        ls.listen(2)
+        for family, dest in ((socket.AF_INET, two.ip), (socket.AF_INET6, f"::ffff:{two.ip}")):
+            client = _socket_in(one, family)
+            with client:
+                client.connect((dest, 7110))
+                server, peer = ls.accept()
+                with server:
+                    assert peer[0] == f"::ffff:{one.ip}"
+                    assert path.connections() == 2
+                    data = _pattern(2 * MIB)
+                    before = _tx_bytes(one), _tx_bytes(two)
+                    assert _send_recv(server, client, data) == data
+                    assert _send_recv(client, server, data[::-1]) == data[::-1]
+                    sent = _tx_bytes(one) - before[0], _tx_bytes(two) - before[1]
+                    assert max(sent) < 64 * 1024, f"payload crossed the veths: {sent} bytes"
+        if not (_ipv6_address(one, "fd00:5e:224::1") and _ipv6_address(two, "fd00:5e:224::2")):
+            pytest.skip("IPv6 is off in the pods' namespaces")
+        with _socket_in(one, socket.AF_INET6) as client:           # IPv6 proper: the stack
+            client.connect(("fd00:5e:224::2", 7110))
+            server, _ = ls.accept()
+            with server:
+                assert path.connections() == 0
+                assert _send_recv(client, server, b"v6") == b"v6"
 
 
 def test_loopback_inside_a_pod_is_not_carried(pods, path):

@@ -95,6 +95,9 @@ def test_daemonset_mounts_exactly_where_the_installer_writes():
     assert host_paths[by_path["/run/quark"].name] == "/run/quark"          # the sandboxes' tsord socket
     netns = by_path["/var/run/netns"]
     assert host_paths[netns.name] == "/var/run/netns" and netns.mount_propagation == "HostToContainer"
+    # the node's cgroup root, where tsord attaches the sockmap programs (its own cgroup namespace's
+    # root would reach only its own container)
+    assert host_paths[by_path["/sys/fs/cgroup"].name] == "/sys/fs/cgroup"
     assert spec.host_network and spec.host_pid
 
 
