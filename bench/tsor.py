@@ -16,6 +16,7 @@ rdma      — the same two nodes with both tsords on `transport: softverbs` (the
             run; ratios to the tcp path (the goal's reference) and to plain TCP.
 
     .venv/bin/python bench/tsor.py [--only nginx,setup,...] [--runs N] [--json F] [--png F]
+                                   [--sockmap] [--nginx-no-cork]
 
 tsord runs without --debug here (a log line per connection is CPU the nginx rows count).
 The chart needs matplotlib (`make bench` installs the `bench` extra).
@@ -36,7 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tests.cleanup import quark_cgroup_dirs, remove_empty_since
-from tests.support.nginx import ensure_nginx, prepare_bundle
+from tests.support.nginx import NO_CORK, ensure_nginx, prepare_bundle
 from tests.support.testbed import Testbed, python_succeeds, wait_file
 
 from bare_redis import VIAS, BareRedis, redis_rps  # noqa: E402  (bench/)
@@ -48,6 +49,7 @@ GOALS = {"iperf3_gbps": (">=", 2.0), "rtt_p50_us": ("<=", 0.75), "redis_c50_rps"
          "two_node_setup_p50_us": ("<=", 4.0), "nginx_keepalive_rps": (">=", 1.3), "nginx_close_rps": (">=", 1.0),
          # issue 17, against the tcp path: the pump must not be the bottleneck; set-up over the built QP
          "rdma_iperf3_gbps": (">=", 0.5), "rdma_setup_p50_us": ("<=", 1.0)}
+NGINX_NO_CORK = False   # --nginx-no-cork
 PARTS = ("iperf3", "rtt", "pinned", "redis", "setup", "nginx", "two_nodes", "rdma")
 # (section, key, label, unit, higher is better): the rows of the report and the bars of the chart, in order
 METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
@@ -182,7 +184,7 @@ def one_node(runtime: str, pp: str, tag: str, parts: set[str], local_path: str |
             ports.append(6379)
         if "nginx" in parts:
             ngx = bed.bundle("nginx", ["nginx"], srv, tsor=tsor)
-            prepare_bundle(ngx, ensure_nginx())
+            prepare_bundle(ngx, ensure_nginx(), NO_CORK if NGINX_NO_CORK else None)
             bed.start(runtime, "nginx", ngx)
             ports.append(80)
         for port in ports:
@@ -372,7 +374,11 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=1, help="repeat each side N times; numbers are medians")
     p.add_argument("--sockmap", action="store_true",
                    help="one node: also quark with tsord's local_path: sockmap (nothing trapped; tsor/sockmap.py)")
+    p.add_argument("--nginx-no-cork", action="store_true",
+                   help="nginx.conf with sendfile off, tcp_nopush off, tcp_nodelay off instead of Debian's as shipped")
     args = p.parse_args()
+    global NGINX_NO_CORK
+    NGINX_NO_CORK = args.nginx_no_cork
     parts = {x.strip() for x in args.only.split(",") if x.strip()}
     if not parts or parts - set(PARTS):
         p.error(f"--only: unknown part(s) {', '.join(sorted(parts - set(PARTS))) or '(none given)'}; "
@@ -388,7 +394,8 @@ def main() -> int:
     one = parts - {"two_nodes", "rdma"}
     cgroups_before = quark_cgroup_dirs()
     machine = {"kernel": platform.release(), "cpus": os.cpu_count()}
-    results: dict = {"machine": machine, "parts": sorted(parts), "runs": args.runs}
+    results: dict = {"machine": machine, "parts": sorted(parts), "runs": args.runs,
+                     "nginx_conf": "sendfile, tcp_nopush, tcp_nodelay off" if NGINX_NO_CORK else "Debian's"}
     try:
         if one:
             results["one_node"] = {

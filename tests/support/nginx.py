@@ -86,9 +86,14 @@ def ensure_nginx(cache: str = CACHE) -> Nginx:
     return Nginx(root, binary, etc, r.stderr.splitlines()[0])
 
 
-def prepare_bundle(bundle: str, ngx: Nginx) -> None:
+# issue 13's third row: the transport's own speed, without the per-response cork and sendfile
+NO_CORK = {"sendfile on;": "sendfile off;", "tcp_nopush on;": "tcp_nopush off; tcp_nodelay off;"}
+
+
+def prepare_bundle(bundle: str, ngx: Nginx, replace: dict[str, str] | None = None) -> None:
     """Turn a host-rootfs bundle (tests/support/testbed.py's Testbed.bundle) into one that runs
-    nginx with Debian's default nginx.conf, unmodified, in the foreground.
+    nginx with Debian's default nginx.conf, unmodified, in the foreground. `replace`: lines of
+    nginx.conf to change (e.g. NO_CORK), in a copy mounted over the package's.
 
     The host has no /etc/nginx or /usr/sbin/nginx to mount onto, so the container's /etc is a
     directory of the few host files nginx reads with an `nginx` mount point, and the unpacked tree
@@ -117,6 +122,17 @@ def prepare_bundle(bundle: str, ngx: Nginx) -> None:
         {"destination": "/etc/nginx", "type": "bind", "source": ngx.etc, "options": ["rbind", "ro"]},
         {"destination": "/opt/nginx", "type": "bind", "source": ngx.root, "options": ["rbind", "ro"]},
         {"destination": "/var/www/html", "type": "bind", "source": html, "options": ["rbind", "ro"]}]
+    if replace:
+        with open(os.path.join(ngx.etc, "nginx.conf")) as f:
+            conf = f.read()
+        for old, new in replace.items():
+            if old not in conf:
+                raise NginxUnavailable(f"nginx.conf has no line {old!r} to replace")
+            conf = conf.replace(old, new)
+        with open(os.path.join(bundle, "nginx.conf"), "w") as f:
+            f.write(conf)
+        mounts.append({"destination": "/etc/nginx/nginx.conf", "type": "bind",
+                       "source": os.path.join(bundle, "nginx.conf"), "options": ["bind", "ro"]})
     mounts += [{"destination": d, "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=755"]}
                for d in ("/var/log/nginx", "/var/lib/nginx", "/run")]
     spec["mounts"] = mounts
