@@ -136,8 +136,8 @@ def _addr_key(ip: str) -> bytes:
 
 
 class Registrar:
-    """Keeps the programs' address map equal to what tsord knows: the addresses of the sandboxes
-    registered (hello) and of the pods quark-cni registered, each with its namespace's cookie."""
+    """Keeps the programs' address map equal to what tsord asks for: the addresses of the quark
+    sandboxes registered with it (their hellos), each with its namespace's cookie."""
 
     def __init__(self, path: SockmapPath) -> None:
         self.path = path
