@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.integration import containerd_env as ce  # noqa: E402
 from tests.integration import cri_env  # noqa: E402
+from tests.support.testbed import eth0_bytes  # noqa: E402
 
 from bare_redis import VIAS, BareRedis, redis_rps  # noqa: E402
 
@@ -122,12 +123,12 @@ def one_run(cri, cd, tsord, handler: str, i: int, sizes: dict[int, int]) -> dict
         out: dict = {}
         for c, n in sorted(sizes.items(), reverse=True):
             m0, cpu0, t0 = tsord.counters(), [cgroup_cpu_s(g) for g in groups], proc_cpu_s(tsord.proc.pid)
-            s0, b0 = supervisors_cpu_s(cd), cri_env.eth0_bytes(netns)
+            s0, b0 = supervisors_cpu_s(cd), eth0_bytes(netns)
             text = run_to_exit(cri, cli, cli_conf, f"bench-c{c}",
                                ["redis-benchmark", "-h", ip, "-p", "6379", "-t", "get,set", "-n", str(n),
                                 "-c", str(c), "--csv"])
             m1, cpu1, t1 = tsord.counters(), [cgroup_cpu_s(g) for g in groups], proc_cpu_s(tsord.proc.pid)
-            s1, b1 = supervisors_cpu_s(cd), cri_env.eth0_bytes(netns)
+            s1, b1 = supervisors_cpu_s(cd), eth0_bytes(netns)
             rps = redis_rps(text)
             if set(rps) != {"GET", "SET"}:
                 raise RuntimeError(f"redis-benchmark -c {c} ({handler}): no GET/SET rows in {text[-1000:]}")

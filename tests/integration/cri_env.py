@@ -355,15 +355,6 @@ def pause_image_tar(path: Path, name: str = PAUSE_IMAGE) -> Path:
                             dirs=("dev", "proc", "sys", "etc"), entrypoint=["/pause"], cmd=[])
 
 
-def eth0_bytes(netns: str) -> int:
-    """Bytes a pod's eth0 sent and received, read in its network namespace (`netns`: a path) over
-    netlink: which connections crossed the pod's veth."""
-    out = subprocess.run(["nsenter", f"--net={netns}", "ip", "-j", "-s", "link", "show", "eth0"],
-                         check=True, capture_output=True, text=True).stdout
-    stats = json.loads(out)[0]["stats64"]
-    return stats["rx"]["bytes"] + stats["tx"]["bytes"]
-
-
 class Tsord:
     """One tsord of a test's (or benchmark's) own, as a node's in the host network namespace, run
     from this checkout (`python -m tsor.daemon`); socket, metrics socket and state_dir under `base`;

@@ -287,13 +287,9 @@ def test_sockmap_local_path_through_cri_quark_pods_skip_the_veth_runc_pods_and_r
     # crossing the server pod's eth0 (busybox httpd listens on [::]: its end is an AF_INET6 socket
     # with IPv4-mapped addresses); a runc pod of the same conflist (quark-cni registered it too)
     # is not carried; and the node's refusal still decides a quark pod's connection
-    from tsor import sockmap
-    from tsor.sockopt_offload import cgroup2_root
-    root = cgroup2_root()
-    if root is None:
-        pytest.skip("needs the unified cgroup hierarchy (cgroup2) mounted")
-    if sockmap.attached_names(root):
-        pytest.skip("a tsord with local_path: sockmap runs on this host")
+    from tests.support.testbed import eth0_bytes, sockmap_skip_reason
+    if sockmap_skip_reason():
+        pytest.skip(sockmap_skip_reason())
     size = 4 << 20
     tsord.start(local_path="sockmap")
     srv, srv_conf, srv_ip = tsor_pod(cri, "sm-srv", tsord.socket)
@@ -308,17 +304,17 @@ def test_sockmap_local_path_through_cri_quark_pods_skip_the_veth_runc_pods_and_r
     srv_netns = tsord.registered()[srv]["netns"]
     fetch = f"wget -qO- http://{srv_ip}:8080/big | md5sum; echo exit=$?"
 
-    before, b0 = tsord.counters(), cri_env.eth0_bytes(srv_netns)
+    before, b0 = tsord.counters(), eth0_bytes(srv_netns)
     code, out = run_script(cri, cli, cli_conf, "quark-fetch", fetch)
-    crossed = cri_env.eth0_bytes(srv_netns) - b0
+    crossed = eth0_bytes(srv_netns) - b0
     assert (code, out.split()[0], out.split()[-1]) == (0, want, "exit=0"), out
     assert crossed < size // 16, f"{crossed} bytes crossed eth0 for a {size}-byte file\n{tsord.log()[-3000:]}"
     assert tsord.counters().get(LOCAL, 0.0) == before.get(LOCAL, 0.0)   # no connect was trapped
 
-    b0 = cri_env.eth0_bytes(srv_netns)
+    b0 = eth0_bytes(srv_netns)
     code, out = run_script(cri, ref, ref_conf, "runc-fetch", fetch)
     assert (code, out.split()[0]) == (0, want), out
-    assert cri_env.eth0_bytes(srv_netns) - b0 >= size   # the runc pod's connection took the veth
+    assert eth0_bytes(srv_netns) - b0 >= size   # the runc pod's connection took the veth
 
     refuse_in_pod(srv_netns, [cli_ip], 8080)
     try:

@@ -6,7 +6,6 @@ on the local path. The same again with tsord's `local_path: sockmap`, where noth
 the proof is the server pod's eth0: the responses' bytes never cross it."""
 from __future__ import annotations
 
-import json
 import re
 import shutil
 
@@ -14,7 +13,7 @@ import pytest
 
 from tests.integration.conftest import needs_root
 from tests.support.nginx import INDEX
-from tests.support.testbed import local_connections, python_succeeds, sh
+from tests.support.testbed import eth0_bytes, local_connections, python_succeeds, sockmap_skip_reason
 
 WRK_SECONDS = 2
 CONNECTIONS = 4
@@ -46,24 +45,12 @@ def wait_http(pod, timeout: float = 30) -> None:
         f"nginx did not answer on {pod.ip}:80 within {timeout}s"
 
 
-def eth0_bytes(pod) -> int:
-    """Bytes the pod's eth0 sent and received (netlink, in its namespace)."""
-    out = sh("ip", "-j", "-s", "link", "show", "eth0", netns=pod.netns).stdout
-    stats = json.loads(out)[0]["stats64"]
-    return stats["rx"]["bytes"] + stats["tx"]["bytes"]
-
-
 @pytest.fixture(scope="module", params=["socketpair", "sockmap"])
 def bed(request):
     needs_root()
     local_path = request.param
-    if local_path == "sockmap":
-        from tsor import sockmap
-        from tsor.sockopt_offload import cgroup2_root
-        if cgroup2_root() is None:
-            pytest.skip("local_path: sockmap needs the unified cgroup hierarchy (cgroup2) mounted")
-        if sockmap.attached_names(cgroup2_root()):
-            pytest.skip("a tsord with local_path: sockmap runs on this host")
+    if local_path == "sockmap" and sockmap_skip_reason():
+        pytest.skip(sockmap_skip_reason())
     import qkernel.request
     if not hasattr(qkernel.request, "InstallFd"):
         pytest.skip("QKernel's TSoR wiring (fd installation, sys_socket handlers) is not in this tree yet")
@@ -98,6 +85,8 @@ def bed(request):
     finally:
         b.close()
         if local_path == "sockmap":   # tsord leaves its programs attached for the connections they carry
+            from tsor import sockmap
+            from tsor.sockopt_offload import cgroup2_root
             sockmap.remove_attached(cgroup2_root())
 
 
@@ -122,9 +111,9 @@ def run_wrk(bed, name: str, extra: str) -> tuple[str, int]:
 
 @pytest.mark.timeout(180)
 def test_keepalive_requests_over_the_local_path(bed):
-    before, crossed = local_connections(bed.node_a), eth0_bytes(bed.srv)
+    before, crossed = local_connections(bed.node_a), eth0_bytes(bed.srv.netns_path)
     text, requests = run_wrk(bed, "wrk-ka", "")
-    after, crossed = local_connections(bed.node_a), eth0_bytes(bed.srv) - crossed
+    after, crossed = local_connections(bed.node_a), eth0_bytes(bed.srv.netns_path) - crossed
     assert requests > 2 * CONNECTIONS, f"keep-alive: several requests per connection expected: {text}"
     if bed.local_path == "sockmap":
         # nothing trapped, no connection handed out; the kernel's connections, whose requests and
@@ -141,9 +130,9 @@ def test_keepalive_requests_over_the_local_path(bed):
 
 @pytest.mark.timeout(180)
 def test_connection_per_request_over_the_local_path(bed):
-    before, crossed = local_connections(bed.node_a), eth0_bytes(bed.srv)
+    before, crossed = local_connections(bed.node_a), eth0_bytes(bed.srv.netns_path)
     text, requests = run_wrk(bed, "wrk-close", "-H 'Connection: close'")
-    after, crossed = local_connections(bed.node_a), eth0_bytes(bed.srv) - crossed
+    after, crossed = local_connections(bed.node_a), eth0_bytes(bed.srv.netns_path) - crossed
     if bed.local_path == "sockmap":
         # a handshake and a close per request cross eth0 (a few hundred bytes), not the 1 KiB
         # response, nor the request

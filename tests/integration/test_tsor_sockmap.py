@@ -30,9 +30,8 @@ MIB = 1 << 20
 @pytest.fixture(scope="module")
 def pods():
     root = cgroup2_root()
-    running = sockmap.attached_names(root)
-    if running:
-        pytest.skip(f"a tsord with local_path: sockmap runs on this host ({', '.join(sorted(running))} attached)")
+    if testbed.sockmap_skip_reason():
+        pytest.skip(testbed.sockmap_skip_reason())
     bed = testbed.Testbed(prefix="qsm", octet=224)
     try:
         node = bed.node("a")

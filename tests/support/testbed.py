@@ -51,6 +51,28 @@ def wait_file(path: str, timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
+def eth0_bytes(netns_path: str) -> int:
+    """Bytes a pod's eth0 sent and received, read in its network namespace over netlink: which
+    connections crossed the pod's veth (`netns_path`: testbed's Pod.netns_path, CNI's netns)."""
+    out = subprocess.run(["nsenter", f"--net={netns_path}", "ip", "-j", "-s", "link", "show", "eth0"],
+                         check=True, capture_output=True, text=True).stdout
+    stats = json.loads(out)[0]["stats64"]
+    return stats["rx"]["bytes"] + stats["tx"]["bytes"]
+
+
+def sockmap_skip_reason() -> str | None:
+    """Why a test of tsord's `local_path: sockmap` cannot run here, or None."""
+    from tsor import sockmap
+    from tsor.sockopt_offload import cgroup2_root
+    root = cgroup2_root()
+    if root is None:
+        return "local_path: sockmap needs the unified cgroup hierarchy (cgroup2) mounted"
+    running = sockmap.attached_names(root)
+    if running:
+        return f"a tsord with local_path: sockmap runs on this host ({', '.join(sorted(running))} attached)"
+    return None
+
+
 def local_connections(node: Node) -> float:
     """tsord's count of connections that took the local path on `node` (0 before the first)."""
     from tsor.metrics import fetch, parse
