@@ -6,6 +6,8 @@ import os
 import socket
 import time
 
+import pytest
+
 from tsor.bytecount import TcpByteCounter, cookie_of, tcp_bytes
 
 
@@ -78,5 +80,49 @@ def test_destroy_events_need_cap_net_admin_and_are_used_as_root():
     counter.start()
     try:
         assert (counter._events is not None) == (os.geteuid() == 0)
+    finally:
+        counter.close()
+
+
+def destroy_groups(sock: socket.socket) -> int:
+    """The kernel's view of a netlink socket's groups (/proc/net/netlink, found by inode): 0x5 is
+    SKNLGRP_INET_TCP_DESTROY and SKNLGRP_INET6_TCP_DESTROY."""
+    ino = os.fstat(sock.fileno()).st_ino
+    with open("/proc/net/netlink") as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[-1]) == ino:
+                return int(fields[3], 16)
+    raise AssertionError("netlink socket not listed")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="destroy groups need CAP_NET_ADMIN (run as root)")
+def test_in_the_destroy_groups_only_while_a_socket_is_tracked():
+    # while anyone is in those groups every TCP socket of the host is freed through a kworker
+    # that broadcasts its TCP_INFO: a tsord with no tcp-path socket (the sockmap path, a node with
+    # no peers) must not put that on the node's other pods
+    counter = TcpByteCounter()
+    counter.start()
+    try:
+        assert destroy_groups(counter._events) == 0 and not counter.joined
+        c, s = pair()
+        counter.track(c)
+        assert destroy_groups(counter._events) == 0x5 and counter.joined
+        pump(c, s, 50_000)
+        wait_acked(c, 50_000)
+        c.close()
+        s.close()
+        deadline = time.monotonic() + 5
+        while counter._tracked and time.monotonic() < deadline:   # its destroy event retires it
+            time.sleep(0.02)
+        assert not counter._tracked
+        assert destroy_groups(counter._events) == 0 and not counter.joined
+        assert counter.totals()[("tcp", "sent")] in (50_000, 50_001)   # counted by the event
+        c, s = pair()
+        counter.track(s)
+        counter.untrack(s)
+        assert destroy_groups(counter._events) == 0
+        c.close()
+        s.close()
     finally:
         counter.close()
