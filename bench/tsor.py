@@ -258,7 +258,14 @@ def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None) -> 
         res["two_node_setup_p50_us"], res["two_node_setup_p99_us"] = p50, p99
         if tsor:
             from tsor.metrics import fetch, parse
-            res["tsord"] = {k: v for k, v in parse(fetch(a.metrics)).items() if "connections" in k}
+            res["tsord"] = {k: v for k, v in parse(fetch(a.metrics)).items()
+                            if "connections" in k or "setup_seconds" in k}
+            # the client tsord's own share of a set-up (its connect, the peer tsord's and the
+            # listening sandbox's answer included; the two supervisors' trap work not)
+            path = "rdma" if transport == "softverbs" else "tcp"
+            n = res["tsord"].get(f'tsor_connections_total{{path="{path}"}}', 0)
+            if n:
+                res["two_node_tsord_setup_us"] = res["tsord"][f'tsor_setup_seconds_total{{path="{path}"}}'] / n * 1e6
             if transport == "softverbs":
                 res = {k.replace("two_node_", "rdma_"): v for k, v in res.items()}
                 if res["tsord"].get('tsor_connections_total{path="rdma"}', 0) < 3:
@@ -432,6 +439,11 @@ def main() -> int:
         print(f"redis -c 50, the kernel alone (no container, the same pods' namespaces): unix socket "
               f"{r['kernel_unix_c50_rps']:.0f} vs veth + bridge {r['kernel_veth_c50_rps']:.0f} req/s, "
               f"{r['kernel_unix_c50_rps'] / r['kernel_veth_c50_rps']:.2f}x (per run {per_run})")
+    for c, d in results.get("two_nodes", {}).items():
+        if "two_node_tsord_setup_us" in d or "rdma_tsord_setup_us" in d:
+            us = d.get("two_node_tsord_setup_us", d.get("rdma_tsord_setup_us"))
+            print(f"2 nodes, {c}: the client tsord's share of a set-up {us:.0f} us per connection "
+                  f"(tsor_setup_seconds_total / tsor_connections_total)")
     m = results.get("one_node", {}).get("quark_tsor_sockmap")
     if m is not None:
         print("\nquark with local_path: sockmap against runc + bridge (and the socketpair path's ratio):")
