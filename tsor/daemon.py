@@ -370,8 +370,10 @@ class Daemon:
         elif isinstance(msg, protocol.Connect):
             if not self._stopped.is_set():
                 self.pool.submit(self._connect, sess, mid, msg)
-        elif isinstance(msg, protocol.Tally):   # counts of connections made over channels; no reply
+        elif isinstance(msg, protocol.Tally):   # counts of connections tsord did not see; no reply
             self.metrics.tallied("local", msg.connections, msg.incoming)
+            if msg.native:
+                self.metrics.tallied("fallback", msg.native)
         else:
             sess.send(protocol.reply(mid, error=f"{type(msg).__name__.lower()} is not a request to tsord"))
 
@@ -462,6 +464,7 @@ class Daemon:
         with self._lock:
             for a in ips:
                 self.listeners[(a, msg.port)] = (sess, msg.token)
+        self.generation.bump()   # supervisors' cached "native" answers (tsor/peers.py) no longer hold
 
     # ---- connections ---------------------------------------------------------------------------
     def _connect(self, sess: Session, mid: int, msg: protocol.Connect) -> None:
@@ -472,6 +475,10 @@ class Daemon:
         fam = family_of(dst[0])
         own = sorted(a for a in sess.identity.addrs if family_of(a) == fam)
         path, sock = "fallback", None
+        # a fallback decided by addresses alone (not a pod TSoR carries from here, no Service, no
+        # policy verdict, no transport tried) holds until the route generation changes: the
+        # supervisor may answer the next connect to dst natively without asking (tsor/peers.py)
+        cacheable = not own
         if own:
             # a Service ClusterIP:port goes to one of its endpoints (the reply names none of this:
             # the application's peer stays the address it dialled, as with kube-proxy's DNAT)
@@ -480,7 +487,10 @@ class Daemon:
             src = (own[0], msg.src_port)
             local = dst in self.listeners
             node = None if local else self.routes.lookup(dst[0])
-            carried = local or (node is not None and node.name != self.cfg.node)
+            # another node's pod is carried when this node can reach its tsord (the rdma path too is
+            # set up over that connection); without a peer address or cluster secret it is native
+            carried = local or (node is not None and node.name != self.cfg.node and self.remote.serves(node))
+            cacheable = not carried and dst == dialled
             # a TSoR path skips the node's packet filters: only what NetworkPolicy allows takes one
             # (denied, or tsord cannot tell: native, where the node's enforcement decides)
             if carried and self._policy_allows(sess, own[0], dst):
@@ -502,7 +512,8 @@ class Daemon:
                   f" ({dst[0]}:{dst[1]})" if dst is not None and dst != tuple(msg.dst) else "", path)
         try:
             if sock is None:
-                sess.send(protocol.reply(mid, path="fallback"))
+                cached = {"native": generation} if cacheable and sess.direct else {}
+                sess.send(protocol.reply(mid, path="fallback", **cached))
             else:
                 with sock:
                     if path == "tcp":

@@ -168,6 +168,8 @@ class SocketIntercept:
             # tsord is not there (yet, or any more), or the sandbox registered no address to connect
             # from (tsord would answer fallback): native, without a round trip
             return None
+        if net.known_native((ip, port)):
+            return None   # tsord said so for this address, and nothing it decides by has changed
         if ino is None:
             ino = _inode(call, fd)
             if ino is None:

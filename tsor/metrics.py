@@ -69,11 +69,13 @@ class Metrics:
         with self._lock:
             self.incoming[path] += 1
 
-    def tallied(self, path: str, connections: int, incoming: int) -> None:
-        """Connections sandboxes made and took over their direct channels (tsor/peers.py)."""
+    def tallied(self, path: str, connections: int, incoming: int = 0) -> None:
+        """Connections sandboxes made (and took) without asking tsord: over their direct channels,
+        or native on a cached fallback answer (tsor/peers.py). Nothing is delivered on fallback."""
         with self._lock:
             self.connections[path] += connections
-            self.incoming[path] += incoming
+            if incoming:
+                self.incoming[path] += incoming
 
     def policy_native(self, verdict: str) -> None:
         with self._lock:

@@ -23,6 +23,14 @@ What keeps this as strict as asking tsord every time:
   listener covers, the token a listener it still has; a refusal drops the route and the connect
   asks tsord, which answers as it would have (fallback: the native connect gets its ECONNREFUSED);
 - only a pod address is cached, never a Service ClusterIP (whose endpoint tsord picks per connect);
+- the same generation keeps tsord's *fallback* answers: when tsord decided "native" from the
+  addresses alone (the destination is no pod TSoR carries from here: another node's runc pod, a
+  node, anything outside the cluster; never a Service, a NetworkPolicy verdict or a failed
+  transport), its answer carries the generation, and the next connects to that address and port
+  go native without asking, until the generation moves (a listener registering bumps it too).
+  Such a connect costs the trap and a dict lookup instead of the /proc checks and a round trip
+  through tsord (`bench/tsor.py --only fallback`, two nodes: set-up p50 292-302 -> 88-130 us, plain
+  TCP 34-36 us);
 - a supervisor whose tsord connection drops closes every channel it holds (a restarted tsord starts
   from nothing), and a channel's end of file (the other sandbox gone) drops its routes.
 Counts: the supervisors tell tsord how many connections went direct (`tally`, at most every 50 ms
@@ -44,6 +52,7 @@ from tsor.addr import Endpoint, family_of, unmapped
 
 log = logging.getLogger("quark.tsor")
 TALLY_S = 0.05
+MAX_NATIVE = 4096   # cached fallback answers per sandbox
 _COUNTER = struct.Struct("Q")
 
 Reply = Callable[[dict | None, list[int]], bool | None]   # False: the connection was not taken
@@ -194,7 +203,8 @@ class PeerLinks:
         self.routes: dict[Endpoint, Route] = {}
         self.served: set[ServedChannel] = set()
         self.channels: dict[str, ClientChannel] = {}    # by the listening sandbox's name
-        self.connections = self.incoming = 0             # not yet told to tsord
+        self.native: dict[Endpoint, int] = {}            # dst -> generation of tsord's fallback answer
+        self.connections = self.incoming = self.natives = 0   # not yet told to tsord
         self._tally_due = False
 
     # ---- tsord's side of it ----------------------------------------------------------------------
@@ -212,6 +222,7 @@ class PeerLinks:
     def reset(self) -> None:
         """tsord went away (or came back): nothing it vouched for holds any more."""
         self.routes.clear()
+        self.native.clear()
         for ch in [*self.channels.values(), *self.served]:
             ch.close()
         self.channels.clear()
@@ -227,6 +238,27 @@ class PeerLinks:
             sock.close()
             return False
         self.served.add(ServedChannel(self.loop, sock, peer, self._take, self.served.discard))
+        return True
+
+    # ---- fallback answers -------------------------------------------------------------------------
+    def remember_native(self, dst: Endpoint, generation: object) -> None:
+        """tsord answered a connect to `dst` with fallback, decided by addresses alone, at `generation`."""
+        if self.generation is None or not isinstance(generation, int):
+            return
+        if len(self.native) >= MAX_NATIVE:
+            self.native.clear()   # (a sandbox scanning addresses: start over rather than grow)
+        self.native[dst] = generation
+
+    def known_native(self, dst: Endpoint) -> bool:
+        """Whether a connect to `dst` goes native without asking tsord (and is counted for it)."""
+        g = self.native.get(dst)
+        if g is None:
+            return False
+        if self.generation is None or self.generation.value != g:
+            del self.native[dst]
+            return False
+        self.natives += 1
+        self._tally_soon()
         return True
 
     def adopt(self, dst: Endpoint, reply: dict, fds: list[int]) -> None:
@@ -313,7 +345,7 @@ class PeerLinks:
 
     def flush_tally(self) -> None:
         self._tally_due = False
-        if self.connections or self.incoming:
-            tally = protocol.Tally(self.connections, self.incoming)
-            self.connections = self.incoming = 0
+        if self.connections or self.incoming or self.natives:
+            tally = protocol.Tally(self.connections, self.incoming, self.natives)
+            self.connections = self.incoming = self.natives = 0
             self._send_tally(tally)

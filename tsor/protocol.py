@@ -9,7 +9,7 @@ requests: the sandbox asks to connect and announces listeners; tsord offers inco
                       unlisten  {token}                         -> {ok}
                       connect   {dst: [ip, port], src_port}     -> {path: local|tcp|rdma, src, [direct]} + fd
                                                                    [+ channel fd] | {path: fallback}
-                      tally     {connections, incoming}         (no reply: counts of direct connections)
+                      tally     {connections, incoming, native}  (no reply: counts of connections tsord did not see)
     tsord -> sandbox  incoming  {token, peer, local, path, greet} + fd -> {ok}
                       peer      {sandbox, addrs} + channel fd   -> {ok}
 
@@ -103,6 +103,7 @@ class Peer:
 class Tally:
     connections: int     # local-path connections this sandbox made over channels since its last tally
     incoming: int        # ... and took from channels
+    native: int = 0      # ... and connects it let go native on a cached fallback answer (tsor/peers.py)
 
 
 @dataclass(frozen=True)

@@ -333,7 +333,13 @@ class SandboxNet:
         if reply is not None and reply.get("direct") is not None and reply.get("path") == "local":
             self.peers.adopt(dst, reply, fds)   # takes (and closes) the channel end, fds[1]
             fds = fds[:1]
+        elif reply is not None and reply.get("path") == "fallback" and "native" in reply:
+            self.peers.remember_native(dst, reply["native"])
         on_reply(reply, fds)
+
+    def known_native(self, dst: Endpoint) -> bool:
+        """A connect to `dst` that tsord said goes native, its routes unchanged since: no need to ask."""
+        return self.peers.known_native((unmapped(dst[0]), dst[1]))
 
     def _up(self) -> None:
         self.peers.registered(self.client.take_generation())

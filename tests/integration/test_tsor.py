@@ -430,3 +430,82 @@ def test_only_the_supervisor_is_in_quarks_socket_cgroup(bed):
         assert "0::" in out and f"0::/{CGROUP_NAME}" not in out
     finally:
         bed.stop("quark", "cgq")
+
+
+FALLBACK_CLIENT = r"""
+import os, socket, sys, time
+ip, port = sys.argv[1], int(sys.argv[2])
+refused = 0
+for _ in range(20):
+    s = socket.socket()
+    try:
+        s.connect((ip, port))
+    except ConnectionRefusedError:
+        refused += 1
+    s.close()
+open("/out/fb-phase1", "w").write(str(refused))
+while not os.path.exists("/out/fb-go"):
+    time.sleep(0.02)
+s = socket.create_connection((ip, port), timeout=10)
+s.sendall(b"hi")
+open("/out/fb-done", "w").write(s.recv(2).decode())
+"""
+LATE_SERVER = r"""
+import socket, sys
+l = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+open("/out/late-ready", "w").close()
+while True:
+    c, _ = l.accept()
+    c.sendall(c.recv(2))
+    c.close()
+"""
+
+
+def _metric(node, key: str) -> float:
+    from tsor.metrics import parse
+    return parse(fetch(node.metrics)).get(key, 0.0)
+
+
+def _until(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_fallback_answers_are_cached_until_a_listener_registers(bed):
+    """A connect tsord answered "native" for (a pod address nobody listens on, here) goes native the
+    next times without asking tsord, still counted as fallback; once a quark listener registers on
+    that address, the next connect asks again and takes the local path."""
+    node, port = bed.node_a, 7010
+    late, cli = node.pod("late"), node.pod("fb")
+    fallback = 'tsor_connections_total{path="fallback"}'
+    for f in ("fb-phase1", "fb-go", "fb-done", "late-ready"):
+        if os.path.exists(bed.out(f)):
+            os.unlink(bed.out(f))
+    fb0, local0 = _metric(node, fallback), local_connections(node)
+    log0 = len(node.log())
+    bed.start("quark", "fb", bed.bundle("fb", ["python3", "-c", FALLBACK_CLIENT, late.ip, str(port)], cli))
+    try:
+        wait_file(bed.out("fb-phase1"))
+        with open(bed.out("fb-phase1")) as f:
+            assert f.read() == "20"                      # nothing listens yet: refused natively
+        assert _until(lambda: _metric(node, fallback) == fb0 + 20), _metric(node, fallback) - fb0
+        asked = node.log()[log0:].count(f"-> {late.ip}:{port}: fallback")
+        assert asked == 1, f"tsord was asked {asked} times"
+        listeners = _metric(node, "tsor_listeners")
+        bed.start("quark", "late", bed.bundle("late", ["python3", "-c", LATE_SERVER, str(port)], late))
+        try:
+            wait_file(bed.out("late-ready"))
+            assert _until(lambda: _metric(node, "tsor_listeners") > listeners)   # tsord has the listener
+            open(bed.out("fb-go"), "w").close()
+            wait_file(bed.out("fb-done"))
+            with open(bed.out("fb-done")) as f:
+                assert f.read() == "hi"
+            assert local_connections(node) == local0 + 1   # asked again: the local path, not the cache
+        finally:
+            bed.stop("quark", "late")
+    finally:
+        bed.stop("quark", "fb")

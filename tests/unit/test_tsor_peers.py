@@ -238,3 +238,27 @@ def test_no_offer_reaches_the_listener_when_the_connect_went_native_after_all(no
     reply, end = cli.connect(("10.0.0.1", 8080), 41002)   # the route still holds
     srv.run(lambda: srv.accepted)
     echo(srv, end, ("10.0.0.2", 41002))
+
+
+def test_a_fallback_answer_holds_until_the_route_generation_moves(node):
+    d, srv, cli = pair(node)
+    dst = ("10.0.0.9", 80)                       # no listener, no route: tsord says native
+    reply, end = cli.connect(dst, 41000)
+    assert reply["path"] == "fallback" and end is None
+    assert reply["native"] == cli.peers.generation.value
+    cli.peers.remember_native(dst, reply["native"])
+    before = tsord_connects(d)
+    assert all(cli.peers.known_native(dst) for _ in range(3))   # answered here, tsord not asked
+    assert not cli.peers.known_native(("10.0.0.9", 81))        # (only that port)
+    cli.peers.flush_tally()
+    cli.run(lambda: tsord_connects(d) == before + 3)           # ... but counted as fallback there
+    assert d.metrics.connections["fallback"] == 4
+    srv.listen(8, "0.0.0.0", 9090)               # any listener registering bumps the generation
+    assert not cli.peers.known_native(dst) and dst not in cli.peers.native
+
+
+def test_a_listener_address_is_never_answered_native(node):
+    d, srv, cli = pair(node)
+    reply, end = cli.connect(("10.0.0.1", 8080), 41000)        # the local path
+    assert reply["path"] == "local" and "native" not in reply
+    end.close()

@@ -242,8 +242,12 @@ class TcpTransport:
             self._gate = Gate(s, "tcp", self._opened, self._readable, MAX_PENDING, SETUP_TIMEOUT)
 
     # ---- client side ---------------------------------------------------------------------------
+    def serves(self, node: Node) -> bool:
+        """Whether connections to `node`'s pods can be set up at all: it has an address, we a secret."""
+        return node.address is not None and self.key is not None
+
     def connect(self, node: Node, src: Endpoint, dst: Endpoint) -> socket.socket | None:
-        if node.address is None or self.key is None:
+        if not self.serves(node):
             return None
         request = {"src": list(src), "dst": list(dst)}
         warm = self.warm.take(node)
