@@ -14,6 +14,9 @@ Two nodes — two network namespaces joined by a veth, each with a bridge, pods 
 rdma      — the same two nodes with both tsords on `transport: softverbs` (the rdma path over
             softverbs, this machine having no RNIC), run beside the tcp path and plain TCP in each
             run; ratios to the tcp path (the goal's reference) and to plain TCP.
+fallback  — the same two nodes with tsords that carry nothing between them (no cluster secret):
+            what a quark connection that TSoR does not carry (another node without a path, a runc
+            pod, anything outside the cluster) costs over plain TCP — the trap and tsord's answer.
 
     .venv/bin/python bench/tsor.py [--only nginx,setup,...] [--runs N] [--json F] [--png F]
                                    [--sockmap] [--nginx-no-cork]
@@ -50,7 +53,7 @@ GOALS = {"iperf3_gbps": (">=", 2.0), "rtt_p50_us": ("<=", 0.75), "redis_c50_rps"
          # issue 17, against the tcp path: the pump must not be the bottleneck; set-up over the built QP
          "rdma_iperf3_gbps": (">=", 0.5), "rdma_setup_p50_us": ("<=", 1.0)}
 NGINX_NO_CORK = False   # --nginx-no-cork
-PARTS = ("iperf3", "rtt", "pinned", "redis", "setup", "nginx", "two_nodes", "rdma")
+PARTS = ("iperf3", "rtt", "pinned", "redis", "setup", "nginx", "two_nodes", "rdma", "fallback")
 # (section, key, label, unit, higher is better): the rows of the report and the bars of the chart, in order
 METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
            ("one_node", "rtt_p50_us", "64 B RTT p50", "us", False),
@@ -66,14 +69,18 @@ METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
            ("two_nodes", "two_node_setup_p50_us", "2 nodes: set-up p50", "us", False),
            ("rdma", "rdma_iperf3_gbps", "rdma/softverbs vs tcp path: iperf3", "Gb/s", True),
            ("rdma", "rdma_rtt_p50_us", "rdma/softverbs vs tcp: 64 B RTT p50", "us", False),
-           ("rdma", "rdma_setup_p50_us", "rdma/softverbs vs tcp: set-up p50", "us", False)]
+           ("rdma", "rdma_setup_p50_us", "rdma/softverbs vs tcp: set-up p50", "us", False),
+           ("fallback", "fallback_setup_p50_us", "2 nodes, fallback: set-up p50", "us", False)]
 # section: (quark's configuration, the reference's); the rdma rows are measured against the tcp path
 SIDES = {"one_node": ("one_node", "quark_tsor_local", "runc_bridge"),
          "two_nodes": ("two_nodes", "quark_tsor_tcp", "runc_plain_tcp"),
-         "rdma": ("two_nodes", "quark_tsor_rdma", "quark_tsor_tcp")}
+         "rdma": ("two_nodes", "quark_tsor_rdma", "quark_tsor_tcp"),
+         "fallback": ("two_nodes", "quark_tsor_fallback", "runc_plain_tcp")}
 # two-node configurations: runtime and tsord's node-to-node transport (None: tsord's default, auto -> tcp)
+# ("none": the tsords have no cluster secret or listen address, so connections between the nodes
+# fall back to the kernel's TCP: what every quark connection to a peer TSoR does not carry costs)
 TWO_NODE_CONFIGS = {"quark_tsor_tcp": ("quark", None), "quark_tsor_rdma": ("quark", "softverbs"),
-                    "runc_plain_tcp": ("runc", None)}
+                    "quark_tsor_fallback": ("quark", "none"), "runc_plain_tcp": ("runc", None)}
 WRK = "wrk -t1 -c16 -d10s"
 
 
@@ -242,8 +249,9 @@ def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None) -> 
         bed.link(a, b)
         tsor = runtime == "quark"
         if tsor:
-            a.start_tsord(debug=False, transport=transport)
-            b.start_tsord(debug=False, transport=transport)
+            peers = transport != "none"
+            a.start_tsord(debug=False, transport=transport if peers else None, peers=peers)
+            b.start_tsord(debug=False, transport=transport if peers else None, peers=peers)
         srv, cli = b.pod("srv"), a.pod("cli")
         bed.start(runtime, "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], srv, tsor=tsor))
         bed.start(runtime, "pp-s", bed.bundle("pp-s", [pp, "server", "7001"], srv, tsor=tsor))
@@ -262,15 +270,17 @@ def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None) -> 
                             if "connections" in k or "setup_seconds" in k}
             # the client tsord's own share of a set-up (its connect, the peer tsord's and the
             # listening sandbox's answer included; the two supervisors' trap work not)
-            path = "rdma" if transport == "softverbs" else "tcp"
+            path = {"softverbs": "rdma", "none": "fallback"}.get(transport, "tcp")
             n = res["tsord"].get(f'tsor_connections_total{{path="{path}"}}', 0)
-            if n:
+            if n and path != "fallback":   # (fallback connects answered from a supervisor's cache never ask)
                 res["two_node_tsord_setup_us"] = res["tsord"][f'tsor_setup_seconds_total{{path="{path}"}}'] / n * 1e6
             if transport == "softverbs":
                 res = {k.replace("two_node_", "rdma_"): v for k, v in res.items()}
                 if res["tsord"].get('tsor_connections_total{path="rdma"}', 0) < 3:
                     raise RuntimeError(f"the softverbs configuration's connections did not take the rdma path: "
                                        f"{res['tsord']}")
+            elif transport == "none":
+                res = {k.replace("two_node_", "fallback_"): v for k, v in res.items()}
         return res
     finally:
         bed.close()
@@ -296,7 +306,7 @@ def rows(results: dict) -> list[dict]:
         data = results.get(where, {})
         if mine not in data or ref not in data:
             continue
-        ref_key = key.replace("rdma_", "two_node_")   # the reference side's name of the metric
+        ref_key = key.replace("rdma_", "two_node_").replace("fallback_", "two_node_")   # the reference's name
         q, r = data[mine].get(key), data[ref].get(ref_key)
         if q is None or r is None:
             continue
@@ -398,7 +408,7 @@ def main() -> int:
     pp = os.path.join(REPO, "bench", ".pingpong")
     subprocess.run(["gcc", "-O2", "-o", pp, os.path.join(REPO, "bench/pingpong.c"), "-lpthread"], check=True)
     pp_in = "/repo/bench/.pingpong"
-    one = parts - {"two_nodes", "rdma"}
+    one = parts - {"two_nodes", "rdma", "fallback"}
     cgroups_before = quark_cgroup_dirs()
     machine = {"kernel": platform.release(), "cpus": os.cpu_count()}
     results: dict = {"machine": machine, "parts": sorted(parts), "runs": args.runs,
@@ -411,8 +421,10 @@ def main() -> int:
             if args.sockmap:
                 results["one_node"]["quark_tsor_sockmap"] = merge([one_node("quark", pp_in, "m", one, "sockmap")
                                                                    for _ in range(args.runs)])
-        if parts & {"two_nodes", "rdma"}:   # the rdma rows need the tcp path beside them
-            configs = ["quark_tsor_tcp", *(["quark_tsor_rdma"] if "rdma" in parts else []), "runc_plain_tcp"]
+        if parts & {"two_nodes", "rdma", "fallback"}:   # the rdma rows need the tcp path beside them
+            configs = [*(["quark_tsor_tcp"] if parts & {"two_nodes", "rdma"} else []),
+                       *(["quark_tsor_rdma"] if "rdma" in parts else []),
+                       *(["quark_tsor_fallback"] if "fallback" in parts else []), "runc_plain_tcp"]
             results["two_nodes"] = two_node_runs(configs, pp_in, args.runs)
     finally:
         remove_empty_since(cgroups_before)
@@ -440,8 +452,8 @@ def main() -> int:
               f"{r['kernel_unix_c50_rps']:.0f} vs veth + bridge {r['kernel_veth_c50_rps']:.0f} req/s, "
               f"{r['kernel_unix_c50_rps'] / r['kernel_veth_c50_rps']:.2f}x (per run {per_run})")
     for c, d in results.get("two_nodes", {}).items():
-        if "two_node_tsord_setup_us" in d or "rdma_tsord_setup_us" in d:
-            us = d.get("two_node_tsord_setup_us", d.get("rdma_tsord_setup_us"))
+        us = next((d[k] for k in ("two_node_tsord_setup_us", "rdma_tsord_setup_us") if k in d), None)
+        if us is not None:
             print(f"2 nodes, {c}: the client tsord's share of a set-up {us:.0f} us per connection "
                   f"(tsor_setup_seconds_total / tsor_connections_total)")
     m = results.get("one_node", {}).get("quark_tsor_sockmap")

@@ -161,18 +161,20 @@ class Node:
         return p
 
     def start_tsord(self, *, wait: bool = True, debug: bool = True, transport: str | None = None,
-                    kubeconfig: str | None = None, local_path: str | None = None) -> None:
+                    kubeconfig: str | None = None, local_path: str | None = None, peers: bool = True) -> None:
         """`debug`: tsord logs every connection (the tests read it); benchmarks run without, as a
         node does. `transport`: tsor.yaml's node-to-node transport (default: tsord's, auto).
         `kubeconfig`: routes from that API server (tsor/routes_k8s.py) instead of the bed's file.
-        `local_path`: tsor.yaml's local_path (default: tsord's, socketpair)."""
+        `local_path`: tsor.yaml's local_path (default: tsord's, socketpair). `peers=False`: no
+        cluster secret and no listen address, so no connection to another node's pods is carried
+        (they fall back to the kernel's TCP)."""
         cfg = os.path.join(self.bed.dir, f"{self.name}-tsor.yaml")
         routes = {"kubernetes": {"kubeconfig": kubeconfig}} if kubeconfig else {"routes": self.bed.routes_file}
         with open(cfg, "w") as f:
             json.dump({"node": self.name, "socket": self.socket, "metrics": f"unix:{self.metrics}",
-                       **routes, "cluster_secret_file": self.bed.secret_file,
+                       **routes, **({"cluster_secret_file": self.bed.secret_file} if peers else {}),
                        "state_dir": os.path.join(self.bed.dir, f"{self.name}-state"),
-                       **({"listen": f"{self.address}:{TSORD_PORT}"} if self.address else {}),
+                       **({"listen": f"{self.address}:{TSORD_PORT}"} if self.address and peers else {}),
                        **({"transport": transport} if transport else {}),
                        **({"local_path": local_path} if local_path else {})}, f)
         log = open(os.path.join(self.bed.dir, f"{self.name}-tsord.log"), "a")
