@@ -16,7 +16,7 @@ import pytest
 
 from qlib import procfs, syscalls
 from tests.integration.conftest import needs_root
-from tests.support.testbed import local_connections, wait_file
+from tests.support.testbed import local_connections, metric, wait_file, wait_metric
 from tsor import protocol
 from tsor.metrics import fetch
 
@@ -461,20 +461,6 @@ while True:
 """
 
 
-def _metric(node, key: str) -> float:
-    from tsor.metrics import parse
-    return parse(fetch(node.metrics)).get(key, 0.0)
-
-
-def _until(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_fallback_answers_are_cached_until_a_listener_registers(bed):
     """A connect tsord answered "native" for (a pod address nobody listens on, here) goes native the
     next times without asking tsord, still counted as fallback; once a quark listener registers on
@@ -485,21 +471,22 @@ def test_fallback_answers_are_cached_until_a_listener_registers(bed):
     for f in ("fb-phase1", "fb-go", "fb-done", "late-ready"):
         if os.path.exists(bed.out(f)):
             os.unlink(bed.out(f))
-    fb0, local0 = _metric(node, fallback), local_connections(node)
+    fb0, local0 = metric(node, fallback), local_connections(node)
     log0 = len(node.log())
     bed.start("quark", "fb", bed.bundle("fb", ["python3", "-c", FALLBACK_CLIENT, late.ip, str(port)], cli))
     try:
         wait_file(bed.out("fb-phase1"))
         with open(bed.out("fb-phase1")) as f:
             assert f.read() == "20"                      # nothing listens yet: refused natively
-        assert _until(lambda: _metric(node, fallback) == fb0 + 20), _metric(node, fallback) - fb0
+        counted = wait_metric(node, fallback, fb0 + 20) - fb0    # tsord's count and the tallies
+        assert counted == 20, counted
         asked = node.log()[log0:].count(f"-> {late.ip}:{port}: fallback")
         assert asked == 1, f"tsord was asked {asked} times"
-        listeners = _metric(node, "tsor_listeners")
+        listeners = metric(node, "tsor_listeners")
         bed.start("quark", "late", bed.bundle("late", ["python3", "-c", LATE_SERVER, str(port)], late))
         try:
             wait_file(bed.out("late-ready"))
-            assert _until(lambda: _metric(node, "tsor_listeners") > listeners)   # tsord has the listener
+            assert wait_metric(node, "tsor_listeners", listeners + 1) > listeners   # tsord has the listener
             open(bed.out("fb-go"), "w").close()
             wait_file(bed.out("fb-done"))
             with open(bed.out("fb-done")) as f:

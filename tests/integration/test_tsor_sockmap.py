@@ -357,18 +357,6 @@ def sockmap_bed(pods):
         sockmap.remove_attached(cgroup2_root())
 
 
-def _gauge(node: testbed.Node, name: str) -> float:
-    from tsor.metrics import fetch, parse
-    return parse(fetch(node.metrics)).get(name, 0.0)
-
-
-def _wait_gauge(node: testbed.Node, name: str, at_least: float, timeout: float = 10) -> float:
-    deadline = time.monotonic() + timeout
-    while (value := _gauge(node, name)) < at_least and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return value
-
-
 def test_quark_pods_talk_through_the_kernel_with_no_trapped_call(sockmap_bed):
     """The client exchanges 4 MiB with the server while its supervisor is stopped: nothing it does
     is trapped (a trapped call would wait for that supervisor). The connection is carried socket to
@@ -377,7 +365,7 @@ def test_quark_pods_talk_through_the_kernel_with_no_trapped_call(sockmap_bed):
     bed, node = sockmap_bed, sockmap_bed.node_a
     pod = node.pod("cli")
     bed.start("quark", "cli", bed.bundle("cli", ["python3", "-c", ECHO_CLIENT, "cli", bed.srv.ip, "7200"], pod))
-    assert _wait_gauge(node, "tsor_sandboxes", 2) >= 2, node.log()   # both registered: in the map
+    assert testbed.wait_metric(node, "tsor_sandboxes", 2) >= 2, node.log()   # both registered: in the map
     sup = procfs.parent_pid(json.loads(bed.quark("state", "cli").stdout)["pid"])
     before = _tx_bytes(pod)
     os.kill(sup, signal.SIGSTOP)
@@ -395,14 +383,14 @@ def test_quark_pods_talk_through_the_kernel_with_no_trapped_call(sockmap_bed):
     assert res["peer"] == [bed.srv.ip, 7200]
     assert (res["cork"], res["state"]) == (1, 1)       # TCP_CORK read back; TCP_ESTABLISHED
     assert res["rtt_us"] > 0                           # the kernel measured it: not an emulated record
-    assert _gauge(node, "tsor_sockmap_ends") == 2, node.log()   # the client's end and the server's
+    assert testbed.metric(node, "tsor_sockmap_ends") == 2, node.log()   # the client's end and the server's
     assert _tx_bytes(pod) - before < 256 * 1024, "the payload crossed the client pod's veth"
     open(bed.out("cli-close"), "w").close()
     bed.stop("quark", "cli")
     deadline = time.monotonic() + 10
-    while _gauge(node, "tsor_sockmap_ends") and time.monotonic() < deadline:
+    while testbed.metric(node, "tsor_sockmap_ends") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _gauge(node, "tsor_sockmap_ends") == 0      # closed ends leave the map
+    assert testbed.metric(node, "tsor_sockmap_ends") == 0      # closed ends leave the map
 
 
 def test_a_sandbox_of_a_socketpair_tsord_still_traps(sockmap_bed):

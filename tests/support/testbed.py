@@ -73,10 +73,23 @@ def sockmap_skip_reason() -> str | None:
     return None
 
 
+def metric(node: Node, name: str) -> float:
+    """One of `node`'s tsord metrics, e.g. 'tsor_listeners' (0 before it is first counted)."""
+    from tsor.metrics import fetch, parse
+    return parse(fetch(node.metrics)).get(name, 0.0)
+
+
+def wait_metric(node: Node, name: str, at_least: float, timeout: float = 10) -> float:
+    """`metric` once it reaches `at_least`, or its value after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (value := metric(node, name)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
 def local_connections(node: Node) -> float:
     """tsord's count of connections that took the local path on `node` (0 before the first)."""
-    from tsor.metrics import fetch, parse
-    return parse(fetch(node.metrics)).get('tsor_connections_total{path="local"}', 0.0)
+    return metric(node, 'tsor_connections_total{path="local"}')
 
 
 @dataclass
