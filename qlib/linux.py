@@ -217,14 +217,33 @@ def pidfd_open(pid: int, flags: int = 0) -> int:
 
 
 def pidfd_open_thread(tid: int) -> int:
-    """A pidfd for `tid`, which may be any thread of a process (PIDFD_THREAD); on kernels before
-    6.9, which refuse the flag, one for a thread-group leader only."""
+    """A pidfd for `tid`, which may be any thread of a process (PIDFD_THREAD). Kernels before 6.9
+    refuse the flag and a pidfd of any task but a thread-group leader (EINVAL): there it is the
+    pidfd of tid's process, whose fd table its threads share (pthreads are made with CLONE_FILES);
+    the caller checks afterwards that tid is still the task it meant, as with any pidfd."""
     try:
         return pidfd_open(tid, PIDFD_THREAD)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-    return pidfd_open(tid)
+    try:
+        return pidfd_open(tid)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    return pidfd_open(thread_group(tid))
+
+
+def thread_group(tid: int) -> int:
+    """The process (thread-group id) a thread belongs to, from /proc; ESRCH once it is gone."""
+    try:
+        with open(f"/proc/{tid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except FileNotFoundError:
+        pass
+    raise OSError(errno.ESRCH, f"no task {tid}")
 
 
 def pidfd_send_signal(pidfd: int, sig: int) -> None:
