@@ -25,8 +25,9 @@ def devices_report(describe: Callable[[], list[DeviceReport]] = describe_devices
         found = describe()
     except (NoDevice, VerbsError) as e:
         return {"devices": [], "error": str(e)}
-    return {"devices": [{"name": d.name, "ports": [{**asdict(p), "gids": [{"index": i, "gid": g} for i, g in p.gids]}
-                                                   for p in d.ports]} for d in found], "error": None}
+    return {"devices": [{"name": d.name, "kind": d.kind,
+                         "ports": [{**asdict(p), "gids": [{"index": i, "gid": g, "type": t} for i, g, t in p.gids]}
+                                   for p in d.ports]} for d in found], "error": None}
 
 
 class _RdmaHere:
@@ -105,7 +106,7 @@ def kubernetes_nodes(path: str, cfg: configmod.Config) -> list[routesmod.Node]:
 
 
 def report(path: str, describe: Callable[[], list[DeviceReport]] = describe_devices,
-           open_rdma: Callable[[], Device] = open_pyverbs) -> dict:
+           open_rdma: Callable[[], Device] | None = None) -> dict:
     """The whole check for the tsor.yaml at `path`; ConfigError (file and field) when it is bad or
     its API server cannot be listed."""
     cfg = configmod.load(path)
@@ -117,4 +118,4 @@ def report(path: str, describe: Callable[[], list[DeviceReport]] = describe_devi
         nodes = []
     return {"config": path, "node": cfg.node, "transport": dict(cfg.transport), "routes": cfg.routes,
             "kubernetes": cfg.kubernetes is not None,
-            "rdma": devices_report(describe), **peers_report(cfg, nodes, open_rdma)}
+            "rdma": devices_report(describe), **peers_report(cfg, nodes, open_rdma or (lambda: open_pyverbs(cfg.rdma)))}

@@ -17,6 +17,10 @@
     state_dir: /run/quark/tsord     # what survives a restart of tsord: the pods quark-cni registered
     local_path: socketpair          # between pods of this node: socketpair (connect trapped, one
                                     #   AF_UNIX socketpair) or sockmap (nothing trapped, tsor/sockmap.py)
+    rdma:                           # the RDMA port the rdma transport uses (each key optional)
+      device: mlx5_0                # default: the first device
+      port: 1                       # default: its first ACTIVE port
+      gid_index: 3                  # default: the port's first RoCE v2 IPv4 GID (tsor/verbs/pyverbs_provider.py)
 
 `transport`: `rdma` carries connections over an RC queue pair on this host's RDMA device (pyverbs),
 `softverbs` over the software provider (a TCP connection between the tsords is its cable: for hosts
@@ -40,7 +44,8 @@ from tsor import DEFAULT_SOCKET
 from tsor.errors import ConfigError
 
 _KEYS = {"node", "socket", "listen", "metrics", "routes", "kubernetes", "cluster_secret_file", "insecure_no_auth",
-         "transport", "state_dir", "sockopt_offload", "local_path"}
+         "transport", "state_dir", "sockopt_offload", "local_path", "rdma"}
+_RDMA_KEYS = {"device", "port", "gid_index"}
 _KUBE_KEYS = {"kubeconfig", "context", "runtime_class", "tsord_port"}
 DEFAULT_TSORD_PORT = 7470
 DEFAULT_STATE_DIR = "/run/quark/tsord"
@@ -68,6 +73,15 @@ class Kubernetes:
 
 
 @dataclass(frozen=True)
+class RdmaPort:
+    """Which RDMA port the rdma transport opens; None: the provider's default (its first device, that
+    device's first ACTIVE port, the port's RoCE v2 IPv4 GID)."""
+    device: str | None = None
+    port: int | None = None
+    gid_index: int | None = None
+
+
+@dataclass(frozen=True)
 class Config:
     node: str
     socket: str = DEFAULT_SOCKET
@@ -83,6 +97,7 @@ class Config:
     # tsor.yaml's default is true, a Daemon built in-process (tests) stays where it is unless asked
     sockopt_offload: bool = False
     local_path: str = "socketpair"
+    rdma: RdmaPort = RdmaPort()
     path: str = ""   # the file it was read from (errors found later name it)
 
     def transport_for(self, node: str) -> str:
@@ -174,7 +189,16 @@ def load(path: str) -> Config:
     return Config(node=node, socket=sock, listen=listen, metrics=metrics, routes=routes, kubernetes=kube,
                   cluster_secret=secret, insecure_no_auth=insecure,
                   transport=_transport(raw.get("transport", "auto"), path), state_dir=state_dir,
-                  sockopt_offload=offload, local_path=local_path, path=path)
+                  sockopt_offload=offload, local_path=local_path, rdma=_rdma(raw.get("rdma"), path), path=path)
+
+
+def _mapping(value: object, keys: set[str], path: str, field: str, or_: str = "") -> None:
+    """ConfigError unless `value` is a mapping whose keys are among `keys` (naming the first other one)."""
+    if not isinstance(value, dict):
+        raise ConfigError(path, field, f"expected {or_}a mapping of {sorted(keys)}, got {value!r}")
+    unknown = set(value) - keys
+    if unknown:
+        raise ConfigError(path, f"{field}.{sorted(map(str, unknown))[0]}", f"unknown key (expected one of {sorted(keys)})")
 
 
 def _kubernetes(value: object, path: str) -> Kubernetes | None:
@@ -183,12 +207,7 @@ def _kubernetes(value: object, path: str) -> Kubernetes | None:
         return None
     if value is True:
         return Kubernetes()
-    if not isinstance(value, dict):
-        raise ConfigError(path, "kubernetes", f"expected true or a mapping of {sorted(_KUBE_KEYS)}, got {value!r}")
-    unknown = set(value) - _KUBE_KEYS
-    if unknown:
-        raise ConfigError(path, f"kubernetes.{sorted(map(str, unknown))[0]}",
-                          f"unknown key (expected one of {sorted(_KUBE_KEYS)})")
+    _mapping(value, _KUBE_KEYS, path, "kubernetes", "true or ")
     kubeconfig = value.get("kubeconfig")
     if kubeconfig is not None:
         if not isinstance(kubeconfig, str) or not kubeconfig:
@@ -203,6 +222,21 @@ def _kubernetes(value: object, path: str) -> Kubernetes | None:
         raise ConfigError(path, "kubernetes.tsord_port", f"expected a port number, got {port!r}")
     return Kubernetes(kubeconfig=kubeconfig, context=value.get("context"),
                       runtime_class=value.get("runtime_class") or "quark", tsord_port=port)
+
+
+def _rdma(value: object, path: str) -> RdmaPort:
+    if value is None:
+        return RdmaPort()
+    _mapping(value, _RDMA_KEYS, path, "rdma")
+    device = value.get("device")
+    if device is not None and (not isinstance(device, str) or not device or "/" in device):
+        raise ConfigError(path, "rdma.device", f"expected a device name (as ibv_devices lists it), got {device!r}")
+    port, gid = value.get("port"), value.get("gid_index")
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 255):
+        raise ConfigError(path, "rdma.port", f"expected a port number from 1, got {port!r}")
+    if gid is not None and (not isinstance(gid, int) or isinstance(gid, bool) or not 0 <= gid <= 65535):
+        raise ConfigError(path, "rdma.gid_index", f"expected a GID table index from 0, got {gid!r}")
+    return RdmaPort(device, port, gid)
 
 
 def _transport(value: object, path: str) -> tuple[tuple[str, str], ...]:

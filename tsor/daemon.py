@@ -36,7 +36,7 @@ from tsor.netpol import ALLOW, UNKNOWN, PodRef
 from tsor.peers import Generation
 from tsor.pods import Pod, PodRegistry, check_claim
 from tsor.transport.local import LocalTransport
-from tsor.transport.rdma_link import RdmaTransport
+from tsor.transport.rdma_link import RdmaTransport, open_pyverbs
 from tsor.transport.tcp import TcpTransport
 
 log = logging.getLogger("tsor.daemon")
@@ -175,7 +175,7 @@ class Daemon:
             self.route_source.start(self.routes)
         self.bytes.start()
         self.rdma = RdmaTransport(self.cfg.node, self.deliver, self.cfg.node_key, self.cfg.transport_for,
-                                  offer=self.offer)
+                                  open_rdma=lambda: open_pyverbs(self.cfg.rdma), offer=self.offer)
         self.remote = TcpTransport(self.deliver, self.routes, self.cfg.listen, self.cfg.node_key, self.rdma.serve,
                                    offer=self.offer)
         os.makedirs(os.path.dirname(self.cfg.socket), exist_ok=True)

@@ -102,11 +102,13 @@ def check(args: argparse.Namespace) -> int:
     rdma = r["rdma"]
     print("RDMA devices (pyverbs):" + (f" none: {rdma['error']}" if rdma["error"] else ""))
     for dev in rdma["devices"]:
+        print(f"  {dev['name']}: {dev['kind']}")
         for p in dev["ports"]:
             print(f"  {dev['name']} port {p['port']}: {p['state']}, {p['link_layer']}, LID {p['lid']}, "
                   f"active MTU {p['mtu']}")
             for g in p["gids"]:
-                print(f"    GID[{g['index']}] {g['gid']}")
+                mark = "  <- used (rdma.gid_index in tsor.yaml chooses another)" if g["index"] == p["default_gid"] else ""
+                print(f"    GID[{g['index']}] {g['gid']} {g['type']}".rstrip() + mark)
     setting = ", ".join(f"{k}: {v}" for k, v in r["transport"].items())
     print(f"{r['config']}: node {r['node']}, transport {{{setting}}}")
     if not r["peers"]:

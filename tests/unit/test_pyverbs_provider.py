@@ -3,8 +3,12 @@ and masks, GIDs, immediate byte order) without a device; a real write where a de
 from __future__ import annotations
 
 import enum
+import os
+import select
 import socket
+import subprocess
 import sys
+import textwrap
 import time
 import types
 
@@ -137,6 +141,20 @@ def test_immediate_data_is_big_endian_on_the_wire():
     assert socket.ntohl(pv.imm_to_wire(5)) == 5
 
 
+ROCE = [(0, "fe80:0000:0000:0000:9cc1:e3ff:fecd:b827", "IB/RoCE v1"),
+        (1, "fe80:0000:0000:0000:9cc1:e3ff:fecd:b827", "RoCE v2"),
+        (2, "0000:0000:0000:0000:0000:ffff:0ad3:0001", "IB/RoCE v1"),
+        (3, "0000:0000:0000:0000:0000:ffff:0ad3:0001", "RoCE v2")]
+
+
+def test_default_gid_is_roce_v2_ipv4():
+    """A NIC's table: link-local and IPv4 entries, each as RoCE v1 and v2; index 0 would be v1."""
+    assert pv.default_gid_index(ROCE) == 3
+    assert pv.default_gid_index(ROCE[:2]) == 1                 # no IPv4 address: the first v2 entry
+    assert pv.default_gid_index([(0, "fe80:0000:0000:0000:0002:c903:0001:1f01", "")]) == 0   # InfiniBand
+    assert pv.default_gid_index([(0, "0000:" * 7 + "0000", "")]) == 0
+
+
 @pytest.fixture
 def device():
     """The host's first RDMA device (`make test-rdma` runs the tests that take it, alone)."""
@@ -149,36 +167,90 @@ def device():
 
 
 @pytest.mark.rdma_device
+def test_the_default_gid_is_the_ports_roce_v2_ipv4_entry(device):
+    table = pv.gid_table(device.name, device.port_num)
+    assert device.gid_index == pv.default_gid_index(table)
+    if any(t == pv.ROCE_V2 for _, _, t in table):   # rxe and RoCE NICs (an IB port has no types)
+        assert device.port().gid[:12] == bytes(10) + b"\xff\xff", table
+
+
+@pytest.mark.rdma_device
+def test_a_waiting_completion_channel_stops_no_other_thread(device):
+    """tsord waits for completions while its other threads (connect set-ups, metrics, routes) go on.
+    rdma-core 44's pyverbs holds the GIL inside ibv_get_cq_event, so a channel waited on in it froze
+    the whole process: here a second of waiting, in a child so that a freeze fails the test."""
+    prog = textwrap.dedent("""
+        import select, sys, threading, time
+        from tsor.verbs import pyverbs_provider as pv
+        dev = pv.open_device(sys.argv[1])
+        chan = dev.create_comp_channel()
+        cq = dev.create_cq(16, chan)
+        cq.req_notify()
+        ticks = 0
+        def tick():
+            global ticks
+            while True:
+                ticks += 1
+                time.sleep(0.001)
+        threading.Thread(target=tick, daemon=True).start()
+        r, _, _ = select.select([chan], [], [], 1.0)   # nothing completes
+        print(ticks, len(r), chan.get_events())
+    """)
+    try:
+        r = subprocess.run([sys.executable, "-c", prog, device.name], capture_output=True, text=True, timeout=120,
+                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process froze while a completion channel was waited on")
+    assert r.returncode == 0, r.stderr
+    ticks, readable, events = map(int, r.stdout.split())
+    assert ticks > 100 and (readable, events) == (0, 0)
+
+
+@pytest.mark.rdma_device
 def test_describe_devices_on_a_device(device):
     """`quark tsor check`'s inventory agrees with the port the transport uses."""
     reports = {d.name: d for d in pv.describe_devices()}
     port, info = reports[device.name].ports[0], device.port()
     assert (port.state == "ACTIVE", port.lid, port.mtu) == (info.active, info.lid, info.mtu)
     assert port.link_layer in ("InfiniBand", "Ethernet")
-    assert not any(info.gid) or pv.gid_text(info.gid) in [g for _, g in port.gids]
+    assert not any(info.gid) or pv.gid_text(info.gid) in [g for _, g, _ in port.gids]
+    assert port.default_gid == device.gid_index
+    assert reports[device.name].kind != "hardware" or not device.name.startswith(("rxe", "siw"))
 
 
-@pytest.mark.rdma_device
-def test_write_with_imm_on_a_device(device):
-    """Two RC QPs on the host's first RDMA port, connected to each other (needs an RNIC)."""
-    dev = device
-    rw = Access.LOCAL_WRITE | Access.REMOTE_WRITE
+RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE
+
+
+def qp_pair(dev, cq):
+    """A PD and two RC QPs on the device's port, connected to each other (the port loops them back)."""
     pd = dev.alloc_pd()
-    chan = dev.create_comp_channel()
-    cq = dev.create_cq(64, chan)
     a, b = pd.create_qp(cq, cq, 16, 16), pd.create_qp(cq, cq, 16, 16)
-    src, dst = bytearray(b"rdma!" + bytes(59)), bytearray(64)
-    smr, dmr = pd.reg_mr(src, rw), pd.reg_mr(dst, rw)
     port = dev.port()
     for qp in (a, b):
-        qp.to_init(rw)
+        qp.to_init(RW)
     a.to_rtr(QpInfo(b.qp_num, 1, port.gid, port.lid))
     b.to_rtr(QpInfo(a.qp_num, 1, port.gid, port.lid))
     a.to_rts(1)
     b.to_rts(1)
+    return pd, a, b
+
+
+@pytest.mark.rdma_device
+def test_write_with_imm_on_a_device(device):
+    """Two RC QPs on the host's first RDMA port, connected to each other; the completion channel
+    wakes the waiter."""
+    chan = device.create_comp_channel()
+    cq = device.create_cq(64, chan)
+    pd, a, b = qp_pair(device, cq)
+    src, dst = bytearray(b"rdma!" + bytes(59)), bytearray(64)
+    smr, dmr = pd.reg_mr(src, RW), pd.reg_mr(dst, RW)
     b.post_recv(RecvWr(9))
+    cq.req_notify()
     a.post_send(SendWr(4, WrOpcode.RDMA_WRITE_WITH_IMM, [Sge(smr.addr, 5, smr.lkey)],
                        remote_addr=dmr.addr, rkey=dmr.rkey, imm_data=0x80000003))
+    # the way tsord's loop waits: the channel's fd turns readable, its events are taken without waiting
+    assert select.select([chan], [], [], 10)[0] == [chan]
+    assert chan.get_events() >= 1 and chan.get_events() == 0
     wcs, deadline = [], time.monotonic() + 5
     while len(wcs) < 2 and time.monotonic() < deadline:
         wcs += cq.poll(2)
@@ -186,3 +258,27 @@ def test_write_with_imm_on_a_device(device):
     assert byop[WcOpcode.RECV_RDMA_WITH_IMM].imm_data == 0x80000003
     assert byop[WcOpcode.RDMA_WRITE].status == WcStatus.SUCCESS
     assert bytes(dst[:5]) == b"rdma!"
+
+
+@pytest.mark.rdma_device
+def test_only_signaled_writes_complete_at_the_requester(device):
+    """The transport signals one write in SIGNAL_EVERY (and FINs): the others must cost no
+    completion, while the responder gets every write's immediate."""
+    cq = device.create_cq(64, None)
+    pd, a, b = qp_pair(device, cq)
+    buf = bytearray(64)
+    mr = pd.reg_mr(buf, RW)
+    for i in range(3):
+        b.post_recv(RecvWr(100 + i))
+    for i in range(3):
+        a.post_send(SendWr(i, WrOpcode.RDMA_WRITE_WITH_IMM, [Sge(mr.addr, 1, mr.lkey)], remote_addr=mr.addr + 8 + i,
+                           rkey=mr.rkey, imm_data=i, signaled=i == 2))
+    wcs, deadline = [], time.monotonic() + 10
+    while len(wcs) < 4 and time.monotonic() < deadline:
+        wcs += cq.poll(8)
+    time.sleep(0.2)
+    wcs += cq.poll(8)
+    assert sorted(w.imm_data for w in wcs if w.opcode == WcOpcode.RECV_RDMA_WITH_IMM) == [0, 1, 2]
+    assert [w.wr_id for w in wcs if w.opcode == WcOpcode.RDMA_WRITE] == [2]
+    for o in (a, b, mr, cq, pd):
+        o.close()

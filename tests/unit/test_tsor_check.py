@@ -32,7 +32,7 @@ class FakeDevice:
         self.closed = True
 
 
-def no_device():
+def no_device(port=None):
     raise NoDevice("the kernel lists none in /sys/class/infiniband")
 
 
@@ -54,6 +54,17 @@ def write_config(tmp_path, transport: str, secret: bool = True) -> str:
 
 
 MAP = '{node-b: softverbs, node-c: tcp, node-d: rdma, "*": auto}'
+
+
+def test_check_opens_the_port_tsor_yaml_names(tmp_path, monkeypatch):
+    """tsord and the check open the same port: tsor.yaml's `rdma:` reaches the provider."""
+    path = write_config(tmp_path, "rdma")
+    with open(path, "a") as f:
+        f.write("rdma: {device: mlx5_1, port: 2, gid_index: 3}\n")
+    asked = []
+    monkeypatch.setattr(pv, "open_device", lambda *a: asked.append(a) or no_device())
+    check.report(path, describe=lambda: [])
+    assert asked == [("mlx5_1", 2, 3)]
 
 
 def by_node(report: dict) -> dict[str, dict]:
@@ -131,8 +142,23 @@ class PyverbsError(Exception):
     pass
 
 
-def fake_pyverbs(monkeypatch, devices: dict[str, list[dict]]):
-    """devices: name -> per port {state, lid, active_mtu, link_layer, gids: {index: text or None}}."""
+def fake_pyverbs(monkeypatch, devices: dict[str, list[dict]], sysfs=None):
+    """devices: name -> per port {state, lid, active_mtu, link_layer, gids: {index: text or None or
+    (text, type)}}; the GID tables (and a device's kind) are written under `sysfs`, as the kernel
+    shows them in /sys/class/infiniband (an unpopulated entry reads zeros; its type, EINVAL)."""
+    if sysfs is not None:
+        monkeypatch.setattr(pv, "SYSFS", str(sysfs))
+        for name, ports in devices.items():
+            base = sysfs / name
+            (base / "device").mkdir(parents=True)   # a bus device behind it: an adapter
+            for num, p in enumerate(ports, 1):
+                (base / f"ports/{num}/gids").mkdir(parents=True)
+                (base / f"ports/{num}/gid_attrs/types").mkdir(parents=True)
+                for i, g in p["gids"].items():
+                    text, kind = g if isinstance(g, tuple) else (g, "RoCE v2" if p["link_layer"] == 2 else "")
+                    (base / f"ports/{num}/gids/{i}").write_text((text or ":".join(["0000"] * 8)) + "\n")
+                    if text is not None and kind:
+                        (base / f"ports/{num}/gid_attrs/types/{i}").write_text(kind + "\n")
     class Context:
         def __init__(self, name):
             self.ports = devices[name]
@@ -146,12 +172,6 @@ def fake_pyverbs(monkeypatch, devices: dict[str, list[dict]]):
             p = self.ports[num - 1]
             return types.SimpleNamespace(state=p["state"], lid=p["lid"], active_mtu=p["active_mtu"],
                                          link_layer=p["link_layer"], gid_tbl_len=len(p["gids"]))
-
-        def query_gid(self, num, i):
-            g = self.ports[num - 1]["gids"][i]
-            if g is None:
-                raise PyverbsError("Failed to query gid")
-            return types.SimpleNamespace(gid=g)
 
         def close(self):
             self.closed = True
@@ -171,26 +191,34 @@ def run_check(path: str, fmt: str, capsys) -> str:
     return capsys.readouterr().out
 
 
+V4 = "0000:0000:0000:0000:0000:ffff:0ad3:0001"
+
+
 def test_check_reports_each_device_and_port(tmp_path, monkeypatch, capsys):
     zero = ":".join(["0000"] * 8)
     contexts = fake_pyverbs(monkeypatch, {
-        "mlx5_0": [{"state": 4, "lid": 0, "active_mtu": 3, "link_layer": 2, "gids": {0: GID, 1: zero, 2: None}},
+        "mlx5_0": [{"state": 4, "lid": 0, "active_mtu": 3, "link_layer": 2,
+                    "gids": {0: (GID, "IB/RoCE v1"), 1: zero, 2: None, 3: (V4, "IB/RoCE v1"), 4: (V4, "RoCE v2")}},
                    {"state": 1, "lid": 7, "active_mtu": 5, "link_layer": 1, "gids": {0: zero}}],
-        "mlx5_1": [{"state": 2, "lid": 9, "active_mtu": 1, "link_layer": 0, "gids": {}}]})
+        "mlx5_1": [{"state": 2, "lid": 9, "active_mtu": 1, "link_layer": 0, "gids": {}}]}, tmp_path / "sys")
     monkeypatch.setattr(check, "open_pyverbs", no_device)
     out = json.loads(run_check(write_config(tmp_path, "tcp"), "json", capsys))
     assert out["rdma"]["error"] is None
     assert out["rdma"]["devices"] == [
-        {"name": "mlx5_0", "ports": [
+        {"name": "mlx5_0", "kind": "hardware", "ports": [
             {"port": 1, "state": "ACTIVE", "lid": 0, "mtu": 1024, "link_layer": "Ethernet",
-             "gids": [{"index": 0, "gid": GID}]},
-            {"port": 2, "state": "DOWN", "lid": 7, "mtu": 4096, "link_layer": "InfiniBand", "gids": []}]},
-        {"name": "mlx5_1", "ports": [
-            {"port": 1, "state": "INIT", "lid": 9, "mtu": 256, "link_layer": "InfiniBand", "gids": []}]}]
+             "gids": [{"index": 0, "gid": GID, "type": "IB/RoCE v1"}, {"index": 3, "gid": V4, "type": "IB/RoCE v1"},
+                      {"index": 4, "gid": V4, "type": "RoCE v2"}], "default_gid": 4},
+            {"port": 2, "state": "DOWN", "lid": 7, "mtu": 4096, "link_layer": "InfiniBand", "gids": [],
+             "default_gid": 0}]},
+        {"name": "mlx5_1", "kind": "hardware", "ports": [
+            {"port": 1, "state": "INIT", "lid": 9, "mtu": 256, "link_layer": "InfiniBand", "gids": [],
+             "default_gid": 0}]}]
     assert all(c.closed for c in contexts) and len(contexts) == 2
     table = run_check(write_config(tmp_path, "tcp"), "table", capsys)
     assert "mlx5_0 port 1: ACTIVE, Ethernet, LID 0, active MTU 1024" in table
-    assert f"GID[0] {GID}" in table and "mlx5_1 port 1: INIT, InfiniBand, LID 9, active MTU 256" in table
+    assert f"GID[0] {GID} IB/RoCE v1\n" in table and f"GID[4] {V4} RoCE v2  <- used" in table
+    assert "mlx5_1 port 1: INIT, InfiniBand, LID 9, active MTU 256" in table
 
 
 def test_check_says_no_rdma_device_plainly(tmp_path, monkeypatch, capsys):
@@ -269,4 +297,20 @@ def test_an_api_server_that_cannot_be_reached_is_one_clear_line(tmp_path):
 
 def test_port_report_values():
     attr = types.SimpleNamespace(state=5, lid=3, active_mtu=2, link_layer=7)
-    assert pv.port_report(1, attr, [(0, GID)]) == pv.PortReport(1, "ACTIVE_DEFER", 3, 512, "link layer 7", ((0, GID),))
+    assert pv.port_report(1, attr, [(0, GID, "")]) == pv.PortReport(1, "ACTIVE_DEFER", 3, 512, "link layer 7",
+                                                                     ((0, GID, ""),), 0)
+
+
+def test_software_devices_are_named_as_such(tmp_path, monkeypatch):
+    """`quark tsor check` says when the "RNIC" is the kernel's software stand-in (rxe, siw): what sysfs
+    shows for each (a netdev in `parent`, no bus device; siw's node type is an RNIC)."""
+    monkeypatch.setattr(pv, "SYSFS", str(tmp_path))
+    for name, node_type, parent in (("rxe0", "1: CA", True), ("siw0", "4: RNIC", True), ("mlx5_0", "1: CA", False)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "node_type").write_text(node_type + "\n")
+        if parent:
+            (tmp_path / name / "parent").write_text("eth0\n")
+        else:
+            (tmp_path / name / "device").mkdir()
+    assert [pv.device_kind(n) for n in ("rxe0", "siw0", "mlx5_0")] == [
+        "software RoCE (rxe)", "software iWARP (siw)", "hardware"]

@@ -118,7 +118,12 @@ def test_config_parses_and_names_bad_fields(tmp_path):
     assert c.local_path == "socketpair"
     f.write_text("local_path: sockmap\n")
     assert config.load(str(f)).local_path == "sockmap"
-    for text, field in [("socket: rel.sock", "socket"), ("listen: 7470", "listen"),
+    assert c.rdma == config.RdmaPort()   # the provider's own choice of device, port and GID
+    f.write_text("rdma: {device: mlx5_1, port: 2, gid_index: 3}\n")
+    assert config.load(str(f)).rdma == config.RdmaPort("mlx5_1", 2, 3)
+    for text, field in [("rdma: rxe0", "rdma"), ("rdma: {gid: 3}", "rdma.gid"), ("rdma: {port: 0}", "rdma.port"),
+                        ("rdma: {gid_index: -1}", "rdma.gid_index"), ("rdma: {device: ''}", "rdma.device"),
+                        ("socket: rel.sock", "socket"), ("listen: 7470", "listen"),
                         ("bogus: 1", "bogus"), ("metrics: localhost:x", "metrics"), ("- 1", "mapping"),
                         ("sockopt_offload: maybe", "sockopt_offload"), ("local_path: rdma", "local_path")]:
         f.write_text(text)

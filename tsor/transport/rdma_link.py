@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Callable
 
 from tsor.addr import Endpoint
+from tsor.config import RdmaPort
 from tsor.errors import ProtocolError
 from tsor.routes import Node
 from tsor.transport import Deliver
@@ -309,6 +310,7 @@ class RdmaTransport:
             self._device.close()
 
 
-def open_pyverbs() -> Device:
+def open_pyverbs(port: RdmaPort = RdmaPort()) -> Device:
+    """The RDMA port tsor.yaml's `rdma:` names (or the provider's default one), through pyverbs."""
     from tsor.verbs import pyverbs_provider
-    return pyverbs_provider.open_device()
+    return pyverbs_provider.open_device(port.device, port.port, port.gid_index)

@@ -202,13 +202,67 @@ def _device_module():
     return d, devices
 
 
-def open_device(name: str | None = None, port: int = 1, gid_index: int = 0) -> PyverbsDevice:
-    """The named RDMA device (default: the first); NoDevice where there is none."""
+SYSFS = "/sys/class/infiniband"
+ROCE_V2 = "RoCE v2"
+
+
+def default_gid_index(gids: list[tuple[int, str, str]]) -> int:
+    """The GID a port's QPs should use by default, from its table of (index, GID text, type as sysfs
+    names it). RoCE v2 routes over UDP/IP, and its IPv4-mapped entry (::ffff:a.b.c.d) is the one that
+    reaches any peer on an IPv4 fabric (what rdma_cm picks for an IPv4 address). Index 0 is usually
+    the link-local entry, and on many NICs the RoCE v1 one: the first RoCE v2 IPv4 entry, else the
+    first RoCE v2 entry, else the first non-zero one (InfiniBand), else 0."""
+    used = [(i, gid_bytes(g), t) for i, g, t in gids if any(gid_bytes(g))]
+    for want in (lambda b, t: t == ROCE_V2 and b[:12] == bytes(10) + b"\xff\xff",
+                 lambda b, t: t == ROCE_V2,
+                 lambda b, t: True):
+        for i, b, t in used:
+            if want(b, t):
+                return i
+    return 0
+
+
+def gid_table(name: str, port: int) -> list[tuple[int, str, str]]:
+    """A port's populated GID entries (index, GID text, type) as sysfs lists them."""
+    base = f"{SYSFS}/{name}/ports/{port}"
+    out = []
+    try:
+        indexes = sorted(int(i) for i in os.listdir(f"{base}/gids"))
+    except OSError:
+        return out
+    for i in indexes[:MAX_GIDS]:
+        try:
+            with open(f"{base}/gids/{i}") as f:
+                gid = f.read().strip()
+        except OSError:
+            continue
+        try:
+            with open(f"{base}/gid_attrs/types/{i}") as f:
+                kind = f.read().strip()
+        except OSError:   # EINVAL: an unpopulated entry (or an IB port: no types)
+            kind = ""
+        out.append((i, gid, kind))
+    return out
+
+
+def open_device(name: str | None = None, port: int | None = None, gid_index: int | None = None) -> PyverbsDevice:
+    """The named RDMA device (default: the first), on `port` (default: its first ACTIVE port, else 1)
+    with `gid_index` (default: default_gid_index of that port's table); NoDevice where there is none."""
     c = constants()
     d, devices = _device_module()
     if name is not None and name not in devices:
         raise NoDevice(f"{name} is not one of {', '.join(devices)}")
-    return PyverbsDevice(d.Context(name=name or devices[0]), c, port, gid_index)
+    ctx = d.Context(name=name or devices[0])
+    try:
+        if port is None:
+            ports = range(1, ctx.query_device().phys_port_cnt + 1)
+            port = next((p for p in ports if ctx.query_port(p).state == c["IBV_PORT_ACTIVE"]), 1)
+        if gid_index is None:
+            gid_index = default_gid_index(gid_table(name or devices[0], port))
+    except _errors() as e:
+        ctx.close()
+        raise NoDevice(f"{name or devices[0]}: {e}") from None
+    return PyverbsDevice(ctx, c, port, gid_index)
 
 
 # ---- the host's devices, for `quark tsor check` (libibverbs' values: ibv_port_state, ibv_mtu) --------
@@ -224,21 +278,38 @@ class PortReport:
     lid: int
     mtu: int            # the active MTU, bytes
     link_layer: str     # InfiniBand or Ethernet (RoCE)
-    gids: tuple[tuple[int, str], ...]   # (index, GID text) of the non-zero entries
+    gids: tuple[tuple[int, str, str], ...]   # (index, GID text, type: "RoCE v2", "IB/RoCE v1", "") of the non-zero entries
+    default_gid: int    # the index the transport takes unless tsor.yaml's rdma.gid_index says otherwise
 
 
 @dataclass(frozen=True)
 class DeviceReport:
     name: str
+    kind: str           # "hardware", "software RoCE (rxe)" or "software iWARP (siw)"
     ports: tuple[PortReport, ...]
 
 
-def port_report(num: int, attr, gids: list[tuple[int, str]]) -> PortReport:
+def port_report(num: int, attr, gids: list[tuple[int, str, str]]) -> PortReport:
     """A port's report from its ibv_port_attr (pyverbs' PortAttr) and GID table entries."""
     return PortReport(num, PORT_STATES.get(attr.state, f"state {attr.state}"), attr.lid,
                       128 << attr.active_mtu if 1 <= attr.active_mtu <= 5 else 0,
                       LINK_LAYERS.get(attr.link_layer, f"link layer {attr.link_layer}"),
-                      tuple((i, g) for i, g in gids if any(gid_bytes(g))))
+                      tuple(g for g in gids if any(gid_bytes(g[1]))), default_gid_index(gids))
+
+
+def device_kind(name: str) -> str:
+    """Whether an RDMA device is an adapter or the kernel's software stand-in for one. rxe (soft-RoCE)
+    and siw (soft-iWARP) have no bus device behind them and name the netdev they run over in
+    `parent`; siw's node type is an RNIC (iWARP), rxe's a CA."""
+    base = f"{SYSFS}/{name}"
+    if os.path.exists(f"{base}/device") or not os.path.exists(f"{base}/parent"):
+        return "hardware"
+    try:
+        with open(f"{base}/node_type") as f:
+            iwarp = "RNIC" in f.read()
+    except OSError:
+        iwarp = False
+    return "software iWARP (siw)" if iwarp else "software RoCE (rxe)"
 
 
 def describe_devices() -> list[DeviceReport]:
@@ -249,19 +320,11 @@ def describe_devices() -> list[DeviceReport]:
     for name in devices:
         ctx = d.Context(name=name)
         try:
-            ports = []
-            for num in range(1, ctx.query_device().phys_port_cnt + 1):
-                attr = ctx.query_port(num)
-                gids = []
-                for i in range(min(attr.gid_tbl_len, MAX_GIDS)):
-                    try:
-                        gids.append((i, ctx.query_gid(num, i).gid))
-                    except _errors():   # an unpopulated RoCE entry
-                        continue
-                ports.append(port_report(num, attr, gids))
+            ports = [port_report(num, ctx.query_port(num), gid_table(name, num))
+                     for num in range(1, ctx.query_device().phys_port_cnt + 1)]
         finally:
             ctx.close()
-        out.append(DeviceReport(name, tuple(ports)))
+        out.append(DeviceReport(name, device_kind(name), tuple(ports)))
     return out
 
 
@@ -284,39 +347,71 @@ class _MR(MemoryRegion):
         self.view.release()
 
 
+# what /proc/self/fd shows for a completion channel's fd (the kernel's uverbs event file)
+EVENT_FD_LINK = "anon_inode:[infinibandevent]"
+# held while a channel is made or closed: its fd is found as the one that appeared meanwhile
+_event_fd_lock = threading.Lock()
+
+
+def _event_fds() -> set[int]:
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == EVENT_FD_LINK:
+                out.add(int(name))
+        except OSError:   # the listing's own fd, or one closed meanwhile
+            continue
+    return out
+
+
 class _Channel(CompletionChannel):
-    """pyverbs 44's CompChannel hides its fd, so a thread waits in ibv_get_cq_event and turns each
-    event into a count on an eventfd that the event loop can poll."""
+    """rdma-core 44's pyverbs keeps the channel's fd to itself, and its get_cq_event waits in
+    ibv_get_cq_event *holding the GIL*: a thread parked there stops every other thread of tsord. So
+    the fd is found (the one [infinibandevent] fd that appeared while the channel was made), made
+    non-blocking and handed to the caller's event loop; get_cq_event is called only once it is
+    readable, and returns at once (EAGAIN ends the batch) when the events are consumed."""
 
     def __init__(self, dev: PyverbsDevice) -> None:
         from pyverbs.cq import CompChannel
-        self.cc = CompChannel(dev.ctx)
-        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        with _event_fd_lock:
+            before = _event_fds()
+            self.cc = CompChannel(dev.ctx)
+            new = _event_fds() - before
+        if len(new) != 1:
+            self.cc.close()
+            raise VerbsError(errno.EBADF, f"create_comp_channel: {len(new)} new {EVENT_FD_LINK} fds, not one")
+        self.fd = new.pop()
+        os.set_blocking(self.fd, False)
+        self.cq: _CQ | None = None
 
     def watch(self, cq: _CQ) -> None:
-        def wait() -> None:
-            while self.fd >= 0:
-                try:
-                    self.cc.get_cq_event(cq.cq)
-                    cq.cq.ack_events(1)
-                    os.eventfd_write(self.fd, 1)
-                except (OSError, *_errors()):   # the CQ or channel was destroyed
-                    return
-        threading.Thread(target=wait, name="pyverbs-cq-events", daemon=True).start()
+        if self.cq is not None:
+            raise VerbsError(errno.EBUSY, "create_cq: this provider gives each completion channel one CQ")
+        self.cq = cq
 
     def fileno(self) -> int:
         return self.fd
 
     def get_events(self) -> int:
-        try:
-            return os.eventfd_read(self.fd)
-        except BlockingIOError:
+        if self.cq is None or self.fd < 0:
             return 0
+        n = 0
+        while True:
+            try:
+                self.cc.get_cq_event(self.cq.cq)
+            except _errors():   # EAGAIN: none left (the fd is non-blocking)
+                break
+            n += 1
+        if n:
+            self.cq.cq.ack_events(n)
+        return n
 
     def close(self) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
+        if self.fd < 0:
+            return
+        with _event_fd_lock:   # pyverbs closes the fd: no channel being made may see its number go
+            self.fd = -1
+            self.cc.close()
 
 
 class _CQ(CompletionQueue):
@@ -354,7 +449,10 @@ class _QP(QueuePair):
         from pyverbs.qp import QP, QPCap, QPInitAttr
         self.pd, self.c = pd, pd.dev.c
         cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_send_sge=4, max_recv_sge=4)
-        self.qp = QP(pd.pd, QPInitAttr(qp_type=self.c["IBV_QPT_RC"], scq=send_cq.cq, rcq=recv_cq.cq, cap=cap))
+        # sq_sig_all=0: pyverbs' default (1) makes every write complete, where the transport asks
+        # for a completion only on the writes it signals (SendWr.signaled)
+        self.qp = QP(pd.pd, QPInitAttr(qp_type=self.c["IBV_QPT_RC"], scq=send_cq.cq, rcq=recv_cq.cq, cap=cap,
+                                       sq_sig_all=0))
         self.qp_num = self.qp.qp_num
 
     @property
