@@ -59,18 +59,26 @@ demo: install
 	$(PY) -m tests.demo.qvisor_demo
 	$(PY) -m tests.demo.tsor_demo
 
-# the host's suite, then the cgroup v2 lane (a qemu guest, about 4 minutes; see test-cgroup2)
+# the host's suite, then the cgroup v2 lane (a qemu guest, about 4 minutes; see test-cgroup2), then
+# the RDMA lane's short subset on soft-RoCE (tests/vm/lane.py's RDMA_SMOKE; `make test-rdma`: all of it)
 test: install vm-deps
 	$(VENV)/bin/pytest -q -ra tests
 	$(PY) -m tests.vm.lane
+	$(PY) -m tests.vm.lane --rdma --smoke
 
 test-unit: install
 	$(VENV)/bin/pytest -q -ra tests/unit
 
-# The tests that need a real RDMA device (pytest marker rdma_device: the pyverbs provider on the
-# host's first device), alone, for a host with an RNIC; elsewhere they skip with "no RDMA device"
-test-rdma: apt venv
-	$(VENV)/bin/pytest -q -ra -m rdma_device tests
+# The RDMA lane: every test that needs a verbs device (pytest marker rdma_device). On a host whose
+# kernel lists an RDMA device (an RNIC, or rxe/siw made by hand) they run here, on its first device;
+# elsewhere in the qemu guest of the cgroup v2 lane with a soft-RoCE device (rdma_rxe) made at boot
+# (tests/vm/README.md). ARGS (pytest arguments) replace the selection.
+test-rdma: install vm-deps
+	@if [ -n "$$(ls /sys/class/infiniband 2>/dev/null)" ]; then \
+		$(VENV)/bin/pytest -q -ra $(or $(ARGS),-m rdma_device tests); \
+	else \
+		$(PY) -m tests.vm.lane --rdma -- $(ARGS); \
+	fi
 
 # The cgroup v2 lane (tests/vm/README.md): pytest in a qemu guest (TCG) booting Debian 12's own 6.1
 # kernel on a cgroup2-only hierarchy, the host's / shared over 9p. Runs the v2 subset (tests/vm/lane.py), or ARGS

@@ -1,7 +1,8 @@
-"""TSoR's rdma path across two nodes on one machine, over softverbs (this kernel has no RDMA): two
-network namespaces joined by a veth, a tsord in each with `transport: softverbs`, quark pods on
-both. The TCP semantics program, streams of 1 byte to 64 MiB, iperf3 and redis, and a peer tsord
-killed mid-stream."""
+"""TSoR's rdma path across two nodes on one machine: two network namespaces joined by a veth, a
+tsord in each, quark pods on both. Twice: over softverbs (`transport: softverbs`, any host), and over
+a real verbs device (`transport: rdma`, pyverbs; both nodes' queue pairs on the host's first device,
+which loops them back: `make test-rdma` runs them in the soft-RoCE lane, tests/vm/README.md). The TCP
+semantics program, streams of 1 byte to 64 MiB, iperf3 and redis, and a peer tsord killed mid-stream."""
 from __future__ import annotations
 
 import json
@@ -30,9 +31,21 @@ SINK = ("import hashlib, socket\n"
         " c.close()\n")
 
 
-@pytest.fixture(scope="module")
-def two():
-    yield from two_nodes("qtr", 216, transport="softverbs")
+def _needs_a_device() -> None:
+    from tsor.verbs import NoDevice, pyverbs_provider
+    try:
+        pyverbs_provider.open_device().close()
+    except NoDevice as e:
+        pytest.skip(f"{e}: `make test-rdma` runs these on soft-RoCE in a qemu guest")
+
+
+@pytest.fixture(scope="module", params=["softverbs", pytest.param("rdma", marks=pytest.mark.rdma_device)])
+def two(request):
+    if request.param == "rdma":
+        _needs_a_device()
+    for bed in two_nodes("qtr", 216, transport=request.param):
+        bed.transport = request.param
+        yield bed
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +64,8 @@ def test_quark_to_quark_took_the_rdma_path(two, semantics):
     assert a['tsor_connections_total{path="rdma"}'] >= 12
     assert a['tsor_connections_total{path="tcp"}'] == 0
     assert b['tsor_incoming_total{path="rdma"}'] == a['tsor_connections_total{path="rdma"}']
+    provider = "pyverbs" if two.transport == "rdma" else "softverbs"   # a real device, or the stand-in
+    assert [k for k in a if k.startswith("tsor_rdma_links{") and f'provider="{provider}"' in k], a
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +88,7 @@ def test_streams_arrive_intact(two, sink, size):
     assert sent == received
 
 
-def test_iperf3_and_redis_over_softverbs(two):
+def test_iperf3_and_redis_over_the_rdma_path(two):
     pod_s, pod_c = two.b.pod("ips"), two.a.pod("ipc")
     two.start("quark", "iperf-s", two.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], pod_s))
     two.start("quark", "redis", two.bundle("redis", ["redis-server", "--port", "6379", "--save", "",
@@ -89,7 +104,7 @@ def test_iperf3_and_redis_over_softverbs(two):
         res = json.load(f)
     assert "error" not in res, res.get("error")
     assert res["end"]["sum_received"]["bytes"] > 0
-    print(f"iperf3 over softverbs: {res['end']['sum_received']['bits_per_second'] / 1e9:.2f} Gb/s")
+    print(f"iperf3 over {two.transport}: {res['end']['sum_received']['bits_per_second'] / 1e9:.2f} Gb/s")
     with open(two.out("redis.txt")) as f:
         assert f.read().split() == ["OK", "tsor"]
     assert counters(two.a)['tsor_connections_total{path="rdma"}'] >= before + 4
@@ -98,8 +113,9 @@ def test_iperf3_and_redis_over_softverbs(two):
 
 
 def test_peer_tsord_killed_mid_stream(two, sink):
-    """The stream's connection fails when node b's tsord dies (the softverbs cable was its
-    connection); once it is back, new connections take a new rdma link."""
+    """The stream's connection fails when node b's tsord dies (softverbs: the cable was its
+    connection; rdma: its queue pair goes, and the link's lifeline with it); once it is back, new
+    connections take a new rdma link."""
     pod = two.a.pod("kill")
     two.start("quark", "kill", two.bundle("kill", ["sh", "-c",
               f"python3 -c '{STREAM}' {sink.ip} 7300 {1 << 40} > /out/kill.txt 2> /out/kill.err"], pod))
@@ -116,7 +132,7 @@ def test_peer_tsord_killed_mid_stream(two, sink):
         err = f.read()
     assert "ConnectionResetError" in err or "BrokenPipeError" in err, err
     two.stop("quark", "kill")
-    two.b.start_tsord(transport="softverbs")
+    two.b.start_tsord(transport=two.transport)
     time.sleep(11)   # node a retries a failed peer after RETRY_AFTER (10 s); meanwhile it takes tcp
     pod2 = two.a.pod("kill2")
     before = counters(two.a)['tsor_connections_total{path="rdma"}']

@@ -37,17 +37,23 @@ PROJECT = Path(__file__).resolve().parents[2]
 QEMU = "qemu-system-x86_64"
 # what cgroup v2 (and the guest's 6.1 kernel) changes: v2-only tests, and the version-neutral tests of
 # cgroups, device programs, events/OOM, the /proc view, the caller-reaps fallback and the sandbox
-# factory (it joins the caller's v2 cgroup; PR_SET_MM_MAP on 6.1)
+# factory (it joins the caller's v2 cgroup; PR_SET_MM_MAP on 6.1), pidfds of threads (no PIDFD_THREAD
+# before 6.9)
 _FACTORY = "tests/integration/test_factory.py::"
 DEFAULT_TESTS = ["tests/cgroup2", "tests/integration/test_cgroups.py", "tests/integration/test_cgroup2_devices.py",
                  "tests/integration/test_events.py", "tests/integration/test_caller_reaps.py",
                  "tests/integration/test_procview.py", "tests/unit/test_seccomp_platform.py",
-                 "tests/unit/test_sockopt_offload.py",
+                 "tests/unit/test_sockopt_offload.py", "tests/unit/test_linux_pidfd.py",
                  _FACTORY + "test_the_worker_takes_on_the_callers_cwd_env_umask_rlimits_and_cgroup",
                  _FACTORY + "test_a_create_runs_in_a_worker_and_its_supervisor_shares_the_factorys_pages",
                  "tests/integration/test_config.py::test_cgroup_resources_and_path"]
 # --timeout (pytest-timeout, per test): the emulated CPU runs container tests 5-20x slower than the
 # host, so pyproject's 120 s would fail slow tests that pass (a later --timeout in ARGS wins)
+# the RDMA lane's tests: everything that takes a real verbs device; RDMA_SMOKE, what `make test` runs
+# of it on every landing: the provider on the device, and two tsords carrying streams over it
+RDMA_TESTS = ["-m", "rdma_device", "tests"]
+RDMA_SMOKE = ["-m", "rdma_device", "tests/unit/test_pyverbs_provider.py",
+              "tests/integration/test_tsor_rdma.py::test_streams_arrive_intact"]
 PYTEST_FIXED = ["-q", "-ra", "-p", "no:cacheprovider", "--timeout=600"]
 # quiet: only the guest's own output on the console; panic=-1 with qemu's -no-reboot turns a
 # guest that dies into a qemu that exits; cgroup_no_v1=all: no controller can go to a v1 mount
@@ -66,10 +72,34 @@ def prepare() -> tuple[Kernel, Path]:
         return kernel, ensure_initramfs(kernel)
 
 
-def run_script(pytest_args: list[str]) -> str:
-    """The guest's results/run.sh: this checkout, this venv's interpreter, no writes to it."""
-    argv = [sys.executable, "-m", "pytest", *PYTEST_FIXED, *(pytest_args or DEFAULT_TESTS)]
-    return (f"cd {shlex.quote(str(PROJECT))} || exit 4\n"
+# The RDMA lane (--rdma): a soft-RoCE device, the kernel's own RoCE v2 (rdma_rxe), on a veth end in
+# the guest's root netns. 6.1's rxe resolves routes in the initial netns: a device whose netdev sits
+# in another netns fails its sends, and two on one subnet fail at RTR, so every test's "nodes" (netns
+# with their tsords) share this one device, whose QPs rxe loops back to each other. rdma_rxe and
+# ib_uverbs are loaded by name: busybox's modprobe does not follow the module aliases `rdma link add`
+# asks for; iproute2's ip and rdma by path, as busybox's sh runs its own applet for a bare `ip`. The
+# tests take the first device the kernel lists: this one.
+RDMA_DEVICE = "rxe0"
+RDMA_ADDR = "10.211.0.1/24"
+RDMA_SETUP = f"""set -e
+/.quark-vm/modprobe rdma_rxe
+/.quark-vm/modprobe ib_uverbs
+IP=/usr/sbin/ip
+$IP link add qrv0 type veth peer name qrv1
+$IP addr add {RDMA_ADDR} dev qrv0
+$IP link set qrv0 up
+$IP link set qrv1 up
+/usr/bin/rdma link add {RDMA_DEVICE} type rxe netdev qrv0
+/usr/bin/rdma link show {RDMA_DEVICE}/1
+set +e
+"""
+
+
+def run_script(pytest_args: list[str], rdma: bool = False) -> str:
+    """The guest's results/run.sh: this checkout, this venv's interpreter, no writes to it; with rdma,
+    the soft-RoCE device first."""
+    argv = [sys.executable, "-m", "pytest", *PYTEST_FIXED, *(pytest_args or (RDMA_TESTS if rdma else DEFAULT_TESTS))]
+    return ((RDMA_SETUP if rdma else "") + f"cd {shlex.quote(str(PROJECT))} || exit 4\n"
             f"exec env PYTHONDONTWRITEBYTECODE=1 {shlex.join(argv)}\n")
 
 
@@ -125,11 +155,11 @@ def summary_line(output: str) -> str | None:
     return None
 
 
-def run(pytest_args: list[str], timeout: float, memory: int, smp: int) -> int:
+def run(pytest_args: list[str], timeout: float, memory: int, smp: int, rdma: bool = False) -> int:
     start = time.monotonic()
     kernel, initramfs = prepare()
     results = Path(tempfile.mkdtemp(prefix="quark-vm-"))
-    (results / "run.sh").write_text(run_script(pytest_args))
+    (results / "run.sh").write_text(run_script(pytest_args, rdma))
     # paths under the guest's fresh /tmp and /run that must stay visible: the checkout, the venv
     keep = [str(PROJECT)] + ([sys.prefix] if not Path(sys.prefix).is_relative_to(PROJECT) else [])
     (results / "keep").write_text("".join(p + "\n" for p in keep))
@@ -160,7 +190,7 @@ def run(pytest_args: list[str], timeout: float, memory: int, smp: int) -> int:
     status = int(status_file.read_text().strip() or 1)
     output = (results / "output.log").read_text(errors="replace")
     boot = f"{console.booted_at - launched:.0f} s" if console.booted_at else "?"
-    print(f"\ncgroup2 lane: {summary_line(output) or 'no pytest summary line'} | exit {status} | "
+    print(f"\n{'rdma' if rdma else 'cgroup2'} lane: {summary_line(output) or 'no pytest summary line'} | exit {status} | "
           f"lane {total:.0f} s (prepare {launched - start:.0f} s, boot to pytest {boot}, "
           f"kernel {kernel.version}, TCG)", flush=True)
     if status == 0:
@@ -176,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds for the whole lane, boot included (default 1800, env QUARK_VM_TIMEOUT)")
     p.add_argument("--memory", type=int, default=2048, help="guest memory in MiB (default 2048)")
     p.add_argument("--smp", type=int, default=2, help="guest CPUs (default 2)")
+    p.add_argument("--rdma", action="store_true",
+                   help="make a soft-RoCE device (rxe) before pytest; default tests: -m rdma_device tests")
+    p.add_argument("--smoke", action="store_true", help="with --rdma: only RDMA_SMOKE (what `make test` runs)")
     p.add_argument("--prepare", action="store_true", help="only fetch the kernel and build the initramfs")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: pytest's arguments")
     a = p.parse_args(argv)
@@ -185,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
             kernel, initramfs = prepare()
             print(f"quark-vm: ready: {kernel.vmlinuz}, {initramfs}")
             return 0
-        return run(pytest_args, a.timeout, a.memory, a.smp)
+        if a.smoke and not pytest_args:
+            pytest_args = RDMA_SMOKE
+        return run(pytest_args, a.timeout, a.memory, a.smp, a.rdma)
     except (LaneError, OSError) as e:   # e.g. not root: /var/cache/quark-vm, qemu's 9p export of /
         print(f"quark-vm: {e}", file=sys.stderr)
         return 1

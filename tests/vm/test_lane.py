@@ -80,6 +80,13 @@ def test_run_script_uses_this_checkout_and_interpreter() -> None:
     assert shlex.split(lane.run_script([]).splitlines()[1])[-len(lane.DEFAULT_TESTS):] == lane.DEFAULT_TESTS
 
 
+def test_the_rdma_lane_makes_its_device_before_pytest() -> None:
+    lines = lane.run_script([], rdma=True).splitlines()
+    add = lines.index(f"/usr/bin/rdma link add {lane.RDMA_DEVICE} type rxe netdev qrv0")
+    assert lines[0] == "set -e" and lines.index("set +e") > add   # a device that cannot be made fails the lane
+    assert lines[-2].startswith("cd ") and lines[-1].endswith(shlex.join(lane.RDMA_TESTS))
+
+
 @pytest.mark.parametrize("line,want", [
     ("66 passed in 21.19s", "66 passed in 21.19s"),
     ("2 failed, 7 passed in 122.54s (0:02:02)", "2 failed, 7 passed in 122.54s (0:02:02)"),
