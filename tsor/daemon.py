@@ -153,6 +153,7 @@ class Daemon:
         self.bytes = TcpByteCounter()   # tcp path: the kernel counts, see tsor/bytecount.py
         self.metrics.byte_counts = self._byte_counts
         self.metrics.rdma_links = lambda: self.rdma.status() if self.rdma is not None else {}
+        self.metrics.rdma_resets = lambda: dict(self.rdma.engine.resets) if self.rdma is not None else {}
         self.metrics.route_source = getattr(self.route_source, "status", dict)   # KubernetesSource's
         self.metrics.warm_setups = lambda: self.remote.warm.taken if self.remote is not None else 0
 

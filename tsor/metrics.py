@@ -14,7 +14,8 @@ Linux keeps no byte count for AF_UNIX sockets, so the local path has no tsor_byt
 rdma path's pump is tsord's own (transport/rdma.py): it counts the application bytes it moves.
 
 `rdma_links` gives the rdma links that are up, by peer node (tsor_rdma_links{node,provider,device},
-provider "pyverbs" or "softverbs", and tsor_rdma_connections{node}).
+provider "pyverbs" or "softverbs", and tsor_rdma_connections{node}); `rdma_resets` the links reset, by
+reason (tsor_rdma_link_resets_total{reason}: transport/rdma.py).
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class Metrics:
         self.gauges: Callable[[], dict[str, int]] = dict
         self.byte_counts: Callable[[], dict[tuple[str, str], int]] = dict
         self.rdma_links: Callable[[], dict[str, dict]] = dict   # RdmaTransport.status()
+        self.rdma_resets: Callable[[], dict[str, int]] = dict   # RdmaEngine.resets: links reset, by reason
         self.route_source: Callable[[], dict[str, dict]] = dict  # KubernetesSource.status(), by kind
         self.warm_setups: Callable[[], int] = int   # TcpTransport's warm set-ups taken
         self._registry: CollectorRegistry | None = None
@@ -131,6 +133,12 @@ class Metrics:
                 conns.add_metric([node], link["connections"])
         yield links
         yield conns
+        fam = CounterMetricFamily("tsor_rdma_link_resets_total", "rdma links reset, by reason: protocol (the "
+                                  "peer broke the ring protocol), stalled (it granted no link credits), verbs (a "
+                                  "work request or verb failed, e.g. the peer's QP went).", labels=["reason"])
+        for reason, n in sorted(self.rdma_resets().items()):
+            fam.add_metric([reason], n)
+        yield fam
         yield from _route_source_families(self.route_source())
         for name, value in self.gauges().items():
             yield GaugeMetricFamily(f"tsor_{name}", GAUGE_HELP.get(name, f"tsor {name}."), value=value)

@@ -381,3 +381,91 @@ def test_a_slot_is_not_reused_while_the_acceptor_still_delivers_its_last_bytes()
         wait_for(lambda: n.a.call(lambda: not n.la.unreleased))   # released once delivered
     finally:
         n.close()
+
+
+# ---- bad input from the peer: the link is reset and counted, the engine and its other links go on --
+def assert_reset(app: socket.socket) -> None:
+    """The application's end of a connection whose link was reset: writing fails (EPIPE or ECONNRESET)."""
+    app.settimeout(5)
+    with pytest.raises((ConnectionResetError, BrokenPipeError)):
+        app.sendall(b"x" * (1 << 20))
+        app.recv(1)
+
+
+def _peer_broke_it(nodes, inject) -> None:
+    """`inject(link, ch)` runs in node A's loop with one of A's open channels on the first link and
+    sends node B something the protocol forbids. B must reset that link (its connections fail),
+    count it, and keep carrying a second link's connections."""
+    la2, lb2 = nodes.new_links()
+    victim_client, victim_server = nodes.open(port=32000)
+    other_client, other_server = nodes.open(la2, port=32001)
+    victim_server.sendall(b"queued for the client")   # data on its way: a reset, not an end of file
+    assert victim_client.recv(6) == b"queued"
+    nodes.a.call(lambda: inject(nodes.la, next(iter(nodes.la.channels.values()))))
+    assert nodes.down.get(timeout=5) is nodes.lb
+    assert nodes.b.resets == {"protocol": 1}
+    assert_reset(victim_server)
+    assert nodes.b.open(nodes.lb, DST, SRC, 1) is None   # a reset link takes no new connections
+    echo_and_close(other_client, other_server)          # the other link is untouched
+    for engine, link in ((nodes.a, la2), (nodes.b, lb2)):
+        engine.close_link(link)
+
+
+def test_a_control_record_for_a_slot_out_of_range_resets_the_link(nodes):
+    from tsor.transport import rdma
+
+    def inject(link, ch):
+        link._ctl(rdma.CREDIT, 9999, 0, 1)
+        link._flush_ctl()
+    _peer_broke_it(nodes, inject)
+
+
+def test_an_oversized_control_record_resets_the_link(nodes):
+    from tsor.transport import rdma
+
+    def inject(link, ch):   # a header that announces a payload of 60000 bytes: nobody waits for it
+        link.ctl_out.append(rdma._CTL.pack(rdma.OPEN, 1, 1, 0, 0, 60000))
+        link._flush_ctl()
+    _peer_broke_it(nodes, inject)
+
+
+def test_a_write_past_a_channels_ring_resets_the_link(nodes):
+    def inject(link, ch):   # a write that runs off the end of the channel's ring into the next slot's
+        link._post(ch, ch.base + ch.tx_sent % RING, RING + 8, ch.slot)
+    _peer_broke_it(nodes, inject)
+
+
+def test_a_credit_for_bytes_never_sent_resets_the_link(nodes):
+    from tsor.transport import rdma
+
+    def inject(link, ch):
+        link._ctl(rdma.CREDIT, ch.slot, ch.gen, ch.rx_head + (1 << 20))
+        link._flush_ctl()
+    _peer_broke_it(nodes, inject)
+
+
+def test_a_peer_that_grants_no_link_credits_is_reset(monkeypatch):
+    """Node B stops reporting its reposted receive WRs (and everything else): node A's budget runs
+    out while its client still writes, and after STALL_SECONDS A resets the link."""
+    from tsor.transport import rdma
+    monkeypatch.setattr(rdma, "STALL_SECONDS", 0.5)
+    monkeypatch.setattr(rdma, "STALL_CHECK", 0.1)
+    nodes = Nodes(RingConfig(ring=RING, slots=64, rq_depth=64))
+    try:
+        client, server = nodes.open()
+        nodes.b.call(lambda: setattr(nodes.lb, "_flush_ctl", lambda: None))
+        client.setblocking(False)
+        with contextlib.suppress(OSError):
+            for _ in range(200):   # one write each: more than B's 64 receive WRs
+                client.send(b"x")
+                time.sleep(0.002)
+        assert nodes.down.get(timeout=5) is nodes.la
+        assert nodes.a.resets == {"stalled": 1}
+        assert_reset(client)
+        server.close()
+        nodes.a.close_link(nodes.la)
+        nodes.b.close_link(nodes.lb)
+        nodes.la, nodes.lb = nodes.new_links()
+        echo_and_close(*nodes.open(port=32100))
+    finally:
+        nodes.close()

@@ -186,6 +186,9 @@ def test_a_restarted_peer_tsord_resets_the_links_connections_and_new_ones_work(n
     assert "node-b" not in a.rdma.status()
     with pytest.raises(ConnectionResetError):   # the pump's end went with data still queued
         c.recv(1)
+    # counted: node a's link failed under it (its QP's peer went), which is not a peer breaking the protocol
+    resets = {k: v for k, v in parse(a.metrics.render()).items() if k.startswith("tsor_rdma_link_resets_total")}
+    assert resets == {'tsor_rdma_link_resets_total{reason="verbs"}': 1}
     # node b comes back (a fresh rdma transport in the same tsord); node a sets up a new link
     from tsor.transport.rdma_link import RdmaTransport
     b.rdma = RdmaTransport("node-b", b.deliver, b.cfg.node_key, b.cfg.transport_for)

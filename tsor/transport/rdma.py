@@ -41,6 +41,18 @@ An acceptor may have the listener's side write GREETING on the application's end
 else (what tsord's supervisors do on the tcp path): the pump then sends ACCEPT as soon as that byte
 is in, without waiting for the listener's answer to travel back through tsord.
 
+A peer that breaks the protocol (a control record out of range or unknown, a write that lands past
+the ring or credit it was given, an immediate naming no slot) or that stops granting link credits
+(receive WRs, control ring) for STALL_SECONDS while this side has something to send gets its link
+reset: every channel of the link is aborted (the applications read ECONNRESET), the reset is
+counted by reason (RdmaEngine.resets: tsor_rdma_link_resets_total), and the next connection builds a
+new link; the engine's other links go on. What a peer can make this side hold is bounded: a control
+record's payload (MAX_CTL_PAYLOAD), the queued control records (MAX_CTL_QUEUED), the rings. Where a
+write lands is the writer's choice (one MR, one rkey for the whole receive region): the receiver
+checks its length against the ring's end and the credit it gave, but a peer could write into any
+slot's ring; peers are tsords that proved the cluster secret, and per-slot memory windows would be
+what keeps one from another's bytes.
+
 Everything runs in one event loop thread (RdmaEngine): the completion channel's fd and the
 application sockets' ends are its file descriptors; other threads reach it through RdmaEngine.call,
 or hold the loop's lock (RdmaEngine.open posts a connection's OPEN from the caller's thread).
@@ -58,6 +70,7 @@ import random
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -86,6 +99,12 @@ RESERVE_BYTES = 4 * _CTL.size
 MAX_WRITE = 1024 * 1024     # bytes per RDMA write (at most the port's max_msg_sz): a batch of what the socket had
 CQ_BATCH = 64
 SIGNAL_EVERY = 16
+MAX_CTL_PAYLOAD = 4096      # an OPEN's JSON is ~100 bytes
+MAX_CTL_QUEUED = 4096       # control records waiting for link credits: more is a peer that grants none
+STALL_SECONDS = 10.0        # link credits withheld this long while we have something to send: reset
+STALL_CHECK = 1.0           # how often the engine looks
+# why a link was reset (RdmaEngine.resets, tsor_rdma_link_resets_total{reason})
+PEER_PROTOCOL, PEER_STALLED, VERBS = "protocol", "stalled", "verbs"
 _M32 = 0xFFFFFFFF
 PUMP_SNDBUF = 1 << 20
 # channel states
@@ -219,6 +238,8 @@ class Link:
         self.ctl_out: collections.deque[bytes] = collections.deque()
         self.credit_due: dict[int, Channel] = {}
         self.blocked: dict[int, Channel] = {}
+        self.starved_since: float | None = None
+        engine.links.add(self)
 
     # ---- set-up --------------------------------------------------------------------------------
     def connect(self, remote: SetupInfo) -> None:
@@ -412,6 +433,21 @@ class Link:
         except VerbsError as e:
             self._down(f"post failed: {e}")
 
+    def _starved(self) -> bool:
+        """Something waits to be sent that only the peer's link credits can let out."""
+        if not (self.ctl_out or self.credit_due or self.blocked):
+            return False
+        ctl_room = self.cfg.ring - (self.ctl_sent - self.ctl_acked) - RESERVE_BYTES
+        return self._budget() <= RESERVE_WRS or (bool(self.ctl_out) and len(self.ctl_out[0]) > ctl_room)
+
+    def check_stall(self, now: float) -> None:
+        if not self.up or not self._starved():
+            self.starved_since = None
+        elif self.starved_since is None:
+            self.starved_since = now
+        elif now - self.starved_since >= STALL_SECONDS:
+            self._down(f"the peer granted no link credits for {now - self.starved_since:.0f} s", PEER_STALLED)
+
     def _unblock(self) -> None:
         if self.blocked and self._budget() > RESERVE_WRS:
             blocked, self.blocked = self.blocked, {}
@@ -472,19 +508,28 @@ class Link:
         for wc in wcs:
             if wc.status != WcStatus.SUCCESS:
                 return self._down(f"work request failed: {wc.status.name}")
+            if not self.up:
+                return   # a record in this batch reset the link
             if wc.opcode == WcOpcode.RECV_RDMA_WITH_IMM:
                 self.qp.post_recv(RecvWr(0))
                 self.rq_posted += 1
                 slot = wc.imm_data & ~FIN
+                if slot >= self.cfg.slots:
+                    return self._violation(f"a write for slot {slot} of {self.cfg.slots}")
                 if slot == 0:
                     off = self.ctl_rx % ring
+                    if off + wc.byte_len > ring or self.ctl_rx + wc.byte_len - self.ctl_reported > ring:
+                        return self._violation(f"{wc.byte_len} control bytes past the ring or its credit")
                     self.ctl_in += self.rx[off:off + wc.byte_len]
                     self.ctl_rx += wc.byte_len
-                    self._control()
+                    if not self._control():
+                        return
                     continue
                 ch = self.channels.get(slot)
                 if ch is None or ch.state != OPEN_:
                     continue   # a closing channel's last bytes: nobody reads them any more
+                if ch.rx_tail % ring + wc.byte_len > ring or ch.rx_tail + wc.byte_len - ch.rx_credited > ring:
+                    return self._violation(f"{wc.byte_len} bytes for slot {slot} past its ring or its credit")
                 ch.rx_tail += wc.byte_len
                 if wc.imm_data & FIN:
                     ch.fin_rx = True
@@ -507,6 +552,10 @@ class Link:
 
     # ---- the control channel -------------------------------------------------------------------
     def _ctl(self, kind: int, slot: int, gen: int, v1: int = 0, v2: int = 0, payload: bytes = b"") -> None:
+        if len(self.ctl_out) >= MAX_CTL_QUEUED:
+            # only a peer that withholds the control ring's credit (while making us answer: RESETs)
+            # lets records pile up; the stall check would reset it later, this bounds the memory now
+            return self._down(f"{MAX_CTL_QUEUED} control records wait for credit", PEER_STALLED)
         self.ctl_out.append(_CTL.pack(kind, slot, gen, v1 & _M32, v2 & _M32, len(payload)) + payload)
 
     def _flush_ctl(self) -> None:
@@ -543,26 +592,39 @@ class Link:
             self._post(None, 0, len(out) - first, 0)
         self.ctl_sent += len(out)
 
-    def _control(self) -> None:
+    def _control(self) -> bool:
+        """Act on the complete control records received; False once a bad one reset the link."""
         buf = self.ctl_in
         pos = 0
         while len(buf) - pos >= _CTL.size:
             kind, slot, gen, v1, v2, n = _CTL.unpack_from(buf, pos)
+            if n > MAX_CTL_PAYLOAD:
+                self._violation(f"a control record of {n} bytes")
+                return False
             if len(buf) - pos < _CTL.size + n:
                 break
             payload = bytes(buf[pos + _CTL.size:pos + _CTL.size + n])
             pos += _CTL.size + n
             try:
                 self._record(kind, slot, gen, v1, v2, payload)
-            except (ProtocolError, ValueError, KeyError, TypeError) as e:
-                log.warning("rdma link %s: bad control record %d for slot %d: %s", self.name, kind, slot, e)
+            except (ProtocolError, ValueError, KeyError, TypeError, IndexError) as e:
+                self._violation(f"control record {kind} for slot {slot}: {e}")
+                return False
+            if not self.up:
+                return False
         del buf[:pos]
+        return True
 
     def _record(self, kind: int, slot: int, gen: int, v1: int, v2: int, payload: bytes) -> None:
         if kind == CTL_CREDIT:
-            self.ctl_acked += (v1 - self.ctl_acked) & _M32
-            self.peer_rq_total += (v2 - self.peer_rq_total) & _M32
+            acked, rq_total = self.ctl_acked + ((v1 - self.ctl_acked) & _M32), \
+                self.peer_rq_total + ((v2 - self.peer_rq_total) & _M32)
+            if acked > self.ctl_sent or rq_total - self.imm_sent > self.remote.rq_depth:
+                raise ProtocolError("credit for more than was sent or posted")
+            self.ctl_acked, self.peer_rq_total = acked, rq_total
             return self._unblock()
+        if kind not in (OPEN, ACCEPT, REFUSE, CREDIT, RESET, RESET_ACK, RELEASE):
+            raise ProtocolError(f"unknown record type {kind}")
         if not 0 < slot < self.cfg.slots:
             raise ProtocolError(f"slot {slot} out of range")
         ch = self.channels.get(slot)
@@ -583,7 +645,10 @@ class Link:
         if ch is None:
             return   # a late record for a connection already gone
         if kind == CREDIT:
-            ch.tx_acked += (v1 - ch.tx_acked) & _M32
+            acked = ch.tx_acked + ((v1 - ch.tx_acked) & _M32)
+            if acked > ch.tx_sent:
+                raise ProtocolError(f"slot {slot}: credit for {acked - ch.tx_sent} bytes never sent")
+            ch.tx_acked = acked
             self._update(ch)
         elif kind == ACCEPT and ch.state == OPENING:
             ch.state = OPEN_
@@ -638,10 +703,17 @@ class Link:
         self._answer(ch, first == GREETING)
 
     # ---- the end of the link -------------------------------------------------------------------
-    def _down(self, why: str) -> None:
+    def _violation(self, why: str) -> None:
+        """The peer broke the protocol: nothing it sends on this link can be trusted any more."""
+        self._down(f"the peer broke the protocol: {why}", PEER_PROTOCOL)
+
+    def _down(self, why: str, reason: str | None = VERBS) -> None:
+        """reason: what to count the reset as (None: not a reset, the link was closed)."""
         if not self.up:
             return
         self.up = False
+        if reason is not None and not self.closed:
+            self.engine.resets[reason] += 1
         log.log(logging.INFO if self.closed else logging.WARNING, "rdma link %s down (%s): %d connections reset",
                 self.name, why, len(self.channels))
         self.loop.remove_reader(self.chan.fileno())
@@ -655,7 +727,8 @@ class Link:
 
     def close(self) -> None:
         self.closed = True
-        self._down("closed")
+        self.engine.links.discard(self)
+        self._down("closed", None)
         for ch in list(self.channels.values()):
             self._abort(ch)
         self.channels.clear()
@@ -678,10 +751,13 @@ class RdmaEngine:
         # application bytes the pump moved from the pods' sockets onto the QP / from the rings into
         # the pods' sockets (tsor_bytes_total{path="rdma"}); written by the loop thread only
         self.bytes_sent = self.bytes_received = 0
+        self.resets: collections.Counter[str] = collections.Counter()   # links reset, by reason
+        self.links: set[Link] = set()
         self.loop = Loop()
         # the loop spins when it watches no fd at all: this one is always there, and wakes it to stop
         self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.loop.add_reader(self._bell, lambda: os.eventfd_read(self._bell))
+        self.loop.call_later(STALL_CHECK, self._check_stalls)
         self._thread = threading.Thread(target=self._run, name="tsor-rdma", daemon=True)
         self._running = True
         self._thread.start()
@@ -692,6 +768,12 @@ class RdmaEngine:
                 self.loop.run_once()
             except Exception:   # a bug in one callback must not stop every link's pump
                 log.exception("rdma engine: a callback failed")
+
+    def _check_stalls(self) -> None:
+        now = time.monotonic()
+        for link in list(self.links):
+            link.check_stall(now)
+        self.loop.call_later(STALL_CHECK, self._check_stalls)
 
     def soon(self, fn: Callable[[], None]) -> None:
         """Run fn in the loop thread."""
