@@ -12,14 +12,16 @@ Two nodes — two network namespaces joined by a veth, each with a bridge, pods 
             quark + TSoR (tcp path) vs runc (plain TCP, same veth): iperf3 throughput, 64 B
             ping-pong RTT and connection set-up time (connect + 1-byte echo + close).
 rdma      — the same two nodes with both tsords on `transport: softverbs` (the rdma path over
-            softverbs, this machine having no RNIC), run beside the tcp path and plain TCP in each
-            run; ratios to the tcp path (the goal's reference) and to plain TCP.
+            softverbs, this machine having no RNIC), or with --rdma-provider pyverbs on
+            `transport: rdma` over the host's first RDMA device (the soft-RoCE lane's guest:
+            `python -m tests.vm.lane --rdma --command ...`, bench/README.md), run beside the tcp path and
+            plain TCP in each run; ratios to the tcp path (the goal's reference) and to plain TCP.
 fallback  — the same two nodes with tsords that carry nothing between them (no cluster secret):
             what a quark connection that TSoR does not carry (another node without a path, a runc
             pod, anything outside the cluster) costs over plain TCP — the trap and tsord's answer.
 
     .venv/bin/python bench/tsor.py [--only nginx,setup,...] [--runs N] [--json F] [--png F]
-                                   [--sockmap] [--nginx-no-cork]
+                                   [--sockmap] [--nginx-no-cork] [--rdma-provider softverbs|pyverbs]
 
 tsord runs without --debug here (a log line per connection is CPU the nginx rows count).
 The chart needs matplotlib (`make bench` installs the `bench` extra).
@@ -67,9 +69,9 @@ METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
            ("two_nodes", "two_node_iperf3_gbps", "2 nodes: iperf3", "Gb/s", True),
            ("two_nodes", "two_node_rtt_p50_us", "2 nodes: 64 B RTT p50", "us", False),
            ("two_nodes", "two_node_setup_p50_us", "2 nodes: set-up p50", "us", False),
-           ("rdma", "rdma_iperf3_gbps", "rdma/softverbs vs tcp path: iperf3", "Gb/s", True),
-           ("rdma", "rdma_rtt_p50_us", "rdma/softverbs vs tcp: 64 B RTT p50", "us", False),
-           ("rdma", "rdma_setup_p50_us", "rdma/softverbs vs tcp: set-up p50", "us", False),
+           ("rdma", "rdma_iperf3_gbps", "rdma vs tcp path: iperf3", "Gb/s", True),
+           ("rdma", "rdma_rtt_p50_us", "rdma vs tcp: 64 B RTT p50", "us", False),
+           ("rdma", "rdma_setup_p50_us", "rdma vs tcp: set-up p50", "us", False),
            ("fallback", "fallback_setup_p50_us", "2 nodes, fallback: set-up p50", "us", False)]
 # section: (quark's configuration, the reference's); the rdma rows are measured against the tcp path
 SIDES = {"one_node": ("one_node", "quark_tsor_local", "runc_bridge"),
@@ -270,14 +272,14 @@ def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None) -> 
                             if "connections" in k or "setup_seconds" in k}
             # the client tsord's own share of a set-up (its connect, the peer tsord's and the
             # listening sandbox's answer included; the two supervisors' trap work not)
-            path = {"softverbs": "rdma", "none": "fallback"}.get(transport, "tcp")
+            path = {"softverbs": "rdma", "rdma": "rdma", "none": "fallback"}.get(transport, "tcp")
             n = res["tsord"].get(f'tsor_connections_total{{path="{path}"}}', 0)
             if n and path != "fallback":   # (fallback connects answered from a supervisor's cache never ask)
                 res["two_node_tsord_setup_us"] = res["tsord"][f'tsor_setup_seconds_total{{path="{path}"}}'] / n * 1e6
-            if transport == "softverbs":
+            if path == "rdma":
                 res = {k.replace("two_node_", "rdma_"): v for k, v in res.items()}
                 if res["tsord"].get('tsor_connections_total{path="rdma"}', 0) < 3:
-                    raise RuntimeError(f"the softverbs configuration's connections did not take the rdma path: "
+                    raise RuntimeError(f"the {transport} configuration's connections did not take the rdma path: "
                                        f"{res['tsord']}")
             elif transport == "none":
                 res = {k.replace("two_node_", "fallback_"): v for k, v in res.items()}
@@ -358,8 +360,8 @@ def chart(path: str, table: list[dict], machine: str) -> None:
     ax.set_ylabel("quark + TSoR advantage over the reference (x, log scale; higher is better)\n"
                   "throughput: quark / reference; latency: reference / quark")
     ax.set_xlabel("metric (values on each bar: quark vs reference, in the unit shown;\n"
-                  "the rdma/softverbs bars' reference is TSoR's tcp path, the others' runc)")
-    ax.set_title(f"TSoR vs runc + bridge (one node), plain TCP (two nodes), rdma/softverbs vs the tcp path\n{machine}",
+                  "the rdma bars' reference is TSoR's tcp path, the others' runc)")
+    ax.set_title(f"TSoR vs runc + bridge (one node), plain TCP (two nodes), rdma vs the tcp path\n{machine}",
                  fontsize=11)
     ax.legend(handles=[Patch(color=colors[True], label="goal met"), Patch(color=colors[False], label="goal not met"),
                        Patch(color=colors[None], label="no goal (reported)"),
@@ -391,11 +393,14 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=1, help="repeat each side N times; numbers are medians")
     p.add_argument("--sockmap", action="store_true",
                    help="one node: also quark with tsord's local_path: sockmap (nothing trapped; tsor/sockmap.py)")
+    p.add_argument("--rdma-provider", choices=("softverbs", "pyverbs"), default="softverbs",
+                   help="the rdma part's verbs: softverbs (any host) or pyverbs on the host's RDMA device")
     p.add_argument("--nginx-no-cork", action="store_true",
                    help="nginx.conf with sendfile off, tcp_nopush off, tcp_nodelay off instead of Debian's as shipped")
     args = p.parse_args()
     global NGINX_NO_CORK
     NGINX_NO_CORK = args.nginx_no_cork
+    TWO_NODE_CONFIGS["quark_tsor_rdma"] = ("quark", "rdma" if args.rdma_provider == "pyverbs" else "softverbs")
     parts = {x.strip() for x in args.only.split(",") if x.strip()}
     if not parts or parts - set(PARTS):
         p.error(f"--only: unknown part(s) {', '.join(sorted(parts - set(PARTS))) or '(none given)'}; "
@@ -411,7 +416,7 @@ def main() -> int:
     one = parts - {"two_nodes", "rdma", "fallback"}
     cgroups_before = quark_cgroup_dirs()
     machine = {"kernel": platform.release(), "cpus": os.cpu_count()}
-    results: dict = {"machine": machine, "parts": sorted(parts), "runs": args.runs,
+    results: dict = {"machine": machine, "parts": sorted(parts), "runs": args.runs, "rdma_provider": args.rdma_provider,
                      "nginx_conf": "sendfile, tcp_nopush, tcp_nodelay off" if NGINX_NO_CORK else "Debian's"}
     try:
         if one:

@@ -95,12 +95,20 @@ set +e
 """
 
 
-def run_script(pytest_args: list[str], rdma: bool = False) -> str:
+# what a --command writes under $QUARK_VM_OUT comes back (lane --out DIR)
+GUEST_OUT = "/.quark-vm/results/out"
+
+
+def run_script(pytest_args: list[str], rdma: bool = False, command: str | None = None) -> str:
     """The guest's results/run.sh: this checkout, this venv's interpreter, no writes to it; with rdma,
-    the soft-RoCE device first."""
+    the soft-RoCE device first; with command, that shell command (a benchmark) instead of pytest."""
     argv = [sys.executable, "-m", "pytest", *PYTEST_FIXED, *(pytest_args or (RDMA_TESTS if rdma else DEFAULT_TESTS))]
-    return ((RDMA_SETUP if rdma else "") + f"cd {shlex.quote(str(PROJECT))} || exit 4\n"
-            f"exec env PYTHONDONTWRITEBYTECODE=1 {shlex.join(argv)}\n")
+    if command is not None:
+        argv = ["sh", "-c", command]
+    out = f"mkdir -p {GUEST_OUT}\n" if command is not None else ""
+    env = f" QUARK_VM_OUT={GUEST_OUT}" if command is not None else ""
+    return ((RDMA_SETUP if rdma else "") + f"cd {shlex.quote(str(PROJECT))} || exit 4\n" + out
+            + f"exec env PYTHONDONTWRITEBYTECODE=1{env} {shlex.join(argv)}\n")
 
 
 def qemu_argv(kernel: Kernel, initramfs: Path, results: Path, memory: int, smp: int) -> list[str]:
@@ -155,11 +163,12 @@ def summary_line(output: str) -> str | None:
     return None
 
 
-def run(pytest_args: list[str], timeout: float, memory: int, smp: int, rdma: bool = False) -> int:
+def run(pytest_args: list[str], timeout: float, memory: int, smp: int, rdma: bool = False,
+        command: str | None = None, out: Path | None = None) -> int:
     start = time.monotonic()
     kernel, initramfs = prepare()
     results = Path(tempfile.mkdtemp(prefix="quark-vm-"))
-    (results / "run.sh").write_text(run_script(pytest_args, rdma))
+    (results / "run.sh").write_text(run_script(pytest_args, rdma, command))
     # paths under the guest's fresh /tmp and /run that must stay visible: the checkout, the venv
     keep = [str(PROJECT)] + ([sys.prefix] if not Path(sys.prefix).is_relative_to(PROJECT) else [])
     (results / "keep").write_text("".join(p + "\n" for p in keep))
@@ -189,6 +198,9 @@ def run(pytest_args: list[str], timeout: float, memory: int, smp: int, rdma: boo
         return 1
     status = int(status_file.read_text().strip() or 1)
     output = (results / "output.log").read_text(errors="replace")
+    if out is not None and (results / "out").is_dir():
+        shutil.copytree(results / "out", out, dirs_exist_ok=True)
+        print(f"quark-vm: the guest's $QUARK_VM_OUT copied to {out}", flush=True)
     boot = f"{console.booted_at - launched:.0f} s" if console.booted_at else "?"
     print(f"\n{'rdma' if rdma else 'cgroup2'} lane: {summary_line(output) or 'no pytest summary line'} | exit {status} | "
           f"lane {total:.0f} s (prepare {launched - start:.0f} s, boot to pytest {boot}, "
@@ -209,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rdma", action="store_true",
                    help="make a soft-RoCE device (rxe) before pytest; default tests: -m rdma_device tests")
     p.add_argument("--smoke", action="store_true", help="with --rdma: only RDMA_SMOKE (what `make test` runs)")
+    p.add_argument("--command", help="run this shell command in the checkout instead of pytest (a benchmark)")
+    p.add_argument("--out", type=Path, help="copy what the command wrote under $QUARK_VM_OUT here")
     p.add_argument("--prepare", action="store_true", help="only fetch the kernel and build the initramfs")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: pytest's arguments")
     a = p.parse_args(argv)
@@ -220,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if a.smoke and not pytest_args:
             pytest_args = RDMA_SMOKE
-        return run(pytest_args, a.timeout, a.memory, a.smp, a.rdma)
+        return run(pytest_args, a.timeout, a.memory, a.smp, a.rdma, a.command, a.out)
     except (LaneError, OSError) as e:   # e.g. not root: /var/cache/quark-vm, qemu's 9p export of /
         print(f"quark-vm: {e}", file=sys.stderr)
         return 1

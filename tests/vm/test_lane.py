@@ -80,6 +80,13 @@ def test_run_script_uses_this_checkout_and_interpreter() -> None:
     assert shlex.split(lane.run_script([]).splitlines()[1])[-len(lane.DEFAULT_TESTS):] == lane.DEFAULT_TESTS
 
 
+def test_a_command_runs_instead_of_pytest_with_an_out_folder() -> None:
+    lines = lane.run_script([], rdma=True, command="bench/x.py --json $QUARK_VM_OUT/x.json").splitlines()
+    assert lines[-2] == f"mkdir -p {lane.GUEST_OUT}"
+    assert shlex.split(lines[-1])[-3:] == ["sh", "-c", "bench/x.py --json $QUARK_VM_OUT/x.json"]
+    assert f"QUARK_VM_OUT={lane.GUEST_OUT}" in shlex.split(lines[-1])
+
+
 def test_the_rdma_lane_makes_its_device_before_pytest() -> None:
     lines = lane.run_script([], rdma=True).splitlines()
     add = lines.index(f"/usr/bin/rdma link add {lane.RDMA_DEVICE} type rxe netdev qrv0")
