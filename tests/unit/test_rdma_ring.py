@@ -1,5 +1,7 @@
-"""The rdma transport's ring protocol end to end: two engines ("nodes") joined by one RC QP on a
-pair of softverbs devices cabled by a real socketpair; applications hold real socketpair ends."""
+"""The rdma transport's ring protocol end to end: two engines ("nodes") joined by one RC QP, on a pair
+of softverbs devices cabled by a real socketpair, and (the `nodes` fixture's pyverbs half, marked
+rdma_device: the RDMA lane runs it on soft-RoCE) on a real verbs device whose port loops the two
+nodes' QPs back to each other; applications hold real socketpair ends."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -14,7 +16,7 @@ import time
 import pytest
 
 from tsor.transport.rdma import GREETING, SOFTVERBS_RING, RdmaEngine, RingConfig
-from tsor.verbs import softverbs
+from tsor.verbs import NoDevice, pyverbs_provider, softverbs
 
 RING = 16 * 1024
 SRC, DST = ("10.1.0.1", 40000), ("10.2.0.1", 80)
@@ -23,7 +25,8 @@ SRC, DST = ("10.1.0.1", 40000), ("10.2.0.1", 80)
 class Nodes:
     """Node A (clients) and node B (servers): an engine each, one link between them."""
 
-    def __init__(self, cfg: RingConfig) -> None:
+    def __init__(self, cfg: RingConfig, provider: str = "softverbs") -> None:
+        self.provider = provider
         self.accepted: dict[int, tuple] = {}     # by source port
         self.cond = threading.Condition()
         self.down: queue.Queue = queue.Queue()
@@ -55,8 +58,11 @@ class Nodes:
 
     def new_links(self):
         """A fresh QP pair (over a fresh cable), as a new set-up exchange between tsords builds."""
-        ca, cb = socket.socketpair()
-        da, db = softverbs.open_device(ca, "sva"), softverbs.open_device(cb, "svb")
+        if self.provider == "pyverbs":
+            da, db = pyverbs_provider.open_device(), pyverbs_provider.open_device()
+        else:
+            ca, cb = socket.socketpair()
+            da, db = softverbs.open_device(ca, "sva"), softverbs.open_device(cb, "svb")
         self.devices += [da, db]
         la, lb = self.a.add_link("node-b", da), self.b.add_link("node-a", db)
         self.a.connect(la, lb.info)
@@ -87,9 +93,14 @@ class Nodes:
             d.close()
 
 
-@pytest.fixture
-def nodes():
-    n = Nodes(RingConfig(ring=RING, slots=512))
+@pytest.fixture(params=["softverbs", pytest.param("pyverbs", marks=pytest.mark.rdma_device)])
+def nodes(request):
+    if request.param == "pyverbs":
+        try:
+            pyverbs_provider.open_device().close()
+        except NoDevice as e:
+            pytest.skip(f"{e}: `make test-rdma` runs these on soft-RoCE in a qemu guest")
+    n = Nodes(RingConfig(ring=RING, slots=512), request.param)
     try:
         yield n
     finally:
@@ -133,6 +144,10 @@ def wait_for(cond, timeout: float = 5.0) -> None:
 
 @pytest.mark.parametrize("size", [1, 4095, RING + 1, 3 * RING + 17, 1 << 20, 64 << 20])
 def test_stream_arrives_intact(nodes, size):
+    if nodes.provider == "pyverbs" and size > 1 << 20:
+        # these 16 KiB rings move ~1 MB/s over rxe under TCG (the socket's 20 s timeout); 64 MiB over
+        # real verbs is test_tsor_rdma.py's stream between two tsords, with the transport's own rings
+        pytest.skip("64 MiB on 16 KiB rings: too slow for the emulated lane; covered by test_tsor_rdma.py")
     client, server = nodes.open()
     data = os.urandom(min(size, 1 << 20)) * max(1, size >> 20)
     t = send_and_shut(client, data)
@@ -329,10 +344,15 @@ def test_qp_error_resets_its_channels_and_a_new_qp_carries_new_ones(nodes):
         with pytest.raises(ConnectionResetError):
             client.recv(1)
     # node B learns on its next write into the dead QP (a credit it returned may have been that
-    # write already; a tsord would also be told by its peer)
+    # write already; a tsord would also be told by its peer): softverbs fails that write at once, an
+    # RNIC once its retries run out; rxe (6.1, in the RDMA lane) did not fail it within 5 s, so there
+    # B's side is left to what tells a tsord (the set-up connection, its lifeline, ending)
     with contextlib.suppress(OSError):
         pairs[0][1].sendall(b"reply")
-    went_down(nodes.lb)
+    if nodes.provider == "softverbs":
+        went_down(nodes.lb)
+    else:
+        nodes.b.close_link(nodes.lb)   # as node B's tsord does when the set-up connection ends
     for _, server in pairs:
         server.settimeout(5)
         with contextlib.suppress(ConnectionResetError):
@@ -469,3 +489,23 @@ def test_a_peer_that_grants_no_link_credits_is_reset(monkeypatch):
         echo_and_close(*nodes.open(port=32100))
     finally:
         nodes.close()
+
+
+def test_both_nodes_open_connections_at_once(nodes):
+    """Each node opens slots of its own parity, so both may open at the same moment on one link."""
+    results: dict = {}
+
+    def dial(engine, link, base) -> None:
+        results[base] = [engine.open(link, (SRC[0], base + i), DST, 10) for i in range(20)]
+    ts = [threading.Thread(target=dial, args=args) for args in ((nodes.a, nodes.la, 33000), (nodes.b, nodes.lb, 34000))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    with nodes.cond:
+        assert nodes.cond.wait_for(lambda: len(nodes.accepted) == 40, 10)
+    for base in (33000, 34000):
+        for i, client in enumerate(results[base]):
+            assert client is not None
+            _, _, server = nodes.accepted.pop(base + i)
+            echo_and_close(client, server)

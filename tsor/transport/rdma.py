@@ -726,6 +726,8 @@ class Link:
             self.engine.link_down(self)
 
     def close(self) -> None:
+        if self.closed:
+            return
         self.closed = True
         self.engine.links.discard(self)
         self._down("closed", None)
