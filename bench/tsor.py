@@ -9,8 +9,9 @@ One node  — two containers in two pods on one bridge (CNI bridge plugin):
             Beside runc's redis rows, the kernel alone (bench/bare_redis.py: no container, the same pods'
             namespaces): -c 50 over a unix socket vs over veth + bridge.
 Two nodes — two network namespaces joined by a veth, each with a bridge, pods and tsord:
-            quark + TSoR (tcp path) vs runc (plain TCP, same veth): iperf3 throughput, 64 B
-            ping-pong RTT and connection set-up time (connect + 1-byte echo + close).
+            quark + TSoR (tcp path) vs runc (plain TCP, same veth): iperf3 throughput (one stream and
+            -P 8), redis-benchmark GET/SET -c 50, 64 B ping-pong RTT and connection set-up time
+            (connect + 1-byte echo + close).
 rdma      — the same two nodes with both tsords on `transport: softverbs` (the rdma path over
             softverbs, this machine having no RNIC), or with --rdma-provider pyverbs on
             `transport: rdma` over the host's first RDMA device (the soft-RoCE lane's guest:
@@ -55,6 +56,7 @@ GOALS = {"iperf3_gbps": (">=", 2.0), "rtt_p50_us": ("<=", 0.75), "redis_c50_rps"
          # issue 17, against the tcp path: the pump must not be the bottleneck; set-up over the built QP
          "rdma_iperf3_gbps": (">=", 0.5), "rdma_setup_p50_us": ("<=", 1.0)}
 NGINX_NO_CORK = False   # --nginx-no-cork
+TWO_NODE_REDIS_REQUESTS = 100000   # --redis-requests
 PARTS = ("iperf3", "rtt", "pinned", "redis", "setup", "nginx", "two_nodes", "rdma", "fallback")
 # (section, key, label, unit, higher is better): the rows of the report and the bars of the chart, in order
 METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
@@ -67,9 +69,13 @@ METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
            ("one_node", "nginx_keepalive_rps", "nginx keep-alive", "req/s", True),
            ("one_node", "nginx_close_rps", "nginx Connection: close", "req/s", True),
            ("two_nodes", "two_node_iperf3_gbps", "2 nodes: iperf3", "Gb/s", True),
+           ("two_nodes", "two_node_iperf3_p8_gbps", "2 nodes: iperf3 -P 8", "Gb/s", True),
+           ("two_nodes", "two_node_redis_c50_rps", "2 nodes: redis -c 50", "req/s", True),
            ("two_nodes", "two_node_rtt_p50_us", "2 nodes: 64 B RTT p50", "us", False),
            ("two_nodes", "two_node_setup_p50_us", "2 nodes: set-up p50", "us", False),
            ("rdma", "rdma_iperf3_gbps", "rdma vs tcp path: iperf3", "Gb/s", True),
+           ("rdma", "rdma_iperf3_p8_gbps", "rdma vs tcp: iperf3 -P 8", "Gb/s", True),
+           ("rdma", "rdma_redis_c50_rps", "rdma vs tcp: redis -c 50", "req/s", True),
            ("rdma", "rdma_rtt_p50_us", "rdma vs tcp: 64 B RTT p50", "us", False),
            ("rdma", "rdma_setup_p50_us", "rdma vs tcp: set-up p50", "us", False),
            ("fallback", "fallback_setup_p50_us", "2 nodes, fallback: set-up p50", "us", False)]
@@ -257,11 +263,19 @@ def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None) -> 
         srv, cli = b.pod("srv"), a.pod("cli")
         bed.start(runtime, "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], srv, tsor=tsor))
         bed.start(runtime, "pp-s", bed.bundle("pp-s", [pp, "server", "7001"], srv, tsor=tsor))
-        for port in (5201, 7001):
+        bed.start(runtime, "redis", bed.bundle("redis", ["redis-server", "--port", "6379", "--save", "",
+                                                         "--appendonly", "no", "--protected-mode", "no"],
+                                               srv, tsor=tsor))
+        for port in (5201, 7001, 6379):
             wait_port(bed, srv, port)
         res = {}
         it = json.loads(client(bed, runtime, "iperf", cli, f"iperf3 -c {srv.ip} -p 5201 -t 5 -J"))
         res["two_node_iperf3_gbps"] = it["end"]["sum_received"]["bits_per_second"] / 1e9
+        it = json.loads(client(bed, runtime, "iperf8", cli, f"iperf3 -c {srv.ip} -p 5201 -t 5 -P 8 -J"))
+        res["two_node_iperf3_p8_gbps"] = it["end"]["sum_received"]["bits_per_second"] / 1e9
+        rps = redis_rps(client(bed, runtime, "redis50", cli, f"redis-benchmark -h {srv.ip} -p 6379 -t get,set "
+                                                             f"-n {TWO_NODE_REDIS_REQUESTS} -c 50 --csv"))
+        res["two_node_redis_c50_rps"] = (rps["GET"] + rps["SET"]) / 2
         p50, p99 = map(float, client(bed, runtime, "rtt", cli, f"{pp} rtt {srv.ip} 7001 5000").split())
         res["two_node_rtt_p50_us"], res["two_node_rtt_p99_us"] = p50, p99
         p50, p99 = map(float, client(bed, runtime, "setup", cli, f"{pp} connect {srv.ip} 7001 300").split())
@@ -395,11 +409,14 @@ def main() -> int:
                    help="one node: also quark with tsord's local_path: sockmap (nothing trapped; tsor/sockmap.py)")
     p.add_argument("--rdma-provider", choices=("softverbs", "pyverbs"), default="softverbs",
                    help="the rdma part's verbs: softverbs (any host) or pyverbs on the host's RDMA device")
+    p.add_argument("--redis-requests", type=int, default=100000,
+                   help="two nodes: redis-benchmark -n (fewer for an emulated guest)")
     p.add_argument("--nginx-no-cork", action="store_true",
                    help="nginx.conf with sendfile off, tcp_nopush off, tcp_nodelay off instead of Debian's as shipped")
     args = p.parse_args()
-    global NGINX_NO_CORK
+    global NGINX_NO_CORK, TWO_NODE_REDIS_REQUESTS
     NGINX_NO_CORK = args.nginx_no_cork
+    TWO_NODE_REDIS_REQUESTS = args.redis_requests
     TWO_NODE_CONFIGS["quark_tsor_rdma"] = ("quark", "rdma" if args.rdma_provider == "pyverbs" else "softverbs")
     parts = {x.strip() for x in args.only.split(",") if x.strip()}
     if not parts or parts - set(PARTS):
