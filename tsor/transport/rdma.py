@@ -166,6 +166,11 @@ class SetupInfo:
         return cls(**d)
 
 
+def _advance(total: int, reported: int) -> int:
+    """A running total the peer reports modulo 2^32 (`reported`), carried on from ours (`total`)."""
+    return total + ((reported - total) & _M32)
+
+
 def _socketpair() -> tuple[socket.socket, socket.socket]:
     """A new connection's two AF_UNIX ends: the pump's (non-blocking) and the application's. The
     pump's end gets the send buffer the local path gives applications' ends: with AF_UNIX's default
@@ -508,8 +513,6 @@ class Link:
         for wc in wcs:
             if wc.status != WcStatus.SUCCESS:
                 return self._down(f"work request failed: {wc.status.name}")
-            if not self.up:
-                return   # a record in this batch reset the link
             if wc.opcode == WcOpcode.RECV_RDMA_WITH_IMM:
                 self.qp.post_recv(RecvWr(0))
                 self.rq_posted += 1
@@ -617,8 +620,7 @@ class Link:
 
     def _record(self, kind: int, slot: int, gen: int, v1: int, v2: int, payload: bytes) -> None:
         if kind == CTL_CREDIT:
-            acked, rq_total = self.ctl_acked + ((v1 - self.ctl_acked) & _M32), \
-                self.peer_rq_total + ((v2 - self.peer_rq_total) & _M32)
+            acked, rq_total = _advance(self.ctl_acked, v1), _advance(self.peer_rq_total, v2)
             if acked > self.ctl_sent or rq_total - self.imm_sent > self.remote.rq_depth:
                 raise ProtocolError("credit for more than was sent or posted")
             self.ctl_acked, self.peer_rq_total = acked, rq_total
@@ -645,7 +647,7 @@ class Link:
         if ch is None:
             return   # a late record for a connection already gone
         if kind == CREDIT:
-            acked = ch.tx_acked + ((v1 - ch.tx_acked) & _M32)
+            acked = _advance(ch.tx_acked, v1)
             if acked > ch.tx_sent:
                 raise ProtocolError(f"slot {slot}: credit for {acked - ch.tx_sent} bytes never sent")
             ch.tx_acked = acked
