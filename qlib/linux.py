@@ -17,7 +17,7 @@ import os
 import socket
 import struct
 
-from qlib import syscalls
+from qlib import procfs, syscalls
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -231,19 +231,7 @@ def pidfd_open_thread(tid: int) -> int:
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-    return pidfd_open(thread_group(tid))
-
-
-def thread_group(tid: int) -> int:
-    """The process (thread-group id) a thread belongs to, from /proc; ESRCH once it is gone."""
-    try:
-        with open(f"/proc/{tid}/status") as f:
-            for line in f:
-                if line.startswith("Tgid:"):
-                    return int(line.split()[1])
-    except FileNotFoundError:
-        pass
-    raise OSError(errno.ESRCH, f"no task {tid}")
+    return pidfd_open(int(procfs.status(tid)["Tgid"]))   # FileNotFoundError once tid is gone
 
 
 def pidfd_send_signal(pidfd: int, sig: int) -> None:
