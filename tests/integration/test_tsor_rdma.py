@@ -13,6 +13,7 @@ import pytest
 
 from tests.integration.test_tsor import CHECKS, wait_file
 from tests.integration.test_tsor_two_nodes import client_semantics, counters, two_nodes
+from tests.support.rdma import device_or_skip
 
 STREAM = ("import hashlib, socket, sys\n"
           "ip, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])\n"
@@ -31,18 +32,10 @@ SINK = ("import hashlib, socket\n"
         " c.close()\n")
 
 
-def _needs_a_device() -> None:
-    from tsor.verbs import NoDevice, pyverbs_provider
-    try:
-        pyverbs_provider.open_device().close()
-    except NoDevice as e:
-        pytest.skip(f"{e}: `make test-rdma` runs these on soft-RoCE in a qemu guest")
-
-
 @pytest.fixture(scope="module", params=["softverbs", pytest.param("rdma", marks=pytest.mark.rdma_device)])
 def two(request):
     if request.param == "rdma":
-        _needs_a_device()
+        device_or_skip().close()
     for bed in two_nodes("qtr", 216, transport=request.param):
         bed.transport = request.param
         yield bed

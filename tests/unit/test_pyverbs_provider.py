@@ -25,6 +25,7 @@ from tsor.verbs import (
     WcStatus,
     WrOpcode,
 )
+from tests.support.rdma import device_or_skip
 from tsor.verbs import pyverbs_provider as pv
 
 ALL = [(ctype, name) for ctype, names in pv._NEEDED.items() for name in names]
@@ -157,11 +158,8 @@ def test_default_gid_is_roce_v2_ipv4():
 
 @pytest.fixture
 def device():
-    """The host's first RDMA device (`make test-rdma` runs the tests that take it, alone)."""
-    try:
-        dev = pv.open_device()
-    except NoDevice as e:
-        pytest.skip(str(e))     # "no RDMA device (...)"
+    """The host's first RDMA device (`make test-rdma` runs the tests that take it)."""
+    dev = device_or_skip()
     yield dev
     dev.close()
 

@@ -15,8 +15,9 @@ import time
 
 import pytest
 
+from tests.support.rdma import device_or_skip
 from tsor.transport.rdma import GREETING, SOFTVERBS_RING, RdmaEngine, RingConfig
-from tsor.verbs import NoDevice, pyverbs_provider, softverbs
+from tsor.verbs import pyverbs_provider, softverbs
 
 RING = 16 * 1024
 SRC, DST = ("10.1.0.1", 40000), ("10.2.0.1", 80)
@@ -96,10 +97,7 @@ class Nodes:
 @pytest.fixture(params=["softverbs", pytest.param("pyverbs", marks=pytest.mark.rdma_device)])
 def nodes(request):
     if request.param == "pyverbs":
-        try:
-            pyverbs_provider.open_device().close()
-        except NoDevice as e:
-            pytest.skip(f"{e}: `make test-rdma` runs these on soft-RoCE in a qemu guest")
+        device_or_skip().close()
     n = Nodes(RingConfig(ring=RING, slots=512), request.param)
     try:
         yield n
