@@ -6,10 +6,10 @@ PY := $(VENV)/bin/python
 # and python3-pyverbs import into the venv because it is made with --system-site-packages.
 APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf3 \
 	redis-server redis-tools python3-venv python3-dev python3-seccomp python3-pyverbs \
-	iproute2 gcc libc6-dev procps util-linux wrk
+	iproute2 gcc libc6-dev procps util-linux wrk libibverbs-dev
 
-.PHONY: install apt venv links bytecode fastpath frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
-install: apt venv links fastpath
+.PHONY: install apt venv links bytecode fastpath rdma-pump frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
+install: apt venv links fastpath rdma-pump
 
 apt:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
@@ -25,6 +25,12 @@ venv: $(VENV)/.installed
 fastpath: qkernel/_fastpath.so
 qkernel/_fastpath.so: qkernel/fastpath.c
 	gcc -O2 -Wall -Wextra -shared -fPIC -o $@ $< -lpthread
+
+# TSoR's compiled rdma pump (tsor/transport/rdma_pump.c, loaded with ctypes; libibverbs from rdma-core):
+# rdma links' bytes never cross Python; without it (or stale) they go through transport/rdma.py's pump
+rdma-pump: tsor/transport/_rdma_pump.so
+tsor/transport/_rdma_pump.so: tsor/transport/rdma_pump.c
+	gcc -O2 -Wall -Wextra -shared -fPIC -o $@ $< -libverbs -lpthread
 
 # The `quark` and `containerd-shim-quark-v1` on PATH (qvisor/frontend.c, one program; build/bin has
 # both names): hands the hot verbs and the shim's start to the sandbox factory in well under a
@@ -114,4 +120,4 @@ proto: install
 	$(PY) -m tests.support.cri.generate
 
 clean:
-	rm -rf $(VENV) *.egg-info build
+	rm -rf $(VENV) *.egg-info build qkernel/_fastpath.so tsor/transport/_rdma_pump.so

@@ -21,6 +21,7 @@
       device: mlx5_0                # default: the first device
       port: 1                       # default: its first ACTIVE port
       gid_index: 3                  # default: the port's first RoCE v2 IPv4 GID (tsor/verbs/pyverbs_provider.py)
+      pump: compiled                # what moves the bytes: compiled (transport/rdma_pump.c) or python
 
 `transport`: `rdma` carries connections over an RC queue pair on this host's RDMA device (pyverbs),
 `softverbs` over the software provider (a TCP connection between the tsords is its cable: for hosts
@@ -45,7 +46,8 @@ from tsor.errors import ConfigError
 
 _KEYS = {"node", "socket", "listen", "metrics", "routes", "kubernetes", "cluster_secret_file", "insecure_no_auth",
          "transport", "state_dir", "sockopt_offload", "local_path", "rdma"}
-_RDMA_KEYS = {"device", "port", "gid_index"}
+_RDMA_KEYS = {"device", "port", "gid_index", "pump"}
+PUMPS = ("compiled", "python")
 _KUBE_KEYS = {"kubeconfig", "context", "runtime_class", "tsord_port"}
 DEFAULT_TSORD_PORT = 7470
 DEFAULT_STATE_DIR = "/run/quark/tsord"
@@ -79,6 +81,7 @@ class RdmaPort:
     device: str | None = None
     port: int | None = None
     gid_index: int | None = None
+    pump: str = "compiled"   # rdma links' data plane: transport/rdma_pump.c, or transport/rdma.py's engine
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,10 @@ def _rdma(value: object, path: str) -> RdmaPort:
         raise ConfigError(path, "rdma.port", f"expected a port number from 1, got {port!r}")
     if gid is not None and (not isinstance(gid, int) or isinstance(gid, bool) or not 0 <= gid <= 65535):
         raise ConfigError(path, "rdma.gid_index", f"expected a GID table index from 0, got {gid!r}")
-    return RdmaPort(device, port, gid)
+    pump = value.get("pump", "compiled")
+    if pump not in PUMPS:
+        raise ConfigError(path, "rdma.pump", f"expected one of {', '.join(PUMPS)}, got {pump!r}")
+    return RdmaPort(device, port, gid, pump)
 
 
 def _transport(value: object, path: str) -> tuple[tuple[str, str], ...]:

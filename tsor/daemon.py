@@ -153,15 +153,14 @@ class Daemon:
         self.bytes = TcpByteCounter()   # tcp path: the kernel counts, see tsor/bytecount.py
         self.metrics.byte_counts = self._byte_counts
         self.metrics.rdma_links = lambda: self.rdma.status() if self.rdma is not None else {}
-        self.metrics.rdma_resets = lambda: dict(self.rdma.engine.resets) if self.rdma is not None else {}
+        self.metrics.rdma_resets = lambda: self.rdma.resets if self.rdma is not None else {}
         self.metrics.route_source = getattr(self.route_source, "status", dict)   # KubernetesSource's
         self.metrics.warm_setups = lambda: self.remote.warm.taken if self.remote is not None else 0
 
     def _byte_counts(self) -> dict[tuple[str, str], int]:
         counts = self.bytes.totals()
         if self.rdma is not None:   # the rdma path's pump counts its own
-            engine = self.rdma.engine
-            counts |= {("rdma", "sent"): engine.bytes_sent, ("rdma", "received"): engine.bytes_received}
+            counts |= {("rdma", "sent"): self.rdma.bytes_sent, ("rdma", "received"): self.rdma.bytes_received}
         return counts
 
     # ---- life cycle ----------------------------------------------------------------------------
@@ -176,7 +175,8 @@ class Daemon:
             self.route_source.start(self.routes)
         self.bytes.start()
         self.rdma = RdmaTransport(self.cfg.node, self.deliver, self.cfg.node_key, self.cfg.transport_for,
-                                  open_rdma=lambda: open_pyverbs(self.cfg.rdma), offer=self.offer)
+                                  open_rdma=lambda: open_pyverbs(self.cfg.rdma), offer=self.offer,
+                                  pump=self.cfg.rdma.pump)
         self.remote = TcpTransport(self.deliver, self.routes, self.cfg.listen, self.cfg.node_key, self.rdma.serve,
                                    offer=self.offer)
         os.makedirs(os.path.dirname(self.cfg.socket), exist_ok=True)

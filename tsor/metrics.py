@@ -13,7 +13,7 @@ read with sock_diag: tsor/bytecount.py), and `byte_counts` serves them as tsor_b
 Linux keeps no byte count for AF_UNIX sockets, so the local path has no tsor_bytes_total samples. The
 rdma path's pump is tsord's own (transport/rdma.py): it counts the application bytes it moves.
 
-`rdma_links` gives the rdma links that are up, by peer node (tsor_rdma_links{node,provider,device},
+`rdma_links` gives the rdma links that are up, by peer node (tsor_rdma_links{node,provider,device,pump},
 provider "pyverbs" or "softverbs", and tsor_rdma_connections{node}); `rdma_resets` the links reset, by
 reason (tsor_rdma_link_resets_total{reason}: transport/rdma.py).
 """
@@ -122,14 +122,15 @@ class Metrics:
         for (p, d), n in sorted(self.byte_counts().items()):
             fam.add_metric([p, d], n)
         yield fam
-        links = GaugeMetricFamily("tsor_rdma_links", "rdma links up, by peer node and verbs provider "
-                                  "(softverbs: software RDMA over the tsords' TCP connection).",
-                                  labels=["node", "provider", "device"])
+        links = GaugeMetricFamily("tsor_rdma_links", "rdma links up, by peer node, verbs provider "
+                                  "(softverbs: software RDMA over the tsords' TCP connection) and pump "
+                                  "(compiled: transport/rdma_pump.c; python: transport/rdma.py).",
+                                  labels=["node", "provider", "device", "pump"])
         conns = GaugeMetricFamily("tsor_rdma_connections", "Connections open on the rdma link to each peer node.",
                                   labels=["node"])
         for node, link in sorted(self.rdma_links().items()):
             if link["up"]:
-                links.add_metric([node, link["provider"], link["device"]], 1)
+                links.add_metric([node, link["provider"], link["device"], link["pump"]], 1)
                 conns.add_metric([node], link["connections"])
         yield links
         yield conns

@@ -75,7 +75,7 @@ def status(args: argparse.Namespace) -> int:
               f"{fmt(r['bytes_received']):>12} {fmt(r['mean_setup_us']):>10}")
     print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in summary.items()))
     for link in links:
-        what = SOFTVERBS if link["provider"] == "softverbs" else f"rdma on {link['device']} (pyverbs)"
+        what = SOFTVERBS if link["provider"] == "softverbs" else f"rdma on {link['device']} ({link['pump']} pump)"
         print(f"rdma link to node {link['node']}: {what}, {link['connections']} connections")
     return 0
 
@@ -88,7 +88,7 @@ def _links(text: str) -> list[dict]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "tsor_rdma_links":
-                links[sample.labels["node"]] = {k: sample.labels.get(k) for k in ("node", "provider", "device")}
+                links[sample.labels["node"]] = {k: sample.labels.get(k) for k in ("node", "provider", "device", "pump")}
             elif sample.name == "tsor_rdma_connections":
                 conns[sample.labels["node"]] = int(sample.value)
     return [links[n] | {"connections": conns.get(n, 0)} for n in sorted(links)]

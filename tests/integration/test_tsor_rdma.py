@@ -1,8 +1,10 @@
 """TSoR's rdma path across two nodes on one machine: two network namespaces joined by a veth, a
-tsord in each, quark pods on both. Twice: over softverbs (`transport: softverbs`, any host), and over
-a real verbs device (`transport: rdma`, pyverbs; both nodes' queue pairs on the host's first device,
-which loops them back: `make test-rdma` runs them in the soft-RoCE lane, tests/vm/README.md). The TCP
-semantics program, streams of 1 byte to 64 MiB, iperf3 and redis, and a peer tsord killed mid-stream."""
+tsord in each, quark pods on both. Three times: over softverbs (`transport: softverbs`, any host), and
+over a real verbs device (`transport: rdma`; both nodes' queue pairs on the host's first device, which
+loops them back: `make test-rdma` runs them in the soft-RoCE lane, tests/vm/README.md) with the
+compiled pump (transport/rdma_pump.c, tsord's default) and with the Python one (`rdma: {pump:
+python}`). The TCP semantics program, streams of 1 byte to 64 MiB, iperf3 and redis, and a peer tsord
+killed mid-stream."""
 from __future__ import annotations
 
 import json
@@ -32,12 +34,15 @@ SINK = ("import hashlib, socket\n"
         " c.close()\n")
 
 
-@pytest.fixture(scope="module", params=["softverbs", pytest.param("rdma", marks=pytest.mark.rdma_device)])
+@pytest.fixture(scope="module", params=["softverbs", pytest.param("rdma", marks=pytest.mark.rdma_device),
+                                        pytest.param("rdma-python-pump", marks=pytest.mark.rdma_device)])
 def two(request):
-    if request.param == "rdma":
+    transport, _, pump = request.param.partition("-")
+    if transport == "rdma":
         device_or_skip().close()
-    for bed in two_nodes("qtr", 216, transport=request.param):
-        bed.transport = request.param
+    pump = "python" if pump else "compiled"
+    for bed in two_nodes("qtr", 216, transport=transport, rdma={"pump": pump} if transport == "rdma" else None):
+        bed.transport, bed.pump = transport, pump if transport == "rdma" else "python"
         yield bed
 
 
@@ -58,7 +63,8 @@ def test_quark_to_quark_took_the_rdma_path(two, semantics):
     assert a['tsor_connections_total{path="tcp"}'] == 0
     assert b['tsor_incoming_total{path="rdma"}'] == a['tsor_connections_total{path="rdma"}']
     provider = "pyverbs" if two.transport == "rdma" else "softverbs"   # a real device, or the stand-in
-    assert [k for k in a if k.startswith("tsor_rdma_links{") and f'provider="{provider}"' in k], a
+    assert [k for k in a if k.startswith("tsor_rdma_links{") and f'provider="{provider}"' in k
+            and f'pump="{two.pump}"' in k], a
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ def counters(node) -> dict[str, float]:
     return parse(fetch(node.metrics))
 
 
-def two_nodes(prefix: str, octet: int, transport: str | None = None):
-    """Two linked nodes with a tsord each (`transport`: tsor.yaml's node-to-node setting) and the
-    semantics program's server in a quark pod on node b; a generator for module fixtures."""
+def two_nodes(prefix: str, octet: int, transport: str | None = None, rdma: dict | None = None):
+    """Two linked nodes with a tsord each (`transport`, `rdma`: tsor.yaml's node-to-node settings)
+    and the semantics program's server in a quark pod on node b; a generator for module fixtures."""
     needs_root()
     needs_tsor_in_qkernel()
     from tests.support.testbed import Testbed
@@ -26,8 +26,8 @@ def two_nodes(prefix: str, octet: int, transport: str | None = None):
     try:
         a, bn = b.node("a"), b.node("b")
         b.link(a, bn)
-        a.start_tsord(transport=transport)
-        bn.start_tsord(transport=transport)
+        a.start_tsord(transport=transport, rdma=rdma)
+        bn.start_tsord(transport=transport, rdma=rdma)
         srv = bn.pod("srv")
         b.start("quark", "srv", b.bundle("srv", PROG + ["server", str(PORT)], srv))
         wait_file(b.out("server-ready"))

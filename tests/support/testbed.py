@@ -174,11 +174,13 @@ class Node:
         return p
 
     def start_tsord(self, *, wait: bool = True, debug: bool = True, transport: str | None = None,
-                    kubeconfig: str | None = None, local_path: str | None = None, peers: bool = True) -> None:
+                    kubeconfig: str | None = None, local_path: str | None = None, peers: bool = True,
+                    rdma: dict | None = None) -> None:
         """`debug`: tsord logs every connection (the tests read it); benchmarks run without, as a
         node does. `transport`: tsor.yaml's node-to-node transport (default: tsord's, auto).
         `kubeconfig`: routes from that API server (tsor/routes_k8s.py) instead of the bed's file.
-        `local_path`: tsor.yaml's local_path (default: tsord's, socketpair). `peers=False`: no
+        `local_path`: tsor.yaml's local_path (default: tsord's, socketpair). `rdma`: tsor.yaml's
+        `rdma:` (device, port, gid_index, pump). `peers=False`: no
         cluster secret and no listen address, so no connection to another node's pods is carried
         (they fall back to the kernel's TCP)."""
         cfg = os.path.join(self.bed.dir, f"{self.name}-tsor.yaml")
@@ -189,7 +191,8 @@ class Node:
                        "state_dir": os.path.join(self.bed.dir, f"{self.name}-state"),
                        **({"listen": f"{self.address}:{TSORD_PORT}"} if self.address and peers else {}),
                        **({"transport": transport} if transport else {}),
-                       **({"local_path": local_path} if local_path else {})}, f)
+                       **({"local_path": local_path} if local_path else {}),
+                       **({"rdma": rdma} if rdma else {})}, f)
         log = open(os.path.join(self.bed.dir, f"{self.name}-tsord.log"), "a")
         # nsenter, not `ip netns exec`: that one also remounts /sys, which would hide the cgroup2
         # hierarchy tsord joins for the socket-option offload (tsor/sockopt_offload.py)

@@ -125,7 +125,7 @@ def test_rdma_bytes_are_counted_exactly_and_quark_tsor_status_shows_them_and_the
     row = {p["path"]: p for p in out["paths"]}["rdma"]
     assert (row["connections"], row["bytes_sent"], row["bytes_received"]) == (1, up, down)
     assert out["rdma_links"] == [{"node": "node-b", "provider": "softverbs", "device": "softverbs-node-b",
-                                  "connections": 1}]
+                                  "pump": "python", "connections": 1}]
     assert {p["path"]: p for p in json.loads(status(b, "json", capsys))["paths"]}["rdma"]["incoming"] == 1
     table = status(a, "table", capsys).splitlines()
     assert next(line for line in table if line.startswith("rdma ")).split()[:5] == \

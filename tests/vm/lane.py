@@ -50,11 +50,12 @@ DEFAULT_TESTS = ["tests/cgroup2", "tests/integration/test_cgroups.py", "tests/in
 # --timeout (pytest-timeout, per test): the emulated CPU runs container tests 5-20x slower than the
 # host, so pyproject's 120 s would fail slow tests that pass (a later --timeout in ARGS wins)
 # the RDMA lane's tests: everything that takes a real verbs device; RDMA_SMOKE, what `make test` runs
-# of it on every landing: the provider on the device, the ring protocol's tests on it, and two
-# tsords carrying streams over it
+# of it on every landing: the provider on the device, the ring protocol's tests on it (both pumps), and
+# two tsords carrying streams over it
 RDMA_TESTS = ["-m", "rdma_device", "tests"]
 RDMA_SMOKE = ["-m", "rdma_device", "tests/unit/test_pyverbs_provider.py", "tests/unit/test_rdma_ring.py",
-              "tests/integration/test_tsor_rdma.py::test_streams_arrive_intact"]
+              *(f"tests/integration/test_tsor_rdma.py::test_streams_arrive_intact[rdma-{n}]"
+                for n in (1, 65537, 64 << 20))]   # tsord's default: the compiled pump
 PYTEST_FIXED = ["-q", "-ra", "-p", "no:cacheprovider", "--timeout=600"]
 # quiet: only the guest's own output on the console; panic=-1 with qemu's -no-reboot turns a
 # guest that dies into a qemu that exits; cgroup_no_v1=all: no controller can go to a v1 mount

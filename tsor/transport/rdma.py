@@ -166,6 +166,18 @@ class SetupInfo:
         return cls(**d)
 
 
+def slot_parity(mine: SetupInfo, cfg: RingConfig, remote: SetupInfo) -> int:
+    """Which slots this side opens (1: odd) on a link to `remote`: the side whose set-up info sorts
+    first opens odd ones. ProtocolError when the peer's rings differ from ours or it sent our own QP."""
+    if (remote.ring, remote.slots) != (cfg.ring, cfg.slots):
+        raise ProtocolError(f"peer rings {remote.slots}x{remote.ring} B, ours {cfg.slots}x{cfg.ring} B: "
+                            "both nodes need the same ring size and slot count")
+    ours, theirs = (mine.gid, mine.qpn, mine.psn), (remote.gid, remote.qpn, remote.psn)
+    if ours == theirs:
+        raise ProtocolError("rdma set-up: the peer sent our own QP")
+    return 1 if ours < theirs else 0
+
+
 def _advance(total: int, reported: int) -> int:
     """A running total the peer reports modulo 2^32 (`reported`), carried on from ours (`total`)."""
     return total + ((reported - total) & _M32)
@@ -246,20 +258,19 @@ class Link:
         self.starved_since: float | None = None
         engine.links.add(self)
 
+    @property
+    def connections(self) -> int:
+        return len(self.channels)
+
     # ---- set-up --------------------------------------------------------------------------------
     def connect(self, remote: SetupInfo) -> None:
         """Connect the QP to the peer's. Open connections only once the peer has connected too (the
         set-up exchange ends with its acknowledgment): a write reaching a QP not yet in RTR is
         dropped, and softverbs fails the requester at once where an RNIC would retry a while."""
-        if (remote.ring, remote.slots) != (self.cfg.ring, self.cfg.slots):
-            raise ProtocolError(f"peer rings {remote.slots}x{remote.ring} B, ours {self.cfg.slots}x{self.cfg.ring} B: "
-                                "both nodes need the same ring size and slot count")
-        mine, theirs = (self.info.gid, self.info.qpn, self.info.psn), (remote.gid, remote.qpn, remote.psn)
-        if mine == theirs:
-            raise ProtocolError("rdma set-up: the peer sent our own QP")
+        parity = slot_parity(self.info, self.cfg, remote)
         self.qp.to_rtr(QpInfo(remote.qpn, remote.psn, bytes.fromhex(remote.gid), remote.lid))
         self.qp.to_rts(self.info.psn)
-        self.remote, self.parity = remote, 1 if mine < theirs else 0
+        self.remote, self.parity = remote, parity
         self.peer_rq_total = remote.rq_depth
         self.up = True
         self.loop.add_reader(self.chan.fileno(), self._on_cq)
@@ -748,6 +759,8 @@ class Link:
 
 class RdmaEngine:
     """The thread that runs every Link's pump and protocol. Its methods may be called from any thread."""
+
+    provider = "python"   # the pump in Python (softverbs links; rdma links where the compiled one is not built)
 
     def __init__(self, accept: Accept, cfg: RingConfig = RingConfig(),
                  on_down: Callable[[Link], None] | None = None) -> None:

@@ -32,11 +32,14 @@ from tsor.config import RdmaPort
 from tsor.errors import ProtocolError
 from tsor.routes import Node
 from tsor.transport import Deliver
+from tsor.transport import rdma_pump
 from tsor.transport.rdma import SOFTVERBS_RING, Link, RdmaEngine, RingConfig, SetupInfo
+from tsor.transport.rdma_pump import PumpEngine, PumpLink
 from tsor.transport.tcp import SETUP_TIMEOUT, dial
 from tsor.verbs import Device, NoDevice, VerbsError, softverbs
 
 log = logging.getLogger("tsor.rdma")
+AnyLink = Link | PumpLink   # a link of the Python engine or of the compiled pump
 # offer(dst, peer, app_end, path): deliver() for a thread that must not block (tsor/daemon.py's
 # Daemon.offer): the offer, with the greeting asked for, is sent now or not at all; the future gets
 # the listening sandbox's reply (None: no reply). None: not sent, deliver() it instead.
@@ -95,17 +98,22 @@ class RdmaTransport:
 
     def __init__(self, node: str, deliver: Deliver, key: bytes | None, transport_for: Callable[[str], str],
                  ring: RingConfig | None = None, open_rdma: Callable[[], Device] | None = None,
-                 offer: Offer | None = None) -> None:
+                 offer: Offer | None = None, pump: str = "compiled") -> None:
         """node: this node's name; transport_for(peer node) -> auto|rdma|tcp|softverbs (tsor/config.py);
         open_rdma() -> the host's RDMA device or NoDevice (default: the pyverbs provider's first);
-        offer: how the engine's thread offers a connection without waiting (else a thread delivers it)."""
+        offer: how the engine's thread offers a connection without waiting (else a thread delivers it);
+        pump: what moves an rdma link's bytes, "compiled" (transport/rdma_pump.c; the Python pump where
+        it is not built) or "python" (transport/rdma.py's engine, as softverbs links always use)."""
         self.node, self.deliver, self.key, self.transport_for = node, deliver, key, transport_for
         self.offer = offer
         self.engine = RdmaEngine(self._accept, ring or RingConfig(), self._down)
+        self._pump_wanted = pump == "compiled"
+        self._pump: PumpEngine | None = None
+        self._ring = ring or RingConfig()
         self._softverbs_ring = ring or SOFTVERBS_RING   # its longer round trip needs longer rings
-        self.links: dict[str, Link] = {}
-        self._lifelines: dict[Link, socket.socket] = {}
-        self._retired: weakref.WeakSet[Link] = weakref.WeakSet()
+        self.links: dict[str, AnyLink] = {}
+        self._lifelines: dict[AnyLink, socket.socket] = {}
+        self._retired: weakref.WeakSet[AnyLink] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._node_locks: dict[str, threading.Lock] = {}
         self._failed: dict[str, float] = {}
@@ -114,7 +122,41 @@ class RdmaTransport:
         self._device: Device | None = None
         self._no_device: str | None = None
 
-    # ---- which provider for which peer ---------------------------------------------------------
+    # ---- which provider and which pump for which peer -------------------------------------------
+    def _engine_for(self, kind: str) -> RdmaEngine | PumpEngine:
+        """The compiled pump for rdma links (where built and asked for), the Python one otherwise."""
+        if kind != "rdma" or not self._pump_wanted:
+            return self.engine
+        with self._lock:
+            if self._pump is None and self._pump_wanted:
+                why = rdma_pump.unavailable()
+                if why is None:
+                    self._pump = PumpEngine(self._accept, self._ring, self._down)
+                else:
+                    self._pump_wanted = False
+                    log.warning("rdma links use the Python pump: %s", why)
+            return self._pump or self.engine
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(e.bytes_sent for e in self._engines())
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(e.bytes_received for e in self._engines())
+
+    @property
+    def resets(self) -> dict[str, int]:
+        """Links reset, by reason (tsor_rdma_link_resets_total)."""
+        out: dict[str, int] = {}
+        for e in self._engines():
+            for reason, n in e.resets.items():
+                out[reason] = out.get(reason, 0) + n
+        return out
+
+    def _engines(self) -> list:
+        return [self.engine] + ([self._pump] if self._pump is not None else [])
+
     def rdma_device(self) -> Device | None:
         with self._lock:
             if self._device is None and self._no_device is None:
@@ -137,9 +179,9 @@ class RdmaTransport:
 
     def connect(self, node: Node, src: Endpoint, dst: Endpoint) -> socket.socket | None:
         link = self._link(node)
-        return None if link is None else self.engine.open(link, src, dst, OPEN_TIMEOUT)
+        return None if link is None else link.engine.open(link, src, dst, OPEN_TIMEOUT)
 
-    def _link(self, node: Node) -> Link | None:
+    def _link(self, node: Node) -> AnyLink | None:
         kind = self.kind(node.name) if node.address is not None and self.key is not None else None
         if kind is None:
             return None
@@ -160,20 +202,20 @@ class RdmaTransport:
                 self._failed[node.name] = time.monotonic()
             return link
 
-    def _dial(self, node: Node, kind: str) -> Link | None:
+    def _dial(self, node: Node, kind: str) -> AnyLink | None:
         s = dial(node, self.key, {"rdma": kind, "node": self.node})
         if s is None:
             return None
         s.settimeout(SETUP_TIMEOUT)
         dev = softverbs.open_device(s, f"softverbs-{node.name}", start=False) if kind == "softverbs" \
             else self.rdma_device()
-        link = self.engine.add_link(node.name, dev, self._softverbs_ring if kind == "softverbs" else None)
+        link = self._engine_for(kind).add_link(node.name, dev, self._softverbs_ring if kind == "softverbs" else None)
         try:
             send_json(s, link.info.to_dict())
             answer = recv_json(s)
             if isinstance(answer, dict) and "error" in answer:
                 raise ProtocolError(f"node {node.name} said: {answer['error']}")
-            self.engine.connect(link, SetupInfo.from_dict(answer))
+            link.engine.connect(link, SetupInfo.from_dict(answer))
             self._ready(link, dev, s, kind, client=True)
         except BaseException:
             self._retire(link)
@@ -185,7 +227,7 @@ class RdmaTransport:
         self._install(node.name, link, s if kind == "rdma" else None)
         return link
 
-    def _ready(self, link: Link, dev: Device, s: socket.socket, kind: str, client: bool) -> None:
+    def _ready(self, link: AnyLink, dev: Device, s: socket.socket, kind: str, client: bool) -> None:
         """Both QPs are in RTR once this returns: the link may carry connections."""
         if kind == "softverbs":
             dev.start()
@@ -203,7 +245,7 @@ class RdmaTransport:
     def serve(self, s: socket.socket, node: Node, request: object) -> None:
         kind = self.kind(node.name)
         dev: Device | None = None
-        link: Link | None = None
+        link: AnyLink | None = None
         try:
             if request != kind:
                 mine = self.transport_for(node.name)
@@ -215,8 +257,8 @@ class RdmaTransport:
             remote = SetupInfo.from_dict(recv_json(s))
             dev = softverbs.open_device(s, f"softverbs-{node.name}", start=False) if kind == "softverbs" \
                 else self.rdma_device()
-            link = self.engine.add_link(node.name, dev, self._softverbs_ring if kind == "softverbs" else None)
-            self.engine.connect(link, remote)
+            link = self._engine_for(kind).add_link(node.name, dev, self._softverbs_ring if kind == "softverbs" else None)
+            link.engine.connect(link, remote)
             send_json(s, link.info.to_dict())
             self._ready(link, dev, s, kind, client=False)
         except (OSError, ProtocolError, ValueError) as e:
@@ -230,7 +272,7 @@ class RdmaTransport:
             return
         self._install(node.name, link, s if kind == "rdma" else None)
 
-    def _install(self, node: str, link: Link, lifeline: socket.socket | None) -> None:
+    def _install(self, node: str, link: AnyLink, lifeline: socket.socket | None) -> None:
         with self._lock:
             old = self.links.get(node)
             self.links[node] = link
@@ -241,7 +283,7 @@ class RdmaTransport:
         if old is not None and old is not link:
             self._retire(old)
 
-    def _watch(self, link: Link, lifeline: socket.socket) -> None:
+    def _watch(self, link: AnyLink, lifeline: socket.socket) -> None:
         lifeline.settimeout(None)
         try:
             lifeline.recv(1)
@@ -250,7 +292,7 @@ class RdmaTransport:
         self._retire(link)
 
     # ---- connections from the peer -------------------------------------------------------------
-    def _accept(self, link: Link, src: Endpoint, dst: Endpoint, app: socket.socket, answer) -> bool:
+    def _accept(self, link: AnyLink, src: Endpoint, dst: Endpoint, app: socket.socket, answer) -> bool:
         """In the engine's thread. The offer goes out from here when the sandbox's socket takes it at
         once, its supervisor's greeting accepting it in the pump (no thread of ours waits for the
         answer: one opener with no taker is reset by its OPEN_TIMEOUT); else a thread delivers it."""
@@ -271,11 +313,11 @@ class RdmaTransport:
         return False
 
     # ---- the end of links ----------------------------------------------------------------------
-    def _down(self, link: Link) -> None:
+    def _down(self, link: AnyLink) -> None:
         """The link's QP failed (in the engine's thread): new connections set up a new one."""
         threading.Thread(target=self._retire, args=(link,), name="rdma-retire", daemon=True).start()
 
-    def _retire(self, link: Link) -> None:
+    def _retire(self, link: AnyLink) -> None:
         with self._lock:
             if self.links.get(link.name) is link:
                 del self.links[link.name]
@@ -284,7 +326,7 @@ class RdmaTransport:
                 return
             self._retired.add(link)
         try:
-            self.engine.close_link(link)
+            link.engine.close_link(link)
         except (OSError, concurrent.futures.TimeoutError):
             pass
         if link.device.provider == "softverbs":
@@ -296,8 +338,9 @@ class RdmaTransport:
         """Per peer node: provider, device, QP number and open connections."""
         with self._lock:
             links = dict(self.links)
-        return {n: {"provider": link.device.provider, "device": link.device.name, "qpn": link.info.qpn,
-                    "connections": len(link.channels), "up": link.up} for n, link in links.items()}
+        return {n: {"provider": link.device.provider, "pump": link.engine.provider, "device": link.device.name,
+                    "qpn": link.info.qpn, "connections": link.connections, "up": link.up}
+                for n, link in links.items()}
 
     def close(self) -> None:
         with self._lock:
@@ -305,6 +348,8 @@ class RdmaTransport:
         for link in links:
             self._retire(link)
         self.engine.close()
+        if self._pump is not None:
+            self._pump.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._device is not None:
             self._device.close()
