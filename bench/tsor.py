@@ -17,6 +17,9 @@ rdma      — the same two nodes with both tsords on `transport: softverbs` (the
             `transport: rdma` over the host's first RDMA device (the soft-RoCE lane's guest:
             `python -m tests.vm.lane --rdma --command ...`, bench/README.md), run beside the tcp path and
             plain TCP in each run; ratios to the tcp path (the goal's reference) and to plain TCP.
+            With pyverbs, tsord's default compiled pump (transport/rdma_pump.c) and the Python one
+            (`rdma: {pump: python}`) both run, side by side: the "pump" rows, with the two tsords'
+            CPU seconds per GB of the one-stream iperf3.
 fallback  — the same two nodes with tsords that carry nothing between them (no cluster secret):
             what a quark connection that TSoR does not carry (another node without a path, a runc
             pod, anything outside the cluster) costs over plain TCP — the trap and tsord's answer.
@@ -78,16 +81,25 @@ METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
            ("rdma", "rdma_redis_c50_rps", "rdma vs tcp: redis -c 50", "req/s", True),
            ("rdma", "rdma_rtt_p50_us", "rdma vs tcp: 64 B RTT p50", "us", False),
            ("rdma", "rdma_setup_p50_us", "rdma vs tcp: set-up p50", "us", False),
+           ("pump", "rdma_iperf3_gbps", "compiled vs python pump: iperf3", "Gb/s", True),
+           ("pump", "rdma_iperf3_p8_gbps", "compiled vs python: iperf3 -P 8", "Gb/s", True),
+           ("pump", "rdma_redis_c50_rps", "compiled vs python: redis -c 50", "req/s", True),
+           ("pump", "rdma_rtt_p50_us", "compiled vs python: 64 B RTT p50", "us", False),
+           ("pump", "rdma_setup_p50_us", "compiled vs python: set-up p50", "us", False),
+           ("pump", "rdma_tsord_cpu_s_per_gb", "compiled vs python: tsord CPU per GB", "s/GB", False),
            ("fallback", "fallback_setup_p50_us", "2 nodes, fallback: set-up p50", "us", False)]
 # section: (quark's configuration, the reference's); the rdma rows are measured against the tcp path
 SIDES = {"one_node": ("one_node", "quark_tsor_local", "runc_bridge"),
          "two_nodes": ("two_nodes", "quark_tsor_tcp", "runc_plain_tcp"),
          "rdma": ("two_nodes", "quark_tsor_rdma", "quark_tsor_tcp"),
+         "pump": ("two_nodes", "quark_tsor_rdma", "quark_tsor_rdma_python"),
          "fallback": ("two_nodes", "quark_tsor_fallback", "runc_plain_tcp")}
 # two-node configurations: runtime and tsord's node-to-node transport (None: tsord's default, auto -> tcp)
 # ("none": the tsords have no cluster secret or listen address, so connections between the nodes
 # fall back to the kernel's TCP: what every quark connection to a peer TSoR does not carry costs)
+# (and the rdma pump: None, tsord's default, compiled)
 TWO_NODE_CONFIGS = {"quark_tsor_tcp": ("quark", None), "quark_tsor_rdma": ("quark", "softverbs"),
+                    "quark_tsor_rdma_python": ("quark", "rdma", "python"),
                     "quark_tsor_fallback": ("quark", "none"), "runc_plain_tcp": ("runc", None)}
 WRK = "wrk -t1 -c16 -d10s"
 
@@ -248,7 +260,7 @@ def one_node(runtime: str, pp: str, tag: str, parts: set[str], local_path: str |
             sockmap.remove_attached(cgroup2_root())
 
 
-def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None) -> dict:
+def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None, pump: str | None = None) -> dict:
     """iperf3, 64 B RTT and set-up from a pod on node a to a pod on node b. The keys are the
     two-node section's (two_node_*); the rdma configuration's are renamed rdma_* by its caller."""
     bed = Testbed(prefix=f"qc{tag}", octet=216)
@@ -258,8 +270,9 @@ def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None) -> 
         tsor = runtime == "quark"
         if tsor:
             peers = transport != "none"
-            a.start_tsord(debug=False, transport=transport if peers else None, peers=peers)
-            b.start_tsord(debug=False, transport=transport if peers else None, peers=peers)
+            rdma = {"pump": pump} if pump else None
+            a.start_tsord(debug=False, transport=transport if peers else None, peers=peers, rdma=rdma)
+            b.start_tsord(debug=False, transport=transport if peers else None, peers=peers, rdma=rdma)
         srv, cli = b.pod("srv"), a.pod("cli")
         bed.start(runtime, "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], srv, tsor=tsor))
         bed.start(runtime, "pp-s", bed.bundle("pp-s", [pp, "server", "7001"], srv, tsor=tsor))
@@ -269,8 +282,14 @@ def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None) -> 
         for port in (5201, 7001, 6379):
             wait_port(bed, srv, port)
         res = {}
+        tsords = [a.tsord.pid, b.tsord.pid] if tsor else []
+        cpu0 = cpu_seconds(tsords)
         it = json.loads(client(bed, runtime, "iperf", cli, f"iperf3 -c {srv.ip} -p 5201 -t 5 -J"))
         res["two_node_iperf3_gbps"] = it["end"]["sum_received"]["bits_per_second"] / 1e9
+        if tsor:   # what the node-to-node path costs tsord (both nodes'), per GB the stream moved
+            cpu1 = cpu_seconds(tsords)
+            res["two_node_tsord_cpu_s_per_gb"] = sum(cpu1[p] - cpu0[p] for p in tsords) / \
+                (it["end"]["sum_received"]["bytes"] / 1e9)
         it = json.loads(client(bed, runtime, "iperf8", cli, f"iperf3 -c {srv.ip} -p 5201 -t 5 -P 8 -J"))
         res["two_node_iperf3_p8_gbps"] = it["end"]["sum_received"]["bits_per_second"] / 1e9
         rps = redis_rps(client(bed, runtime, "redis50", cli, f"redis-benchmark -h {srv.ip} -p 6379 -t get,set "
@@ -307,8 +326,8 @@ def two_node_runs(configs: list[str], pp: str, runs: int) -> dict:
     done: dict[str, list[dict]] = {c: [] for c in configs}
     for _ in range(runs):
         for c in configs:
-            runtime, transport = TWO_NODE_CONFIGS[c]
-            done[c].append(two_nodes(runtime, pp, c.split("_")[-1][:1] + runtime[:1], transport))
+            runtime, transport, *pump = TWO_NODE_CONFIGS[c]
+            done[c].append(two_nodes(runtime, pp, c.split("_")[-1][:1] + runtime[:1], transport, *pump))
     return {c: merge(done[c]) for c in configs}
 
 
@@ -322,7 +341,8 @@ def rows(results: dict) -> list[dict]:
         data = results.get(where, {})
         if mine not in data or ref not in data:
             continue
-        ref_key = key.replace("rdma_", "two_node_").replace("fallback_", "two_node_")   # the reference's name
+        # the reference's name (the pump rows compare two rdma configurations: the same)
+        ref_key = key if section == "pump" else key.replace("rdma_", "two_node_").replace("fallback_", "two_node_")
         q, r = data[mine].get(key), data[ref].get(ref_key)
         if q is None or r is None:
             continue
@@ -446,6 +466,7 @@ def main() -> int:
         if parts & {"two_nodes", "rdma", "fallback"}:   # the rdma rows need the tcp path beside them
             configs = [*(["quark_tsor_tcp"] if parts & {"two_nodes", "rdma"} else []),
                        *(["quark_tsor_rdma"] if "rdma" in parts else []),
+                       *(["quark_tsor_rdma_python"] if "rdma" in parts and args.rdma_provider == "pyverbs" else []),
                        *(["quark_tsor_fallback"] if "fallback" in parts else []), "runc_plain_tcp"]
             results["two_nodes"] = two_node_runs(configs, pp_in, args.runs)
     finally:
