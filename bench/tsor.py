@@ -18,8 +18,8 @@ rdma      — the same two nodes with both tsords on `transport: softverbs` (the
             `python -m tests.vm.lane --rdma --command ...`, bench/README.md), run beside the tcp path and
             plain TCP in each run; ratios to the tcp path (the goal's reference) and to plain TCP.
             With pyverbs, tsord's default compiled pump (transport/rdma_pump.c) and the Python one
-            (`rdma: {pump: python}`) both run, side by side: the "pump" rows, with the two tsords'
-            CPU seconds per GB of the one-stream iperf3.
+            (`rdma: {pump: python}`) both run, side by side: the "pump" rows. CPU per GB: the
+            machine's busy CPU seconds (and the two tsords' own) per GB the one-stream iperf3 moved.
 fallback  — the same two nodes with tsords that carry nothing between them (no cluster secret):
             what a quark connection that TSoR does not carry (another node without a path, a runc
             pod, anything outside the cluster) costs over plain TCP — the trap and tsord's answer.
@@ -76,16 +76,19 @@ METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
            ("two_nodes", "two_node_redis_c50_rps", "2 nodes: redis -c 50", "req/s", True),
            ("two_nodes", "two_node_rtt_p50_us", "2 nodes: 64 B RTT p50", "us", False),
            ("two_nodes", "two_node_setup_p50_us", "2 nodes: set-up p50", "us", False),
+           ("two_nodes", "two_node_cpu_s_per_gb", "2 nodes: CPU per GB (iperf3)", "s/GB", False),
            ("rdma", "rdma_iperf3_gbps", "rdma vs tcp path: iperf3", "Gb/s", True),
            ("rdma", "rdma_iperf3_p8_gbps", "rdma vs tcp: iperf3 -P 8", "Gb/s", True),
            ("rdma", "rdma_redis_c50_rps", "rdma vs tcp: redis -c 50", "req/s", True),
            ("rdma", "rdma_rtt_p50_us", "rdma vs tcp: 64 B RTT p50", "us", False),
            ("rdma", "rdma_setup_p50_us", "rdma vs tcp: set-up p50", "us", False),
+           ("rdma", "rdma_cpu_s_per_gb", "rdma vs tcp: CPU per GB (iperf3)", "s/GB", False),
            ("pump", "rdma_iperf3_gbps", "compiled vs python pump: iperf3", "Gb/s", True),
            ("pump", "rdma_iperf3_p8_gbps", "compiled vs python: iperf3 -P 8", "Gb/s", True),
            ("pump", "rdma_redis_c50_rps", "compiled vs python: redis -c 50", "req/s", True),
            ("pump", "rdma_rtt_p50_us", "compiled vs python: 64 B RTT p50", "us", False),
            ("pump", "rdma_setup_p50_us", "compiled vs python: set-up p50", "us", False),
+           ("pump", "rdma_cpu_s_per_gb", "compiled vs python: CPU per GB", "s/GB", False),
            ("pump", "rdma_tsord_cpu_s_per_gb", "compiled vs python: tsord CPU per GB", "s/GB", False),
            ("fallback", "fallback_setup_p50_us", "2 nodes, fallback: set-up p50", "us", False)]
 # section: (quark's configuration, the reference's); the rdma rows are measured against the tcp path
@@ -119,6 +122,14 @@ def client(bed: Testbed, runtime: str, name: str, pod, shell: str, timeout: floa
     if r.returncode != 0:
         raise RuntimeError(f"{name} ({runtime}) failed: {text[-2000:]} {r.stderr[-2000:]}")
     return text
+
+
+def busy_seconds(line: str) -> float:
+    """CPU time the whole machine spent busy (every process and the kernel: softirqs, rxe), from
+    /proc/stat's first line."""
+    fields = [int(x) for x in line.split()[1:]]
+    idle = fields[3] + fields[4]   # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pids: list[int]) -> dict[int, float]:
@@ -284,12 +295,20 @@ def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None, pum
         res = {}
         tsords = [a.tsord.pid, b.tsord.pid] if tsor else []
         cpu0 = cpu_seconds(tsords)
-        it = json.loads(client(bed, runtime, "iperf", cli, f"iperf3 -c {srv.ip} -p 5201 -t 5 -J"))
+        # /proc/stat read in the pod just before and after the stream: the machine's busy time
+        # while it ran, not the container's start and stop
+        it = json.loads(client(bed, runtime, "iperf", cli, f"(head -1 /proc/stat > /out/iperf.stat; iperf3 -c {srv.ip} "
+                                                           f"-p 5201 -t 5 -J; head -1 /proc/stat >> /out/iperf.stat)"))
+        cpu1 = cpu_seconds(tsords)
         res["two_node_iperf3_gbps"] = it["end"]["sum_received"]["bits_per_second"] / 1e9
-        if tsor:   # what the node-to-node path costs tsord (both nodes'), per GB the stream moved
-            cpu1 = cpu_seconds(tsords)
-            res["two_node_tsord_cpu_s_per_gb"] = sum(cpu1[p] - cpu0[p] for p in tsords) / \
-                (it["end"]["sum_received"]["bytes"] / 1e9)
+        # per GB the stream moved: the whole machine's CPU (both nodes: pods, tsords, the kernel) and
+        # both tsords' own (theirs from the container's start to its end)
+        gb = it["end"]["sum_received"]["bytes"] / 1e9
+        with open(bed.out("iperf.stat")) as f:
+            before, after = f.read().splitlines()
+        res["two_node_cpu_s_per_gb"] = (busy_seconds(after) - busy_seconds(before)) / gb
+        if tsor:
+            res["two_node_tsord_cpu_s_per_gb"] = sum(cpu1[p] - cpu0[p] for p in tsords) / gb
         it = json.loads(client(bed, runtime, "iperf8", cli, f"iperf3 -c {srv.ip} -p 5201 -t 5 -P 8 -J"))
         res["two_node_iperf3_p8_gbps"] = it["end"]["sum_received"]["bits_per_second"] / 1e9
         rps = redis_rps(client(bed, runtime, "redis50", cli, f"redis-benchmark -h {srv.ip} -p 6379 -t get,set "

@@ -23,6 +23,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -229,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: pytest's arguments")
     a = p.parse_args(argv)
     pytest_args = a.pytest_args[1:] if a.pytest_args[:1] == ["--"] else a.pytest_args
+    # a lane told to stop (kill PID, a CI runner's time-out) stops its guest as ^C does: the
+    # exception reaches run()'s handler, which kills the qemu it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         if a.prepare:
             kernel, initramfs = prepare()
