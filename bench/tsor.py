@@ -366,8 +366,8 @@ def rows(results: dict) -> list[dict]:
         if q is None or r is None:
             continue
         ratio = q / r
-        goal = GOALS.get(key)
-        row = {"key": key, "label": label, "unit": unit, "quark": q, "runc": r, "ratio": ratio,
+        goal = GOALS.get(key) if section != "pump" else None   # the pump rows compare two of quark's own
+        row = {"key": key if section != "pump" else f"pump_{key}", "label": label, "unit": unit, "quark": q, "runc": r, "ratio": ratio,
                "reference": ref, "advantage": ratio if higher else 1 / ratio,
                "goal": None if goal is None else (goal[1] if higher else 1 / goal[1]),
                "met": None if goal is None else (ratio >= goal[1] if goal[0] == ">=" else ratio <= goal[1]),
@@ -413,7 +413,7 @@ def chart(path: str, table: list[dict], machine: str) -> None:
     ax.set_ylabel("quark + TSoR advantage over the reference (x, log scale; higher is better)\n"
                   "throughput: quark / reference; latency: reference / quark")
     ax.set_xlabel("metric (values on each bar: quark vs reference, in the unit shown;\n"
-                  "the rdma bars' reference is TSoR's tcp path, the others' runc)")
+                  "the rdma bars' reference is TSoR's tcp path, the compiled-vs-python bars' the Python pump, the others' runc)")
     ax.set_title(f"TSoR vs runc + bridge (one node), plain TCP (two nodes), rdma vs the tcp path\n{machine}",
                  fontsize=11)
     ax.legend(handles=[Patch(color=colors[True], label="goal met"), Patch(color=colors[False], label="goal not met"),
@@ -452,7 +452,14 @@ def main() -> int:
                    help="two nodes: redis-benchmark -n (fewer for an emulated guest)")
     p.add_argument("--nginx-no-cork", action="store_true",
                    help="nginx.conf with sendfile off, tcp_nopush off, tcp_nodelay off instead of Debian's as shipped")
+    p.add_argument("--report", metavar="JSON", help="measure nothing: the table and chart of an earlier run's "
+                   "JSON (one from the RDMA lane's guest, say), written again to --json and --png")
     args = p.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            results = json.load(f)
+        args.runs = results["runs"]
+        return report(results, args)
     global NGINX_NO_CORK, TWO_NODE_REDIS_REQUESTS
     NGINX_NO_CORK = args.nginx_no_cork
     TWO_NODE_REDIS_REQUESTS = args.redis_requests
@@ -490,6 +497,12 @@ def main() -> int:
             results["two_nodes"] = two_node_runs(configs, pp_in, args.runs)
     finally:
         remove_empty_since(cgroups_before)
+    return report(results, args)
+
+
+def report(results: dict, args: argparse.Namespace) -> int:
+    """The ratios into `results`, written to --json; the table printed, the chart drawn."""
+    machine = results["machine"]
     table = rows(results)
     results["ratios"] = {t["key"]: t["ratio"] for t in table}
     results["ratios_per_run"] = {t["key"]: t["ratio_per_run"] for t in table}

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from tsor import config as configmod
 from tsor import routes as routesmod
 from tsor.errors import ConfigError
-from tsor.transport.rdma_link import choose, open_active, open_pyverbs
+from tsor.transport.rdma_link import choose, open_active, open_pyverbs, pump_for
 from tsor.verbs import Device, NoDevice, VerbsError
 from tsor.verbs.pyverbs_provider import DeviceReport, describe_devices
 
@@ -118,4 +118,5 @@ def report(path: str, describe: Callable[[], list[DeviceReport]] = describe_devi
         nodes = []
     return {"config": path, "node": cfg.node, "transport": dict(cfg.transport), "routes": cfg.routes,
             "kubernetes": cfg.kubernetes is not None,
-            "rdma": devices_report(describe), **peers_report(cfg, nodes, open_rdma or (lambda: open_pyverbs(cfg.rdma)))}
+            "rdma": devices_report(describe) | {"pump": dict(zip(("used", "why"), pump_for(cfg.rdma.pump)))},
+            **peers_report(cfg, nodes, open_rdma or (lambda: open_pyverbs(cfg.rdma)))}

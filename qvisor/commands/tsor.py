@@ -109,6 +109,8 @@ def check(args: argparse.Namespace) -> int:
             for g in p["gids"]:
                 mark = "  <- used (rdma.gid_index in tsor.yaml chooses another)" if g["index"] == p["default_gid"] else ""
                 print(f"    GID[{g['index']}] {g['gid']} {g['type']}".rstrip() + mark)
+    pump = rdma["pump"]
+    print(f"rdma pump: {pump['used']}" + (f" ({pump['why']})" if pump["why"] else " (tsor/transport/rdma_pump.c)"))
     setting = ", ".join(f"{k}: {v}" for k, v in r["transport"].items())
     print(f"{r['config']}: node {r['node']}, transport {{{setting}}}")
     if not r["peers"]:

@@ -81,7 +81,8 @@ def test_per_node_transport_without_an_rdma_device(tmp_path):
     assert "software RDMA" in peers["node-b"]["detail"] and "no RDMA hardware" in peers["node-b"]["detail"]
     assert peers["node-d"]["detail"] == peers["node-e"]["detail"] == \
         "tcp: no RDMA device (the kernel lists none in /sys/class/infiniband)"
-    assert r["rdma"] == {"devices": [], "error": "no RDMA device (the kernel lists none in /sys/class/infiniband)"}
+    assert r["rdma"] == {"devices": [], "error": "no RDMA device (the kernel lists none in /sys/class/infiniband)",
+                         "pump": {"used": "compiled", "why": None}}   # make install built it
     assert r["transport"] == {"node-b": "softverbs", "node-c": "tcp", "node-d": "rdma", "*": "auto"}
 
 
@@ -314,3 +315,21 @@ def test_software_devices_are_named_as_such(tmp_path, monkeypatch):
             (tmp_path / name / "device").mkdir()
     assert [pv.device_kind(n) for n in ("rxe0", "siw0", "mlx5_0")] == [
         "software RoCE (rxe)", "software iWARP (siw)", "hardware"]
+
+
+def test_check_says_which_pump_rdma_links_get(tmp_path, monkeypatch, capsys):
+    """The compiled pump where it is built; the Python one, with the reason, where tsor.yaml asks for
+    it or the library is missing or older than its source (what tsord itself decides: pump_for)."""
+    from tsor.transport import rdma_pump
+    fake_pyverbs(monkeypatch, {})
+    monkeypatch.setattr(check, "open_pyverbs", no_device)
+    path = write_config(tmp_path, "rdma")
+    assert "rdma pump: compiled (tsor/transport/rdma_pump.c)" in run_check(path, "table", capsys).splitlines()
+    with open(path, "a") as f:
+        f.write("rdma: {pump: python}\n")
+    assert json.loads(run_check(path, "json", capsys))["rdma"]["pump"] == \
+        {"used": "python", "why": "rdma.pump: python in tsor.yaml"}
+    monkeypatch.setattr(rdma_pump, "LIBRARY", str(tmp_path / "missing.so"))
+    write_config(tmp_path, "rdma")   # pump: compiled (the default) again, but nothing built
+    line = next(x for x in run_check(path, "table", capsys).splitlines() if x.startswith("rdma pump:"))
+    assert line == f"rdma pump: python ({tmp_path / 'missing.so'} is not built (make install))"

@@ -121,7 +121,10 @@ def test_config_parses_and_names_bad_fields(tmp_path):
     assert c.rdma == config.RdmaPort()   # the provider's own choice of device, port and GID
     f.write_text("rdma: {device: mlx5_1, port: 2, gid_index: 3}\n")
     assert config.load(str(f)).rdma == config.RdmaPort("mlx5_1", 2, 3)
-    for text, field in [("rdma: rxe0", "rdma"), ("rdma: {gid: 3}", "rdma.gid"), ("rdma: {port: 0}", "rdma.port"),
+    assert c.rdma.pump == "compiled"   # transport/rdma_pump.c; python: transport/rdma.py's engine
+    f.write_text("rdma: {pump: python}\n")
+    assert config.load(str(f)).rdma.pump == "python"
+    for text, field in [("rdma: rxe0", "rdma"), ("rdma: {pump: c}", "rdma.pump"), ("rdma: {gid: 3}", "rdma.gid"), ("rdma: {port: 0}", "rdma.port"),
                         ("rdma: {gid_index: -1}", "rdma.gid_index"), ("rdma: {device: ''}", "rdma.device"),
                         ("socket: rel.sock", "socket"), ("listen: 7470", "listen"),
                         ("bogus: 1", "bogus"), ("metrics: localhost:x", "metrics"), ("- 1", "mapping"),

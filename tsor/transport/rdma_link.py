@@ -79,6 +79,15 @@ def choose(configured: str, rdma_here: Callable[[], bool]) -> str:
     return "tcp"
 
 
+def pump_for(configured: str) -> tuple[str, str | None]:
+    """The pump rdma links get for tsor.yaml's `rdma.pump`: ("compiled", None), or ("python", why not
+    compiled: asked for, or transport/rdma_pump.c not built here)."""
+    if configured != "compiled":
+        return "python", "rdma.pump: python in tsor.yaml"
+    why = rdma_pump.unavailable()
+    return ("compiled", None) if why is None else ("python", why)
+
+
 def open_active(open_rdma: Callable[[], Device]) -> Device:
     """The device open_rdma() gives when its port is active; NoDevice (saying why) otherwise."""
     dev = open_rdma()
@@ -107,7 +116,7 @@ class RdmaTransport:
         self.node, self.deliver, self.key, self.transport_for = node, deliver, key, transport_for
         self.offer = offer
         self.engine = RdmaEngine(self._accept, ring or RingConfig(), self._down)
-        self._pump_wanted = pump == "compiled"
+        self._pump_setting = pump
         self._pump: PumpEngine | None = None
         self._ring = ring or RingConfig()
         self._softverbs_ring = ring or SOFTVERBS_RING   # its longer round trip needs longer rings
@@ -125,15 +134,15 @@ class RdmaTransport:
     # ---- which provider and which pump for which peer -------------------------------------------
     def _engine_for(self, kind: str) -> RdmaEngine | PumpEngine:
         """The compiled pump for rdma links (where built and asked for), the Python one otherwise."""
-        if kind != "rdma" or not self._pump_wanted:
+        if kind != "rdma" or self._pump_setting != "compiled":
             return self.engine
         with self._lock:
-            if self._pump is None and self._pump_wanted:
-                why = rdma_pump.unavailable()
-                if why is None:
+            if self._pump is None and self._pump_setting == "compiled":
+                chosen, why = pump_for(self._pump_setting)
+                if chosen == "compiled":
                     self._pump = PumpEngine(self._accept, self._ring, self._down)
                 else:
-                    self._pump_wanted = False
+                    self._pump_setting = chosen
                     log.warning("rdma links use the Python pump: %s", why)
             return self._pump or self.engine
 
