@@ -25,10 +25,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tsor.transport.rdma import SOFTVERBS_RING, RdmaEngine, RingConfig, SetupInfo
-from tsor.verbs import softverbs
+from tests.support import softverbs
+from tsor.transport.rdma import RdmaEngine, RingConfig, SetupInfo
 
-RING = int(os.environ.get("RDMA_RING", SOFTVERBS_RING.ring))   # bytes per ring (tsord's for softverbs links)
+RING = int(os.environ.get("RDMA_RING", softverbs.RING.ring))   # bytes per ring (tsord's for softverbs links)
 
 
 def cpu_ns(pid: int, tid: int) -> int:

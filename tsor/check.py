@@ -16,9 +16,6 @@ from tsor.transport.rdma_link import choose, open_active, open_pyverbs, pump_for
 from tsor.verbs import Device, NoDevice, VerbsError
 from tsor.verbs.pyverbs_provider import DeviceReport, describe_devices
 
-SOFTVERBS = "softverbs (software RDMA over the tsords' TCP connection; no RDMA hardware)"
-
-
 def devices_report(describe: Callable[[], list[DeviceReport]] = describe_devices) -> dict:
     """{"devices": [...], "error": None} or {"devices": [], "error": "no RDMA device (...)"}."""
     try:
@@ -53,8 +50,6 @@ class _RdmaHere:
 
 
 def _describe(configured: str, chosen: str, here: _RdmaHere, peer: str) -> str:
-    if chosen == "softverbs":
-        return f"{SOFTVERBS}; {peer} must say softverbs too, else tcp"
     if chosen == "rdma":
         return f"rdma on {here.device}, one RC queue pair to {peer}, if {peer} has an active RDMA port too; else tcp"
     if configured in ("rdma", "auto"):

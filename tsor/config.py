@@ -12,8 +12,8 @@
       tsord_port: 7470              # the port of every node's tsord (default: this node's `listen` port)
     cluster_secret_file: /etc/quark/tsor-secret   # shared by every node's tsord (mode 0600)
     insecure_no_auth: false         # true: node-to-node without the secret (a trusted lab network)
-    transport: auto                 # node to node: auto|rdma|tcp|softverbs, or per peer node:
-                                    #   {node-b: softverbs, "*": auto}   ("*": every other node)
+    transport: auto                 # node to node: auto|rdma|tcp, or per peer node:
+                                    #   {node-b: tcp, "*": auto}   ("*": every other node)
     state_dir: /run/quark/tsord     # what survives a restart of tsord: the pods quark-cni registered
     local_path: socketpair          # between pods of this node: socketpair (connect trapped, one
                                     #   AF_UNIX socketpair) or sockmap (nothing trapped, tsor/sockmap.py)
@@ -24,9 +24,9 @@
       pump: compiled                # what moves the bytes: compiled (transport/rdma_pump.c) or python
 
 `transport`: `rdma` carries connections over an RC queue pair on this host's RDMA device (pyverbs),
-`softverbs` over the software provider (a TCP connection between the tsords is its cable: for hosts
-without an RNIC, both ends must say softverbs), `tcp` over one TCP connection each, and `auto` takes
-rdma where both nodes have an active RDMA port, else tcp (transport/rdma_link.py).
+`tcp` over one TCP connection each, and `auto` takes rdma where both nodes have an active RDMA port,
+else tcp (transport/rdma_link.py). (The host tests' software provider adds its own name,
+`softverbs`, through `load`'s `transports`: tests/support/softverbs_tsord.py.)
 
 Node to node, each tsord proves to the other that it knows the cluster secret (transport/tcp.py).
 Without a secret there is no node-to-node TSoR (connections to other nodes' pods run natively, and
@@ -51,7 +51,7 @@ PUMPS = ("compiled", "python")
 _KUBE_KEYS = {"kubeconfig", "context", "runtime_class", "tsord_port"}
 DEFAULT_TSORD_PORT = 7470
 DEFAULT_STATE_DIR = "/run/quark/tsord"
-TRANSPORTS = ("auto", "rdma", "tcp", "softverbs")
+TRANSPORTS = ("auto", "rdma", "tcp")
 LOCAL_PATHS = ("socketpair", "sockmap")
 MIN_SECRET = 16   # bytes: a guessable secret would be no authentication
 
@@ -138,7 +138,9 @@ def parse_hostport(value: object, path: str, field: str) -> HostPort:
     return HostPort(host, p)
 
 
-def load(path: str) -> Config:
+def load(path: str, transports: tuple[str, ...] = TRANSPORTS) -> Config:
+    """tsor.yaml at `path`; ConfigError naming the file and the field. transports: what `transport`
+    may say (a tsord given a cabled provider takes its name too)."""
     try:
         with open(path) as f:
             raw = yaml.safe_load(f) or {}
@@ -191,7 +193,7 @@ def load(path: str) -> Config:
         raise ConfigError(path, "local_path", f"expected one of {list(LOCAL_PATHS)}, got {local_path!r}")
     return Config(node=node, socket=sock, listen=listen, metrics=metrics, routes=routes, kubernetes=kube,
                   cluster_secret=secret, insecure_no_auth=insecure,
-                  transport=_transport(raw.get("transport", "auto"), path), state_dir=state_dir,
+                  transport=_transport(raw.get("transport", "auto"), path, transports), state_dir=state_dir,
                   sockopt_offload=offload, local_path=local_path, rdma=_rdma(raw.get("rdma"), path), path=path)
 
 
@@ -245,15 +247,15 @@ def _rdma(value: object, path: str) -> RdmaPort:
     return RdmaPort(device, port, gid, pump)
 
 
-def _transport(value: object, path: str) -> tuple[tuple[str, str], ...]:
+def _transport(value: object, path: str, transports: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     pairs = value.items() if isinstance(value, dict) else [("*", value)]
     out = []
     for node, t in pairs:
         if not isinstance(node, str) or not node:
             raise ConfigError(path, "transport", f"expected node names as keys, got {node!r}")
-        if t not in TRANSPORTS:
+        if t not in transports:
             field = "transport" if node == "*" and not isinstance(value, dict) else f"transport.{node}"
-            raise ConfigError(path, field, f"expected one of {', '.join(TRANSPORTS)}, got {t!r}")
+            raise ConfigError(path, field, f"expected one of {', '.join(transports)}, got {t!r}")
         out.append((node, t))
     return tuple(out)
 

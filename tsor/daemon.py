@@ -36,7 +36,7 @@ from tsor.netpol import ALLOW, UNKNOWN, PodRef
 from tsor.peers import Generation
 from tsor.pods import Pod, PodRegistry, check_claim
 from tsor.transport.local import LocalTransport
-from tsor.transport.rdma_link import RdmaTransport, open_pyverbs
+from tsor.transport.rdma_link import Cabled, RdmaTransport, open_pyverbs
 from tsor.transport.tcp import TcpTransport
 
 log = logging.getLogger("tsor.daemon")
@@ -121,8 +121,11 @@ class Session:
 
 class Daemon:
     def __init__(self, cfg: configmod.Config, verifier: Verifier | None = None,
-                 route_source: routesmod.RouteSource | None = None) -> None:
+                 route_source: routesmod.RouteSource | None = None, cabled: Cabled | None = None) -> None:
+        """cabled: a software verbs provider for the host's tests (transport/rdma_link.py's Cabled);
+        production tsord has none."""
         self.cfg = cfg
+        self.cabled = cabled
         self.verifier = verifier or ProcVerifier()
         self.metrics = Metrics()
         self.routes = routesmod.RouteTable()
@@ -176,7 +179,7 @@ class Daemon:
         self.bytes.start()
         self.rdma = RdmaTransport(self.cfg.node, self.deliver, self.cfg.node_key, self.cfg.transport_for,
                                   open_rdma=lambda: open_pyverbs(self.cfg.rdma), offer=self.offer,
-                                  pump=self.cfg.rdma.pump)
+                                  pump=self.cfg.rdma.pump, cabled=self.cabled)
         self.remote = TcpTransport(self.deliver, self.routes, self.cfg.listen, self.cfg.node_key, self.rdma.serve,
                                    offer=self.offer)
         os.makedirs(os.path.dirname(self.cfg.socket), exist_ok=True)
@@ -645,7 +648,9 @@ def _route_source(cfg: configmod.Config) -> routesmod.RouteSource | None:
     return routesmod.StaticFile(cfg.routes) if cfg.routes else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, cabled: Cabled | None = None) -> int:
+    """tsord. cabled: tests/support/softverbs_tsord.py's software provider (its name becomes a
+    `transport` tsor.yaml may give)."""
     p = argparse.ArgumentParser(prog="tsord", description="TSoR node daemon (runs in the foreground)")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="config file (default: %(default)s)")
     p.add_argument("--debug", action="store_true", help="log every connection")
@@ -653,8 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
                         format="tsord %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = configmod.load(args.config)
-        daemon = Daemon(cfg)
+        cfg = configmod.load(args.config, configmod.TRANSPORTS + ((cabled.name,) if cabled else ()))
+        daemon = Daemon(cfg, cabled=cabled)
         daemon.start()
     except (ConfigError, OSError) as e:
         print(f"tsord: {e}", file=sys.stderr)

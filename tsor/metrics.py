@@ -14,7 +14,7 @@ Linux keeps no byte count for AF_UNIX sockets, so the local path has no tsor_byt
 rdma path's pump is tsord's own (transport/rdma.py): it counts the application bytes it moves.
 
 `rdma_links` gives the rdma links that are up, by peer node (tsor_rdma_links{node,provider,device,pump},
-provider "pyverbs" or "softverbs", and tsor_rdma_connections{node}); `rdma_resets` the links reset, by
+provider "pyverbs" (or the host tests' "softverbs"), and tsor_rdma_connections{node}); `rdma_resets` the links reset, by
 reason (tsor_rdma_link_resets_total{reason}: transport/rdma.py).
 """
 from __future__ import annotations
@@ -123,7 +123,7 @@ class Metrics:
             fam.add_metric([p, d], n)
         yield fam
         links = GaugeMetricFamily("tsor_rdma_links", "rdma links up, by peer node, verbs provider "
-                                  "(softverbs: software RDMA over the tsords' TCP connection) and pump "
+                                  "(pyverbs; softverbs: the tests' software RDMA) and pump "
                                   "(compiled: transport/rdma_pump.c; python: transport/rdma.py).",
                                   labels=["node", "provider", "device", "pump"])
         conns = GaugeMetricFamily("tsor_rdma_connections", "Connections open on the rdma link to each peer node.",

@@ -9,7 +9,7 @@ import json
 from qlib.errors import QuarkError
 from tsor import DEFAULT_CONFIG
 from tsor import config as tsor_config
-from tsor.check import SOFTVERBS, report
+from tsor.check import report
 from tsor.metrics import fetch, parse
 
 
@@ -75,7 +75,7 @@ def status(args: argparse.Namespace) -> int:
               f"{fmt(r['bytes_received']):>12} {fmt(r['mean_setup_us']):>10}")
     print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in summary.items()))
     for link in links:
-        what = SOFTVERBS if link["provider"] == "softverbs" else f"rdma on {link['device']} ({link['pump']} pump)"
+        what = f"rdma on {link['device']} ({link['provider']}, {link['pump']} pump)"
         print(f"rdma link to node {link['node']}: {what}, {link['connections']} connections")
     return 0
 

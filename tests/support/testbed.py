@@ -197,7 +197,8 @@ class Node:
         # nsenter, not `ip netns exec`: that one also remounts /sys, which would hide the cgroup2
         # hierarchy tsord joins for the socket-option offload (tsor/sockopt_offload.py)
         self.tsord = subprocess.Popen(["nsenter", f"--net=/var/run/netns/{self.netns}", sys.executable, "-m",
-                                       "tsor.daemon",
+                                       # softverbs is the tests' provider: the tsord that has it
+                                       "tests.support.softverbs_tsord" if transport == "softverbs" else "tsor.daemon",
                                        "--config", cfg, *(["--debug"] if debug else [])],
                                       stdout=log, stderr=log, cwd=REPO,
                                       env=dict(os.environ, PYTHONPATH=REPO))

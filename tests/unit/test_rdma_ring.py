@@ -19,9 +19,10 @@ import time
 import pytest
 
 from tests.support.rdma import device_or_skip
-from tsor.transport.rdma import GREETING, SOFTVERBS_RING, RdmaEngine, RingConfig, _socketpair
+from tests.support import softverbs
+from tsor.transport.rdma import GREETING, RdmaEngine, RingConfig, _socketpair
 from tsor.transport.rdma_pump import PumpEngine
-from tsor.verbs import pyverbs_provider, softverbs
+from tsor.verbs import pyverbs_provider
 
 RING = 16 * 1024
 SRC, DST = ("10.1.0.1", 40000), ("10.2.0.1", 80)
@@ -176,7 +177,7 @@ def test_stream_arrives_intact(nodes, size):
 def test_streams_with_softverbs_rings_arrive_intact():
     """tsord's rings over softverbs (2 MiB, writes of up to 1 MiB: the device reads them straight
     into the ring) carry streams both ways at once, intact."""
-    n = Nodes(SOFTVERBS_RING)
+    n = Nodes(softverbs.RING)
     try:
         pairs = [n.open(port=30000 + i) for i in range(2)]
         data = [os.urandom(1 << 20) * 24, os.urandom(3 << 20) + b"tail"]

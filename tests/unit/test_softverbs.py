@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.support import softverbs
 from tsor.verbs import (
     Access,
     QpInfo,
@@ -21,7 +22,6 @@ from tsor.verbs import (
     WcOpcode,
     WcStatus,
     WrOpcode,
-    softverbs,
 )
 
 RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE

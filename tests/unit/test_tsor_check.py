@@ -53,7 +53,7 @@ def write_config(tmp_path, transport: str, secret: bool = True) -> str:
     return str(cfg)
 
 
-MAP = '{node-b: softverbs, node-c: tcp, node-d: rdma, "*": auto}'
+MAP = '{node-b: tcp, node-c: tcp, node-d: rdma, "*": auto}'
 
 
 def test_check_opens_the_port_tsor_yaml_names(tmp_path, monkeypatch):
@@ -76,14 +76,14 @@ def test_per_node_transport_without_an_rdma_device(tmp_path):
     peers = by_node(r)
     assert "node-a" not in peers                     # this node is no peer of its own
     assert {n: (p["configured"], p["transport"]) for n, p in peers.items()} == {
-        "node-b": ("softverbs", "softverbs"), "node-c": ("tcp", "tcp"), "node-d": ("rdma", "tcp"),
+        "node-b": ("tcp", "tcp"), "node-c": ("tcp", "tcp"), "node-d": ("rdma", "tcp"),
         "node-e": ("auto", "tcp"), "node-f": ("auto", "native")}
-    assert "software RDMA" in peers["node-b"]["detail"] and "no RDMA hardware" in peers["node-b"]["detail"]
+    assert peers["node-b"]["detail"] == "tcp: a kernel TCP connection for each connection"
     assert peers["node-d"]["detail"] == peers["node-e"]["detail"] == \
         "tcp: no RDMA device (the kernel lists none in /sys/class/infiniband)"
     assert r["rdma"] == {"devices": [], "error": "no RDMA device (the kernel lists none in /sys/class/infiniband)",
                          "pump": {"used": "compiled", "why": None}}   # make install built it
-    assert r["transport"] == {"node-b": "softverbs", "node-c": "tcp", "node-d": "rdma", "*": "auto"}
+    assert r["transport"] == {"node-b": "tcp", "node-c": "tcp", "node-d": "rdma", "*": "auto"}
 
 
 def test_auto_and_rdma_take_an_active_port_and_only_an_active_one(tmp_path):
@@ -97,7 +97,7 @@ def test_auto_and_rdma_take_an_active_port_and_only_an_active_one(tmp_path):
         return open_rdma
     peers = by_node(check.report(path, describe=lambda: [], open_rdma=opener(True)))
     assert (peers["node-d"]["transport"], peers["node-e"]["transport"], peers["node-b"]["transport"]) == \
-        ("rdma", "rdma", "softverbs")
+        ("rdma", "rdma", "tcp")
     assert "mlx5_0" in peers["node-e"]["detail"] and "else tcp" in peers["node-e"]["detail"]
     r = check.report(path, describe=lambda: [], open_rdma=opener(False))
     assert by_node(r)["node-e"]["transport"] == "tcp"
@@ -108,21 +108,22 @@ def test_auto_and_rdma_take_an_active_port_and_only_an_active_one(tmp_path):
 def test_a_map_without_star_defaults_to_auto_and_the_device_is_not_opened_when_no_peer_needs_it(tmp_path):
     def never():
         raise AssertionError("opened a device no peer needed")
-    r = check.report(write_config(tmp_path, "softverbs"), describe=lambda: [], open_rdma=never)
-    assert {p["transport"] for p in r["peers"] if p["node"] != "node-f"} == {"softverbs"}
+    r = check.report(write_config(tmp_path, "tcp"), describe=lambda: [], open_rdma=never)
+    assert {p["transport"] for p in r["peers"] if p["node"] != "node-f"} == {"tcp"}
     assert r["rdma_port"] is None
     r = check.report(write_config(tmp_path, "{node-b: tcp}"), describe=lambda: [], open_rdma=no_device)
     assert by_node(r)["node-c"]["configured"] == "auto" and by_node(r)["node-c"]["transport"] == "tcp"
 
 
 def test_without_the_cluster_secret_every_peer_is_native(tmp_path):
-    r = check.report(write_config(tmp_path, "softverbs", secret=False), describe=lambda: [], open_rdma=no_device)
+    r = check.report(write_config(tmp_path, "rdma", secret=False), describe=lambda: [], open_rdma=no_device)
     assert {p["transport"] for p in r["peers"]} == {"native"}
     assert "cluster_secret_file" in by_node(r)["node-b"]["detail"]
 
 
 def test_choose_is_what_tsord_uses():
-    assert choose("softverbs", lambda: False) == "softverbs"
+    assert choose("softverbs", lambda: True) == "tcp"   # a name tsord has no provider for
+    assert choose("softverbs", lambda: False, cabled="softverbs") == "softverbs"   # the tests' tsord
     assert choose("tcp", lambda: True) == "tcp"
     assert choose("auto", lambda: True) == choose("rdma", lambda: True) == "rdma"
     assert choose("auto", lambda: False) == choose("rdma", lambda: False) == "tcp"
@@ -230,7 +231,7 @@ def test_check_says_no_rdma_device_plainly(tmp_path, monkeypatch, capsys):
     assert table.splitlines()[0] == \
         "RDMA devices (pyverbs): none: no RDMA device (the kernel lists none in /sys/class/infiniband)"
     rows = {line.split()[0]: line.split(None, 3)[1:] for line in table.splitlines() if line.startswith("node-")}
-    assert rows["node-b"][:2] == ["softverbs", "softverbs"] and rows["node-e"][:2] == ["auto", "tcp"]
+    assert rows["node-b"][:2] == ["tcp", "tcp"] and rows["node-e"][:2] == ["auto", "tcp"]
     assert rows["node-f"][:2] == ["auto", "native"]
     out = json.loads(run_check(path, "json", capsys))
     assert out["rdma"]["devices"] == [] and out["rdma"]["error"].startswith("no RDMA device")
@@ -245,7 +246,7 @@ def test_check_says_when_pyverbs_is_not_installed(tmp_path, monkeypatch, capsys)
 
 def test_a_bad_config_names_the_file_and_the_field(tmp_path, capsys):
     path = write_config(tmp_path, "{node-b: rdmaa}")
-    with pytest.raises(ConfigError, match=r"tsor\.yaml: transport\.node-b: expected one of auto, rdma, tcp, softverbs"):
+    with pytest.raises(ConfigError, match=r"tsor\.yaml: transport\.node-b: expected one of auto, rdma, tcp, got .rdmaa."):
         cmd.run(argparse.Namespace(tsor_verb="check", config=path, format="table"))
     path = write_config(tmp_path, "tcp")
     (tmp_path / "routes.yaml").write_text("nodes:\n  - {name: node-b, address: nowhere}\n")
@@ -276,7 +277,7 @@ def test_with_a_kubernetes_source_the_peers_are_the_nodes_the_api_server_lists(t
         r = check.report(path, describe=lambda: [], open_rdma=no_device)
         assert [p["node"] for p in r["peers"]] == ["node-b", "node-e", "node-f"]   # not this node itself
         peers = by_node(r)
-        assert (peers["node-b"]["address"], peers["node-b"]["transport"]) == ("10.99.0.2:7000", "softverbs")
+        assert (peers["node-b"]["address"], peers["node-b"]["transport"]) == ("10.99.0.2:7000", "tcp")
         assert (peers["node-e"]["configured"], peers["node-e"]["transport"]) == ("auto", "tcp")
         assert peers["node-f"]["transport"] == "native" and peers["node-f"]["address"] is None
         assert api.lists("nodes") == 1 and api.lists("pods") == 0 and api.watches("nodes") == []

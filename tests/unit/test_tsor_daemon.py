@@ -15,6 +15,7 @@ import pytest
 
 from qlib.eventloop import Loop
 from qlib.procfs import parent_pid
+from tests.support import softverbs
 from tests.unit.loop_probe import watch_loop
 from tsor import identity, protocol
 from tsor.config import Config, HostPort, load
@@ -108,11 +109,13 @@ def node(tmp_path):
     def make(name="node-a", owned=None, nodes=(), listen=None, metrics=None, secret=SECRET, kubernetes=None,
              transport=(("*", "auto"),)):
         """`kubernetes`: routes from that API server (the source tsor.yaml's `kubernetes` chooses), not `nodes`.
-        `transport`: tsor.yaml's node-to-node transport, as Config holds it."""
+        `transport`: tsor.yaml's node-to-node transport, as Config holds it (softverbs included: every
+        tsord here has the tests' software provider, as tests/support/softverbs_tsord.py's)."""
         sock = str(tmp_path / f"{name}.sock")
         d = Daemon(Config(node=name, socket=sock, listen=listen, metrics=metrics, cluster_secret=secret,
                           kubernetes=kubernetes, transport=transport, state_dir=str(tmp_path / f"{name}-state")),
-                   verifier=FakeVerifier(owned or {}), route_source=None if kubernetes else StaticRoutes(list(nodes)))
+                   verifier=FakeVerifier(owned or {}), route_source=None if kubernetes else StaticRoutes(list(nodes)),
+                   cabled=softverbs.CABLED)
         d.start()
         started.append(d)
         return d

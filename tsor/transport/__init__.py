@@ -1,10 +1,11 @@
 """How a TSoR connection is carried. Each transport hands the client sandbox one end and delivers
 the other to the server sandbox's listener; local and tcp stay out of the data path, rdma pumps
-each connection's bytes between its socketpair and the queue pair (transport/rdma.py).
+each connection's bytes between its socketpair and the queue pair (transport/rdma_pump.c, or
+transport/rdma.py's engine).
 
 A transport is chosen per connection by the daemon: `local` when the listener is on this node,
 otherwise the transport configured for the peer node (tsor.yaml `transport`): `rdma` (over an
-RDMA device or softverbs, transport/rdma_link.py) where it is set up, else `tcp`.
+RDMA device, transport/rdma_link.py) where it is set up, else `tcp`.
 """
 from __future__ import annotations
 

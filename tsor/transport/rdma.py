@@ -127,13 +127,6 @@ class RingConfig:
     rq_depth: int = 512
 
 
-# A connection's rate is at most a ring per credit round trip (write, delivery to the socket, CREDIT
-# back). An RNIC's round trip is microseconds; softverbs' crosses four Python threads, ~0.3 ms here,
-# so it gets 2 MiB rings (iperf3 between two namespace nodes: 5.2-6.0 Gb/s with 256 KiB rings,
-# 9.8-9.9 with 2 MiB; bench/README.md). Its regions are plain memory, touched only as used and
-# given back when a connection ends (Link._release); an RNIC's are pinned, so those stay small.
-SOFTVERBS_RING = RingConfig(ring=2 << 20)
-
 
 @dataclass(frozen=True)
 class SetupInfo:
@@ -232,8 +225,8 @@ class Link:
             self.qp.post_recv(RecvWr(0))
         port = device.port()
         self.max_write = min(MAX_WRITE, port.max_msg_size)
-        # softverbs' regions are ordinary memory: a finished channel's ring pages can go back
-        self._release_pages = device.provider == "softverbs" and cfg.ring % mmap.PAGESIZE == 0
+        # a software device's regions are ordinary memory: a finished channel's ring pages can go back
+        self._release_pages = device.plain_memory and cfg.ring % mmap.PAGESIZE == 0
         self.info = SetupInfo(self.qp.qp_num, random.randrange(1 << 24), port.gid.hex(), port.lid,
                               self.rx_mr.addr, self.rx_mr.rkey, cfg.ring, cfg.slots, cfg.rq_depth)
         self.remote: SetupInfo | None = None
@@ -266,7 +259,7 @@ class Link:
     def connect(self, remote: SetupInfo) -> None:
         """Connect the QP to the peer's. Open connections only once the peer has connected too (the
         set-up exchange ends with its acknowledgment): a write reaching a QP not yet in RTR is
-        dropped, and softverbs fails the requester at once where an RNIC would retry a while."""
+        dropped, and the tests' softverbs fails the requester at once where an RNIC would retry a while."""
         parity = slot_parity(self.info, self.cfg, remote)
         self.qp.to_rtr(QpInfo(remote.qpn, remote.psn, bytes.fromhex(remote.gid), remote.lid))
         self.qp.to_rts(self.info.psn)
@@ -760,7 +753,7 @@ class Link:
 class RdmaEngine:
     """The thread that runs every Link's pump and protocol. Its methods may be called from any thread."""
 
-    provider = "python"   # the pump in Python (softverbs links; rdma links where the compiled one is not built)
+    provider = "python"   # the pump in Python (rdma.pump: python, or the compiled one not built; the tests' softverbs)
 
     def __init__(self, accept: Accept, cfg: RingConfig = RingConfig(),
                  on_down: Callable[[Link], None] | None = None) -> None:

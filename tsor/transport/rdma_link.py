@@ -4,15 +4,17 @@ authenticated tsord-to-tsord connection, and connections over it (transport/rdma
 The node that first has a connection for a peer sets the link up (tcp.py's dial: both tsords prove
 the cluster secret first):
 
-    client -> server   header {"rdma": "rdma" | "softverbs", "node": its name}, the proofs (transport/tcp.py:
+    client -> server   header {"rdma": "rdma" | a cabled provider's name, "node": its name}, the proofs (tcp.py:
                        the named node's route-table address must be where the connection comes from)
     client -> server   4-byte length + JSON SetupInfo: QP number, PSN, GID, LID, ring region, sizes
     server -> client   4-byte length + JSON SetupInfo, or {"error": why} (then the client uses tcp)
 
 Each side brings its QP to RTR before the other may write: the server before its answer, the
-client before it signals readiness. With `softverbs` that same TCP connection then becomes the
-cable (readiness: each device's hello, sent once its QP is in RTR); with `rdma` the client sends
-b"R" and the connection stays open as the link's lifeline: when it ends, the link is retired.
+client before it signals readiness. With `rdma` the client sends b"R" and the connection stays open
+as the link's lifeline: when it ends, the link is retired. With a cabled provider (a software one
+whose wire is that same TCP connection: the host tests' softverbs, tests/support/softverbs.py, which
+tsord has only where a test's entry point gives it) the connection becomes the cable (readiness:
+each device's hello, sent once its QP is in RTR).
 A new set-up from a peer replaces its old link (its connections are reset: the peer restarted).
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from tsor.addr import Endpoint
 from tsor.config import RdmaPort
@@ -33,10 +36,10 @@ from tsor.errors import ProtocolError
 from tsor.routes import Node
 from tsor.transport import Deliver
 from tsor.transport import rdma_pump
-from tsor.transport.rdma import SOFTVERBS_RING, Link, RdmaEngine, RingConfig, SetupInfo
+from tsor.transport.rdma import Link, RdmaEngine, RingConfig, SetupInfo
 from tsor.transport.rdma_pump import PumpEngine, PumpLink
 from tsor.transport.tcp import SETUP_TIMEOUT, dial
-from tsor.verbs import Device, NoDevice, VerbsError, softverbs
+from tsor.verbs import Device, NoDevice, VerbsError
 
 log = logging.getLogger("tsor.rdma")
 AnyLink = Link | PumpLink   # a link of the Python engine or of the compiled pump
@@ -67,13 +70,25 @@ def recv_json(s: socket.socket) -> object:
     return json.loads(data)
 
 
-def choose(configured: str, rdma_here: Callable[[], bool]) -> str:
+@dataclass(frozen=True)
+class Cabled:
+    """A software verbs provider whose wire is the tsords' set-up connection itself: the host tests'
+    softverbs (tests/support/softverbs.py), for machines with no RDMA at all. Production tsord has
+    none; tests/support/softverbs_tsord.py starts one with it. Its devices have start() (send the
+    hello), `down`, and a port that turns active once the peer's hello came."""
+    name: str                                      # its tsor.yaml `transport` value
+    open: Callable[[socket.socket, str], Device]   # (the set-up connection, a name) -> a device, not started
+    ring: RingConfig                               # its links' rings (a longer round trip needs longer rings)
+
+
+def choose(configured: str, rdma_here: Callable[[], bool], cabled: str | None = None) -> str:
     """What this node's side uses with a peer whose configured transport (tsor/config.py) is
-    `configured`: "rdma", "softverbs" or "tcp". rdma_here() says whether this host has an active
-    RDMA port; it is asked only when the answer depends on it (opening a device is not free).
-    The peer decides the same on its side: a set-up it does not agree with ends in tcp."""
-    if configured == "softverbs":
-        return "softverbs"
+    `configured`: "rdma", "tcp", or `cabled` (the name of tsord's cabled provider, if it has one).
+    rdma_here() says whether this host has an active RDMA port; it is asked only when the answer
+    depends on it (opening a device is not free). The peer decides the same on its side: a set-up
+    it does not agree with ends in tcp."""
+    if cabled is not None and configured == cabled:
+        return cabled
     if configured in ("rdma", "auto") and rdma_here():
         return "rdma"
     return "tcp"
@@ -107,19 +122,20 @@ class RdmaTransport:
 
     def __init__(self, node: str, deliver: Deliver, key: bytes | None, transport_for: Callable[[str], str],
                  ring: RingConfig | None = None, open_rdma: Callable[[], Device] | None = None,
-                 offer: Offer | None = None, pump: str = "compiled") -> None:
-        """node: this node's name; transport_for(peer node) -> auto|rdma|tcp|softverbs (tsor/config.py);
+                 offer: Offer | None = None, pump: str = "compiled", cabled: Cabled | None = None) -> None:
+        """node: this node's name; transport_for(peer node) -> auto|rdma|tcp (tsor/config.py);
         open_rdma() -> the host's RDMA device or NoDevice (default: the pyverbs provider's first);
         offer: how the engine's thread offers a connection without waiting (else a thread delivers it);
         pump: what moves an rdma link's bytes, "compiled" (transport/rdma_pump.c; the Python pump where
-        it is not built) or "python" (transport/rdma.py's engine, as softverbs links always use)."""
+        it is not built) or "python" (transport/rdma.py's engine, as cabled links always use);
+        cabled: a software provider for the host's tests (Cabled), none in production."""
         self.node, self.deliver, self.key, self.transport_for = node, deliver, key, transport_for
         self.offer = offer
         self.engine = RdmaEngine(self._accept, ring or RingConfig(), self._down)
         self._pump_setting = pump
         self._pump: PumpEngine | None = None
         self._ring = ring or RingConfig()
-        self._softverbs_ring = ring or SOFTVERBS_RING   # its longer round trip needs longer rings
+        self.cabled = cabled
         self.links: dict[str, AnyLink] = {}
         self._lifelines: dict[AnyLink, socket.socket] = {}
         self._retired: weakref.WeakSet[AnyLink] = weakref.WeakSet()
@@ -177,8 +193,10 @@ class RdmaTransport:
             return self._device
 
     def kind(self, node: str) -> str | None:
-        """The provider this node's side wants for peer `node`: "rdma", "softverbs", or None (tcp)."""
-        chosen = choose(self.transport_for(node), lambda: self.rdma_device() is not None)
+        """The provider this node's side wants for peer `node`: "rdma", the cabled provider's name, or
+        None (tcp)."""
+        chosen = choose(self.transport_for(node), lambda: self.rdma_device() is not None,
+                        self.cabled.name if self.cabled else None)
         return None if chosen == "tcp" else chosen
 
     # ---- client side ---------------------------------------------------------------------------
@@ -216,9 +234,8 @@ class RdmaTransport:
         if s is None:
             return None
         s.settimeout(SETUP_TIMEOUT)
-        dev = softverbs.open_device(s, f"softverbs-{node.name}", start=False) if kind == "softverbs" \
-            else self.rdma_device()
-        link = self._engine_for(kind).add_link(node.name, dev, self._softverbs_ring if kind == "softverbs" else None)
+        dev, ring = self._device_for(kind, s, node.name)
+        link = self._engine_for(kind).add_link(node.name, dev, ring)
         try:
             send_json(s, link.info.to_dict())
             answer = recv_json(s)
@@ -228,22 +245,29 @@ class RdmaTransport:
             self._ready(link, dev, s, kind, client=True)
         except BaseException:
             self._retire(link)
-            if kind == "softverbs":
-                dev.close()
+            if kind != "rdma":
+                dev.close()   # a cabled device: its cable, s, goes with it
             else:
                 s.close()
             raise
         self._install(node.name, link, s if kind == "rdma" else None)
         return link
 
+    def _device_for(self, kind: str, s: socket.socket, peer: str) -> tuple[Device, RingConfig | None]:
+        """The device of a link of this kind, and its rings (None: the engine's): the host's RDMA
+        device, or a new device of the cabled provider on the set-up connection `s`."""
+        if kind == "rdma":
+            return self.rdma_device(), None
+        return self.cabled.open(s, f"{kind}-{peer}"), self.cabled.ring
+
     def _ready(self, link: AnyLink, dev: Device, s: socket.socket, kind: str, client: bool) -> None:
         """Both QPs are in RTR once this returns: the link may carry connections."""
-        if kind == "softverbs":
+        if kind != "rdma":   # a cabled device: each side's hello says its QP is ready
             dev.start()
             deadline = time.monotonic() + SETUP_TIMEOUT
             while not dev.port().active:
                 if time.monotonic() > deadline or dev.down:
-                    raise ConnectionError("no softverbs hello from the peer")
+                    raise ConnectionError(f"no {kind} hello from the peer")
                 time.sleep(0.001)
         elif client:
             s.sendall(b"R")
@@ -264,9 +288,8 @@ class RdmaTransport:
                 s.close()
                 return
             remote = SetupInfo.from_dict(recv_json(s))
-            dev = softverbs.open_device(s, f"softverbs-{node.name}", start=False) if kind == "softverbs" \
-                else self.rdma_device()
-            link = self._engine_for(kind).add_link(node.name, dev, self._softverbs_ring if kind == "softverbs" else None)
+            dev, ring = self._device_for(kind, s, node.name)
+            link = self._engine_for(kind).add_link(node.name, dev, ring)
             link.engine.connect(link, remote)
             send_json(s, link.info.to_dict())
             self._ready(link, dev, s, kind, client=False)
@@ -274,7 +297,7 @@ class RdmaTransport:
             log.warning("rdma set-up from node %s failed: %s", node.name, e)
             if link is not None:
                 self._retire(link)
-            if kind == "softverbs" and dev is not None:
+            if kind != "rdma" and dev is not None:
                 dev.close()
             else:
                 s.close()
@@ -338,7 +361,7 @@ class RdmaTransport:
             link.engine.close_link(link)
         except (OSError, concurrent.futures.TimeoutError):
             pass
-        if link.device.provider == "softverbs":
+        if link.device is not self._device:   # a cabled link's own device
             link.device.close()
         if lifeline is not None:
             lifeline.close()

@@ -1,8 +1,8 @@
 """The verbs interface TSoR's rdma transport is written against: exactly the subset it uses.
 
-Two providers implement it: `softverbs` (tsor/verbs/softverbs.py, one-sided RDMA writes carried
-over a TCP or unix stream between two hosts, for machines without an RNIC) and `pyverbs`
-(tsor/verbs/pyverbs_provider.py, a real device through rdma-core). The enums carry libibverbs'
+`pyverbs` (tsor/verbs/pyverbs_provider.py, a real device through rdma-core) implements it; so does
+the host tests' double, softverbs (tests/support/softverbs.py: one-sided RDMA writes carried over a
+TCP or unix stream, for machines without RDMA). The enums carry libibverbs'
 own values, so a provider over the C library passes them through unchanged.
 
 Semantics follow libibverbs for an RC queue pair: a QP goes RESET -> INIT -> RTR -> RTS and lands in
@@ -213,6 +213,9 @@ class Device(ABC):
     """An opened device (ibv_context) and its one port."""
     name: str
     provider: str
+    # its memory regions are ordinary pages (a software device), not pinned by an adapter: a
+    # finished connection's ring pages may be given back (transport/rdma.py)
+    plain_memory: bool = False
 
     @abstractmethod
     def port(self) -> PortInfo: ...

@@ -1,5 +1,9 @@
-"""softverbs: a software RDMA provider. Two devices joined by one TCP or unix stream ("the cable")
-carry RC queue pairs' one-sided RDMA writes between two hosts that have no RNIC.
+"""softverbs: a software RDMA provider, the rdma path's test double. Two devices joined by one TCP or
+unix stream ("the cable") carry RC queue pairs' one-sided RDMA writes between two hosts that have no
+RNIC: it implements tsor/verbs' interface as the pyverbs provider does, so the host's tests (no RDMA
+here) run tsord's rdma transport and transport/rdma.py's engine over it; real verbs are the RDMA
+lane's (tests/vm). tsord gets it only through tests/support/softverbs_tsord.py (`transport:
+softverbs`); the production package has no software provider.
 
 Each device runs one thread, its "NIC", that reads frames from the stream, checks them as a
 responder would (QP state, source QP, PSN, R_Key, bounds, access) and writes the payload into the
@@ -43,6 +47,8 @@ import socket
 import struct
 import threading
 
+from tsor.transport.rdma import RingConfig
+from tsor.transport.rdma_link import Cabled
 from tsor.verbs import (
     Access,
     CompletionChannel,
@@ -324,6 +330,7 @@ class _PD(ProtectionDomain):
 
 class SoftDevice(Device):
     provider = "softverbs"
+    plain_memory = True
 
     def __init__(self, link: socket.socket, name: str) -> None:
         self.name = name
@@ -630,3 +637,13 @@ class SoftDevice(Device):
             pass
         self.sock.close()
         os.close(self._bell)
+
+
+# A connection's rate is at most a ring per credit round trip (write, delivery to the socket, CREDIT
+# back). An RNIC's round trip is microseconds; softverbs' crosses four Python threads, ~0.3 ms here,
+# so its links get 2 MiB rings (iperf3 between two namespace nodes: 5.2-6.0 Gb/s with 256 KiB rings,
+# 9.8-9.9 with 2 MiB; bench/README.md). Its regions are plain memory, touched only as used and
+# given back when a connection ends (transport/rdma.py's Link._release); an RNIC's are pinned.
+RING = RingConfig(ring=2 << 20)
+# what tsord takes it as (tests/support/softverbs_tsord.py, test_tsor_daemon's in-process tsords)
+CABLED = Cabled("softverbs", lambda cable, name: open_device(cable, name, start=False), RING)
