@@ -475,6 +475,17 @@ def test_a_credit_for_bytes_never_sent_resets_the_link(nodes):
     _peer_broke_it(nodes, inject)
 
 
+def starve(silent_engine, silent_link, writer: socket.socket) -> None:
+    """The silent node stops reporting anything (its reposted receive WRs among it); the writer's
+    application then writes one byte at a time, more writes than the silent node's 64 receive WRs."""
+    silent_engine.call(lambda: setattr(silent_link, "_flush_ctl", lambda: None))
+    writer.setblocking(False)
+    with contextlib.suppress(OSError):
+        for _ in range(200):
+            writer.send(b"x")
+            time.sleep(0.002)
+
+
 def test_a_peer_that_grants_no_link_credits_is_reset(monkeypatch):
     """Node B stops reporting its reposted receive WRs (and everything else): node A's budget runs
     out while its client still writes, and after STALL_SECONDS A resets the link."""
@@ -484,12 +495,7 @@ def test_a_peer_that_grants_no_link_credits_is_reset(monkeypatch):
     nodes = Nodes(RingConfig(ring=RING, slots=64, rq_depth=64))
     try:
         client, server = nodes.open()
-        nodes.b.call(lambda: setattr(nodes.lb, "_flush_ctl", lambda: None))
-        client.setblocking(False)
-        with contextlib.suppress(OSError):
-            for _ in range(200):   # one write each: more than B's 64 receive WRs
-                client.send(b"x")
-                time.sleep(0.002)
+        starve(nodes.b, nodes.lb, client)
         assert nodes.down.get(timeout=5) is nodes.la
         assert nodes.a.resets == {"stalled": 1}
         assert_reset(client)
@@ -566,12 +572,7 @@ def test_the_compiled_pump_resets_a_peer_that_grants_no_link_credits(compiled):
     """Node A (the Python engine) stops reporting its reposted receive WRs: the compiled pump's
     budget runs out while its application still writes, and after its 10 s it resets the link."""
     client, server = compiled.open()
-    compiled.a.call(lambda: setattr(compiled.la, "_flush_ctl", lambda: None))
-    server.setblocking(False)
-    with contextlib.suppress(OSError):
-        for _ in range(200):   # one write each: more than A's 64 receive WRs
-            server.send(b"x")
-            time.sleep(0.002)
+    starve(compiled.a, compiled.la, server)
     assert compiled.down.get(timeout=20) is compiled.lb
     assert compiled.b.resets == {"stalled": 1}
     assert_reset(server)
