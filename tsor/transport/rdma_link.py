@@ -19,6 +19,7 @@ A new set-up from a peer replaces its old link (its connections are reset: the p
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import logging
@@ -173,11 +174,10 @@ class RdmaTransport:
     @property
     def resets(self) -> dict[str, int]:
         """Links reset, by reason (tsor_rdma_link_resets_total)."""
-        out: dict[str, int] = {}
+        total: collections.Counter[str] = collections.Counter()
         for e in self._engines():
-            for reason, n in e.resets.items():
-                out[reason] = out.get(reason, 0) + n
-        return out
+            total.update(e.resets)
+        return dict(total)
 
     def _engines(self) -> list:
         return [self.engine] + ([self._pump] if self._pump is not None else [])

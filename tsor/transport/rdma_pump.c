@@ -867,12 +867,7 @@ static void link_close(struct link *l) {
     if (l->closed) return;
     l->closed = true;
     l->pe->links[l->id] = NULL;
-    down(l, R_NONE, "closed");
-    for (uint32_t s = 1; s < l->slots; s++)
-        if (l->chans[s]) {
-            abort_chan(l->chans[s]);
-            chan_drop(l, l->chans[s]);
-        }
+    down(l, R_NONE, "closed");   /* drops every channel: a link has channels only while it is up */
     l->dead = true;
     l->next_dead = l->pe->dead_links;
     l->pe->dead_links = l;

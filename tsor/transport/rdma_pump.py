@@ -70,7 +70,7 @@ _loaded: ctypes.CDLL | None = None
 def _lib() -> ctypes.CDLL:
     global _loaded
     if _loaded is None:
-        lib = ctypes.CDLL(LIBRARY)   # CDLL: every call releases the GIL
+        lib = ctypes.CDLL(LIBRARY, use_errno=True)   # CDLL: every call releases the GIL
         vp, i, u32, i64, cp, err = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_int64,
                                     ctypes.c_char_p, ctypes.c_char_p)
         for name, res, args in (
