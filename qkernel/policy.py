@@ -29,20 +29,21 @@ _FLAGS = {"SECCOMP_FILTER_FLAG_TSYNC": seccomp.Attr.CTL_TSYNC,
 
 def install_filter(oci_seccomp, platform: str, no_new_privileges: bool, sockets: bool,
                    caps: frozenset[str] = frozenset(), own_namespaces: frozenset[str] = frozenset(),
-                   sockopt_offload: bool = False) -> int | None:
+                   sockopt_offload: bool = False, sockmap: bool = False) -> int | None:
     """Install quark's filter, then the bundle's; return the listener fd (seccomp) or None (ptrace).
 
     Called in the container process right before execve. Without no_new_privileges the process
     needs CAP_SYS_ADMIN (in its user namespace) to load a filter, as with runc. `sockets`: the
     sandbox is served by TSoR, so its socket calls are trapped (otherwise they all run natively).
     `sockopt_offload`: TCP_NODELAY/TCP_CORK of its local-path sockets are the kernel's to answer
-    (tsor/sockopt_offload.py), so setsockopt of those is not trapped.
+    (tsor/sockopt_offload.py), so setsockopt of those is not trapped. `sockmap`: TSoR serves it
+    with tsord's sockmap path, which traps only shutdown (qkernel/table.py says why).
     `caps` (the process's bounding set) and `own_namespaces` (kinds the container has its own of)
     decide the capability grants of the table (table.Grant).
     """
     check_platform(platform)
     # Build both before loading either, so a bad bundle profile fails with nothing installed.
-    base = build_base_filter(platform, sockets, caps, own_namespaces, sockopt_offload)
+    base = build_base_filter(platform, sockets, caps, own_namespaces, sockopt_offload, sockmap)
     bundle = build_bundle_filter(oci_seccomp) if oci_seccomp is not None else None
     for f in (base, bundle):
         if f is not None:
@@ -64,7 +65,7 @@ _COMPARE = {"lt": seccomp.LT, "gt": seccomp.GT}
 
 def build_base_filter(platform: str, sockets: bool = True, caps: frozenset[str] = frozenset(),
                       own_namespaces: frozenset[str] = frozenset(),
-                      sockopt_offload: bool = False) -> seccomp.SyscallFilter:
+                      sockopt_offload: bool = False, sockmap: bool = False) -> seccomp.SyscallFilter:
     arch = table.native_arch()
     if arch not in _ARCHES:
         raise FilterError(f"no syscall table for architecture {arch}")
@@ -78,7 +79,7 @@ def build_base_filter(platform: str, sockets: bool = True, caps: frozenset[str] 
         if nr is None or sc.fate is table.Fate.NATIVE:
             continue
         if sc.fate is table.Fate.TRAPPED:
-            if sc.tsor_only and not sockets:
+            if (sc.tsor_only and not sockets) or (sc.sockmap_only and not sockmap):
                 continue
             only = sc.offloaded_only if sockopt_offload and sc.offloaded_only is not None else sc.only
             if only is None:

@@ -23,6 +23,9 @@ class ConnectReply(Protocol):
     def native(self) -> None:
         """Let the connect run natively after all."""
 
+    def answer(self, err: int) -> None:
+        """Answer 0, or -1 with `err`."""
+
     def install(self, fd: int, cloexec: bool, in_progress: bool) -> None:
         """Install `fd` (ours, handed over) over the application's socket and answer 0 (EINPROGRESS
         when `in_progress`)."""
@@ -78,6 +81,10 @@ class SocketHooks(Protocol):
 
     def listen(self, call: TrappedCall, fd: int, backlog: int) -> int | None:
         """listen(fd, backlog), carried out here (0) or failed (an errno)."""
+
+    def shutdown(self, call: TrappedCall, fd: int, how: int) -> int | ConnectReply | None:
+        """shutdown(fd, how), carried out here (0, or the reply `call.defer` gave, answered later) or
+        failed (an errno)."""
 
     def listener(self, call: TrappedCall, fd: int) -> object | None:
         """The listener whose accepts the hooks answer (opaque to the handlers), or None."""

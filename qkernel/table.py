@@ -83,6 +83,9 @@ class Syscall:
     only: ArgMatch | None = None
     # TRAPPED: only in a sandbox served by TSoR (the socket family); elsewhere native
     tsor_only: bool = False
+    # TRAPPED: only in a sandbox whose connections to quark pods tsord's sockmap path carries (the
+    # kernel's TCP, nothing of the socket family trapped but this); elsewhere native
+    sockmap_only: bool = False
     # TRAPPED: what `only` becomes when the kernel answers TCP_NODELAY/TCP_CORK on local-path
     # sockets itself (tsor/sockopt_offload.py): the sandbox's filter no longer traps those
     offloaded_only: ArgMatch | None = None
@@ -114,9 +117,9 @@ def _denied(err: int, reason: str, when: ArgMask | None = None, grant: Grant | N
 
 
 def _trapped(handler: Callable, reason: str, native_on_error: bool = False, only: ArgMatch | None = None,
-             tsor_only: bool = False, offloaded_only: ArgMatch | None = None) -> dict:
+             tsor_only: bool = False, offloaded_only: ArgMatch | None = None, sockmap_only: bool = False) -> dict:
     return {"fate": Fate.TRAPPED, "handler": handler, "reason": reason, "native_on_error": native_on_error,
-            "only": only, "tsor_only": tsor_only, "offloaded_only": offloaded_only}
+            "only": only, "tsor_only": tsor_only, "offloaded_only": offloaded_only, "sockmap_only": sockmap_only}
 
 
 _MODULES = "changes the code the host kernel runs"
@@ -171,6 +174,9 @@ _GETSOCKOPTS_OFFLOADED = ArgMatch(tuple(p for p in _SOCKOPTS.patterns if p != ((
 _SETSOCKOPTS_OFFLOADED = ArgMatch(
     _GETSOCKOPTS_OFFLOADED.patterns + (((1, _TCP), (2, 1), (4, 4, "lt")), ((1, _TCP), (2, 3), (4, 4, "lt"))),
     _SOCKOPTS.describe + _OFFLOADED)
+_SHUT_WR_OR_RDWR = ArgMatch((((1, 1),), ((1, 2),)), "how is SHUT_WR or SHUT_RDWR")
+_SOCKMAP_SHUTDOWN = ("with tsord's sockmap path: a connection the kernel carries socket to socket returns "
+                     "from shutdown once its FIN is acknowledged; anything else runs natively")
 _TSOR = ("handled by TSoR: TCP to quark pods is carried by tsord's local/tcp paths (seccomp platform, "
          "sandboxes served by TSoR only); anything else runs natively")
 
@@ -249,6 +255,11 @@ POLICY: dict[str, dict] = {
                       offloaded_only={"setsockopt": _SETSOCKOPTS_OFFLOADED,
                                       "getsockopt": _GETSOCKOPTS_OFFLOADED}.get(name))
        for name in sys_socket.TRAPPED},
+    # the kernel's sockmap receive path answers a blocking read EAGAIN when the reader's own FIN is
+    # acknowledged while it waits (tcp_bpf_recvmsg takes the state change's wake-up for a timeout):
+    # shutdown returns once that acknowledgement is in (tsor/sockmap.py, "Half-close")
+    "shutdown": _trapped(sys_socket.handle, _SOCKMAP_SHUTDOWN, native_on_error=True, sockmap_only=True,
+                         only=_SHUT_WR_OR_RDWR),
 }
 
 # Syscalls newer than libseccomp 2.5.4's tables. Since 424 the numbers are the same on every arch.

@@ -312,8 +312,7 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preser
     channel.send(sock, {"type": "created", "t": time.monotonic()})
     start = _expect(sock, "start")
     hooks.run_hooks("startContainer", spec.hooks.start_container, start["state"])
-    _exec(sock, spec, spec.process, start["platform"], preserve_fds, start.get("sockets", False),
-          start.get("sockopt_offload", False))
+    _exec(sock, spec, spec.process, start["platform"], preserve_fds, _socket_filter(start))
 
 
 def _procview(sock: socket.socket, spec: Spec) -> None:
@@ -331,8 +330,14 @@ def _procview(sock: socket.socket, spec: Spec) -> None:
             os.close(fd)
 
 
-def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserve_fds: int, sockets: bool,
-          sockopt_offload: bool) -> None:
+def _socket_filter(start: dict) -> dict[str, bool]:
+    """What the filter traps of the socket family: the start message's fields (the supervisor's
+    `_socket_filter`), as install_filter's keyword arguments."""
+    return {key: bool(start.get(key, False)) for key in ("sockets", "sockopt_offload", "sockmap")}
+
+
+def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserve_fds: int,
+          socket_filter: dict[str, bool]) -> None:
     import qkernel
     # no fd of the runtime survives into the container (CVE-2024-21626 class); the preserved ones do
     L.mark_fds_cloexec(3 + preserve_fds)
@@ -357,8 +362,8 @@ def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserv
             raise SetupError(f"linux.personality: {spec.linux.personality}: {e.strerror}") from None
 
     def install_filter(no_new_privs: bool) -> None:
-        fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs, sockets, caps, spec.own_namespaces,
-                                    sockopt_offload)
+        fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs, caps=caps,
+                                    own_namespaces=spec.own_namespaces, **socket_filter)
         if fd is not None:
             channel.send(sock, {"type": "listener", "t": time.monotonic()}, [fd])
             os.close(fd)
@@ -416,5 +421,4 @@ def exec_init(sock: socket.socket, spec: Spec, proc: Process, reported: int, pre
     process.set_rlimits(proc)
     if proc.terminal:
         _terminal(sock, proc)
-    _exec(sock, spec, proc, start["platform"], preserve_fds, start.get("sockets", False),
-          start.get("sockopt_offload", False))
+    _exec(sock, spec, proc, start["platform"], preserve_fds, _socket_filter(start))

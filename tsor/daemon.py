@@ -374,6 +374,9 @@ class Daemon:
         elif isinstance(msg, protocol.Connect):
             if not self._stopped.is_set():
                 self.pool.submit(self._connect, sess, mid, msg)
+        elif isinstance(msg, protocol.Carried):
+            carried = self.sockmap is not None and self.sockmap.path.holds(msg.local, msg.remote, msg.cookie)
+            sess.send(protocol.reply(mid, carried=carried))
         elif isinstance(msg, protocol.Tally):   # counts of connections tsord did not see; no reply
             self.metrics.tallied("local", msg.connections, msg.incoming)
             if msg.native:

@@ -36,11 +36,12 @@ import os
 import select
 import socket
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
 from qlib.linux import accept4, pidfd_getfd, pidfd_open_thread
-from tsor import EMULATED_LEVELS, RECORDED_SOCKET_OPTS, UNIX_REFUSED_SOCKET_OPTS, _sys
+from tsor import EMULATED_LEVELS, RECORDED_SOCKET_OPTS, UNIX_REFUSED_SOCKET_OPTS, _sys, protocol, sockmap
 from tsor.addr import is_loopback, is_unspecified, parse_sockaddr, sockaddr, unmapped
 from tsor.sandbox import Listener, Queued, Redirected, SandboxNet
 
@@ -48,7 +49,10 @@ log = logging.getLogger("quark.qkernel")
 
 SOL_SOCKET, SOL_IP, SOL_TCP, SOL_IPV6 = socket.SOL_SOCKET, socket.IPPROTO_IP, socket.IPPROTO_TCP, socket.IPPROTO_IPV6
 SO_TYPE, SO_PROTOCOL, SO_DOMAIN = 3, 38, 39
-TCP_INFO, TCP_ESTABLISHED, TCP_CLOSE = 11, 1, 7
+TCP_INFO, TCP_ESTABLISHED, TCP_FIN_WAIT1, TCP_CLOSE = 11, 1, 4, 7
+# How long a sockmap-path shutdown waits for its FIN's acknowledgement at most: a peer on this node
+# answers within a millisecond, or a delayed ACK (40 ms) later; past this the call returns anyway
+FIN_ACK_WAIT_S = 0.2
 _INET = (socket.AF_INET, socket.AF_INET6)
 _MAX_OPT = 512   # as much of an option as is ever read (the handlers read at most as much)
 # The send buffer of a local-path (AF_UNIX) end. AF_UNIX stream flow control is the sender's
@@ -149,6 +153,38 @@ class SocketIntercept:
 
     def close(self) -> None:
         self.net.close()
+
+    # ---- shutdown (the sockmap path only) -----------------------------------------------------
+    def shutdown(self, call: Call, fd: int, how: int) -> int | Reply | None:
+        """shutdown(SHUT_WR/SHUT_RDWR) of a connection the sockmap path carries returns once the
+        peer has acknowledged its FIN: that acknowledgement wakes the socket's readers, and the
+        kernel's sockmap receive path answers a reader it wakes with no data EAGAIN, even a blocking
+        one (tsor/sockmap.py, "Half-close"). Waiting here moves the wake-up before the next read.
+        Whether the end is carried only tsord can say (the supervisor has no bpf(2)): asked only
+        when the FIN is still unacknowledged once the socket is shut down."""
+        if self.traps_sockets:
+            return None
+        s = _dup(call, fd)
+        if s is None:
+            return None
+        try:
+            if not _is_tcp(s):
+                return None
+            try:
+                s.shutdown(how)
+            except OSError as e:
+                return e.errno
+            end = sockmap.end_of(s)
+            if _tcp_state(s) != TCP_FIN_WAIT1 or end is None or not self.net.client.up:
+                return 0
+            waiter = _FinAcked(self.net.loop, s)
+            s = None                               # the waiter owns it now
+            reply = waiter.start(call)
+            self.net.client.request(protocol.Carried(*end), waiter.carried)
+            return reply
+        finally:
+            if s is not None:
+                s.close()
 
     # ---- connect ------------------------------------------------------------------------------
     def connect(self, call: Call, fd: int, addr: bytes) -> int | Reply | None:
@@ -483,6 +519,48 @@ class SocketIntercept:
         finally:
             real.detach()
         return sockaddr(listener.family, queued.peer)
+
+
+class _FinAcked:
+    """Answers a deferred shutdown once `sock` leaves FIN_WAIT1 (its FIN acknowledged) — polling
+    TCP_INFO on the loop, from 0.1 ms doubling to 10 ms, as the state change has no poll event —
+    or after FIN_ACK_WAIT_S; at once when tsord says the end is not carried (or is away). A signal
+    meanwhile interrupts the wait as it would any blocking call: the socket is already shut down,
+    and shutdown again (a restart) is a no-op that returns 0."""
+
+    def __init__(self, loop, sock: socket.socket) -> None:
+        self.loop, self.sock, self.reply = loop, sock, None
+        self.deadline = time.monotonic() + FIN_ACK_WAIT_S
+        self.delay = 1e-4
+
+    def start(self, call: Call) -> Reply:
+        self.reply = call.defer(self.sock.close)
+        return self.reply
+
+    def carried(self, answer: dict | None, fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)
+        if answer is not None and answer.get("carried") is True:
+            self._check()
+        elif not self.reply.done:
+            self._finish()
+
+    def _check(self) -> None:
+        if self.reply.done:
+            return
+        try:
+            waiting = _tcp_state(self.sock) == TCP_FIN_WAIT1
+        except OSError:
+            waiting = False
+        if waiting and time.monotonic() < self.deadline:
+            self.loop.call_later(self.delay, self._check)
+            self.delay = min(self.delay * 2, 0.01)
+            return
+        self._finish()
+
+    def _finish(self) -> None:
+        self.sock.close()
+        self.reply.answer(0)
 
 
 # ---- the task's sockets -----------------------------------------------------------------------

@@ -10,6 +10,7 @@ requests: the sandbox asks to connect and announces listeners; tsord offers inco
                       connect   {dst: [ip, port], src_port}     -> {path: local|tcp|rdma, src, [direct]} + fd
                                                                    [+ channel fd] | {path: fallback}
                       tally     {connections, incoming, native}  (no reply: counts of connections tsord did not see)
+                      carried   {local, remote, cookie}         -> {carried}  (sockmap path: is this end in the map?)
     tsord -> sandbox  incoming  {token, peer, local, path, greet} + fd -> {ok}
                       peer      {sandbox, addrs} + channel fd   -> {ok}
 
@@ -107,6 +108,13 @@ class Tally:
 
 
 @dataclass(frozen=True)
+class Carried:
+    local: Endpoint      # a TCP end of the sandbox's (IPv4, or IPv4-mapped), as getsockname says it
+    remote: Endpoint
+    cookie: int          # its SO_COOKIE: the socket itself, not another one on the same four-tuple
+
+
+@dataclass(frozen=True)
 class PodAdd:
     sandbox: str         # CNI_CONTAINERID: the pod sandbox
     ifname: str          # CNI_IFNAME
@@ -143,7 +151,7 @@ class Ping:
 
 POD_REQUESTS = (PodAdd, PodDel, PodCheck, PodGc, Ping)
 MESSAGES = {cls.__name__.lower(): cls for cls in (Hello, Listen, Unlisten, Connect, Incoming, Peer, Tally,
-                                                  *POD_REQUESTS)}
+                                                  Carried, *POD_REQUESTS)}
 
 
 def _endpoint(v: Any, field: str) -> Endpoint:

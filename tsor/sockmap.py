@@ -24,6 +24,16 @@ Three rules keep it safe (bench/README.md says how each was found):
   the map and their bytes in flight are not lost. The next tsord finds them by name and takes them
   over (a newer version replaces older programs; connections made under the old ones keep them).
 
+Half-close: the kernel's receive path for a socket in a sockmap (tcp_bpf_recvmsg) takes any wake-up
+of a blocking reader that finds no data for a timeout and answers EAGAIN. A reader's own FIN being
+acknowledged wakes it so (FIN_WAIT1 -> FIN_WAIT2 is a state change), which is exactly a client that
+sends, shuts down its writing side and blocks for the reply: about 1 exchange in 100 failed. A
+sockmap sandbox's filter traps shutdown(SHUT_WR/SHUT_RDWR) alone of the socket family, and its
+supervisor (tsor/intercept.py) shuts the socket down and returns once tsord says the end is in the
+map (`SockmapPath.holds`) and the FIN is acknowledged, so that wake-up comes before the next read.
+A signal that interrupts a blocking read on a carried socket gets the same EAGAIN (where TCP would
+restart the read or say EINTR): the kernel's, not fixed here.
+
 IPv4 only: an AF_INET6 socket is carried when both its addresses are IPv4-mapped (a dual-stack
 listener's connection from an IPv4 client); IPv6 connections take the stack. Connections to a
 Service ClusterIP are rewritten by the node's NAT, not in the socket, so their ends' keys do not
@@ -39,6 +49,7 @@ import threading
 
 from qlib import bpf
 from tsor import _sys
+from tsor.addr import unmapped
 from qlib.bpf import ADD64_K, CALL, EXIT, JEQ_K, JNE_K, LDX_DW, LDX_W, MOV64_K, MOV64_X, STX_W, Asm
 
 log = logging.getLogger("tsor.sockmap")
@@ -245,6 +256,12 @@ class SockmapPath:
         for key in bpf.map_keys(self.addrs, 4):
             bpf.map_delete(self.addrs, key)
 
+    def holds(self, local: tuple[str, int], remote: tuple[str, int], cookie: int) -> bool:
+        """Is this end (the socket whose SO_COOKIE is `cookie`) in the map: are its bytes moved socket
+        to socket? A user-space lookup of a sockhash answers the socket's cookie."""
+        key = _pair_key(local, remote)
+        return key is not None and bpf.map_lookup(self.pairs, key, 8) == struct.pack("Q", cookie)
+
     def connections(self) -> int:
         """Ends in the map now (two per carried connection)."""
         return len(bpf.map_keys(self.pairs, 16))
@@ -263,6 +280,28 @@ class SockmapPath:
         except OSError as e:
             log.warning("sockmap: %s", e)
         self.close()
+
+
+SO_COOKIE = 57
+
+
+def end_of(sock: socket.socket) -> tuple[tuple[str, int], tuple[str, int], int] | None:
+    """(local, remote, cookie) of a connected TCP socket: what `SockmapPath.holds` asks about."""
+    try:
+        return sock.getsockname()[:2], sock.getpeername()[:2], struct.unpack(
+            "Q", sock.getsockopt(socket.SOL_SOCKET, SO_COOKIE, 8))[0]
+    except OSError:
+        return None
+
+
+def _pair_key(local: tuple[str, int], remote: tuple[str, int]) -> bytes | None:
+    """The pairs map's key of an end, as the sock_ops program writes it (local and remote address,
+    local port in host order, remote port in network order in the high half); None when it is not
+    an IPv4 (or IPv4-mapped) connection, which the map never holds."""
+    lip, rip = unmapped(local[0]), unmapped(remote[0])
+    if ":" in lip or ":" in rip:
+        return None
+    return socket.inet_aton(lip) + socket.inet_aton(rip) + struct.pack("=I", local[1]) + struct.pack("!xxH", remote[1])
 
 
 def _attached(root_fd: int) -> dict[str, tuple[int, list[int]]]:

@@ -122,6 +122,9 @@ class _ConnectReply:
     def native(self) -> None:
         self.deferred.complete(Continue())
 
+    def answer(self, err: int) -> None:
+        self.deferred.complete(Errno(err) if err else Return(0))
+
     def install(self, fd: int, cloexec: bool, in_progress: bool) -> None:
         self.deferred.complete(InstallFd(fd, target=self.fd, flags=os.O_CLOEXEC if cloexec else 0, value=0,
                                          errno=errno.EINPROGRESS if in_progress else 0))
@@ -180,6 +183,13 @@ def _setsockopt(req: Request, hooks: SocketHooks):
 
 def _listen(req: Request, hooks: SocketHooks):
     return _errno_or_return(hooks.listen(_Call(req), _fd(req), _s32(req.args[1])))
+
+
+def _shutdown(req: Request, hooks: SocketHooks):
+    """Trapped only with tsord's sockmap path (qkernel/table.py): the hooks may shut the socket down
+    themselves and answer once its FIN is acknowledged (a ConnectReply's `answer`)."""
+    result = hooks.shutdown(_Call(req), _fd(req), _s32(req.args[1]))
+    return result.deferred if isinstance(result, _ConnectReply) else _errno_or_return(result)
 
 
 def _accept(req: Request, hooks: SocketHooks):
@@ -323,4 +333,4 @@ class _Accept:
 
 _HANDLERS = {"connect": _connect, "listen": _listen, "accept": _accept, "accept4": _accept,
              "getsockname": _getname, "getpeername": _getname,
-             "getsockopt": _getsockopt, "setsockopt": _setsockopt}
+             "getsockopt": _getsockopt, "setsockopt": _setsockopt, "shutdown": _shutdown}

@@ -170,10 +170,12 @@ class CreateMixin:
         `sockets` only for a sandbox TSoR serves with the socketpair local path (a sandbox without
         TSoR, or with tsord's sockmap path, tsor/sockmap.py, pays nothing for sockets);
         `sockopt_offload` when the kernel answers TCP_NODELAY/TCP_CORK of its local-path sockets
-        (tsor/sockopt_offload.py), so setsockopt of those is not trapped either."""
+        (tsor/sockopt_offload.py), so setsockopt of those is not trapped either; `sockmap` for a
+        sandbox of the sockmap path, whose shutdown(SHUT_WR) waits for its FIN's acknowledgement."""
         tsor = self.kernel.context.tsor if self.kernel is not None else None
         sockets = tsor is not None and tsor.traps_sockets
-        return {"sockets": sockets, "sockopt_offload": sockets and tsor.offload is not None}
+        return {"sockets": sockets, "sockopt_offload": sockets and tsor.offload is not None,
+                "sockmap": tsor is not None and not sockets}
 
     def _forward_console(self, master: int, name: str) -> None:
         """Send the pty master to --console-socket (runc's protocol: one fd with the pty name)."""

@@ -30,8 +30,9 @@ def test_issue_policy_is_in_the_table():
         assert t[name].errno and t[name].reason
     for name in SOCKET_FAMILY + ["sysinfo", "personality"]:
         assert t[name].fate is table.Fate.TRAPPED and t[name].handler is not None, name
-    for name in ("socket", "bind", "shutdown"):   # nothing for TSoR to do: never trapped
+    for name in ("socket", "bind"):   # nothing for TSoR to do: never trapped
         assert t[name].fate is table.Fate.NATIVE, name
+    assert t["shutdown"].sockmap_only and not t["shutdown"].tsor_only   # (see the test below)
     assert t["clone"].when.mask == table.CLONE_NEWUSER and t["unshare"].when.mask == table.CLONE_NEWUSER
     assert t["read"].fate is table.Fate.NATIVE and t["getpid"].fate is table.Fate.NATIVE
 
@@ -74,6 +75,17 @@ def test_socket_family_is_trapped_only_for_tsor_and_options_only_at_emulated_lev
         assert f"if ($a1.lo32 == {level})" in setsockopt, level
     assert "if ($a2.lo32 == 39)" in setsockopt and "if ($a2.lo32 == 7)" not in setsockopt   # SO_DOMAIN, not SO_SNDBUF
     assert "if ($syscall == 54)\n    action" not in setsockopt   # no unconditional trap
+
+
+def test_shutdown_is_trapped_only_on_the_sockmap_path_and_only_when_it_sends_a_fin(tmp_path):
+    for kw in ({"sockets": False}, {"sockets": True}):
+        assert '# filter for syscall "shutdown"' not in _notify_rules(policy.build_base_filter("seccomp", **kw), tmp_path)
+    rules = _notify_rules(policy.build_base_filter("seccomp", sockets=False, sockmap=True), tmp_path)
+    shutdown = rules.split('# filter for syscall "shutdown"')[1].split("# filter for syscall")[0]
+    assert "if ($a1.lo32 == 1)" in shutdown and "if ($a1.lo32 == 2)" in shutdown   # SHUT_WR, SHUT_RDWR
+    assert "if ($a1.lo32 == 0)" not in shutdown                                    # SHUT_RD runs natively
+    for name in SOCKET_FAMILY:                                   # nothing else of the family
+        assert f'# filter for syscall "{name}"' not in rules, name
 
 
 def rule(names, action, errno_ret=None, args=()):
