@@ -23,6 +23,10 @@ Three rules keep it safe (bench/README.md says how each was found):
 - Outliving tsord: the programs stay attached, and the maps alive, when tsord exits; sockets stay in
   the map and their bytes in flight are not lost. The next tsord finds them by name and takes them
   over (a newer version replaces older programs; connections made under the old ones keep them).
+  Each end keeps the SK_MSG program (and so the storage map with its way) that was attached when it
+  entered the sockhash: the kernel copies the map's programs into the socket's psock then. A tsord
+  taking over attaches a new program and storage map for the ends to come; the ways of the ends
+  already there stay in force (tests/integration/test_tsor_sockmap.py checks it across a restart).
 
 Half-close: the kernel's receive path for a socket in a sockmap (tcp_bpf_recvmsg) takes any wake-up
 of a blocking reader that finds no data for a timeout and answers EAGAIN. A reader's own FIN being

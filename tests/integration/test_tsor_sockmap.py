@@ -281,6 +281,41 @@ def test_connections_outlive_tsord_and_the_next_one_takes_over(pods):
 
 
 
+def test_a_tsord_taking_over_keeps_each_connections_way(pods):
+    """The way each end chose on its first message (the rule that keeps bytes in order) lives in the
+    socket storage map of the SK_MSG program that was attached when the end entered the sockhash:
+    the kernel gives each end that program for its life, so a tsord taking over (which attaches a
+    new program, with a new storage map, for the ends to come) leaves it in force, and a direction
+    that went to the stack keeps going there after the restart."""
+    _, one, two = pods
+    root = cgroup2_root()
+    first = sockmap.SockmapPath.open(root)
+    first.register(one.ip, _cookie(one))
+    first.register(two.ip, _cookie(two))
+    pair = Pair(one, two, 7113)
+    second = None
+    try:
+        server_key = next(k for k in sockmap.bpf.map_keys(first.pairs, 16) if k[:4] == socket.inet_aton(two.ip))
+        assert sockmap.bpf.map_delete(first.pairs, server_key)          # its ACK not processed yet, say
+        assert _send_recv(pair.client, pair.server, b"first") == b"first"   # the client's way: the stack
+        sockmap.bpf.map_update(first.pairs, server_key, pair.server.fileno().to_bytes(8, "little"))
+        first.close()                                                   # tsord restarts
+        second = sockmap.SockmapPath.open(root)
+        data = _pattern(MIB)
+        before = _tx_bytes(one)
+        assert _send_recv(pair.client, pair.server, data) == data
+        assert _tx_bytes(one) - before >= len(data), "the client's way was forgotten: its bytes were redirected"
+        before = _tx_bytes(two)
+        assert _send_recv(pair.server, pair.client, data) == data       # undecided before: redirected now
+        assert _tx_bytes(two) - before < 64 * 1024
+    finally:
+        pair.close()
+        if second is not None:
+            second.remove()
+        else:
+            sockmap.remove_attached(root)
+
+
 def test_a_socketpair_tsord_retires_the_programs_once_no_connection_needs_them(pods):
     """tsord switched back to the socketpair path: while a connection is carried the programs stay
     (its bytes in flight would be lost with the map) but carry no new one; once none is, they go."""
