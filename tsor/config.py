@@ -10,6 +10,8 @@
       context: null                 # a context of that kubeconfig (default: its current one)
       runtime_class: quark          # pods of this runtimeClassName are quark pods
       tsord_port: 7470              # the port of every node's tsord (default: this node's `listen` port)
+      discovery_seconds: 60         # how often the policy kinds the cluster serves are looked up
+                                    #   (kinds tsord does not evaluate send connections native)
     cluster_secret_file: /etc/quark/tsor-secret   # shared by every node's tsord (mode 0600)
     insecure_no_auth: false         # true: node-to-node without the secret (a trusted lab network)
     transport: auto                 # node to node: auto|rdma|tcp, or per peer node:
@@ -48,7 +50,7 @@ _KEYS = {"node", "socket", "listen", "metrics", "routes", "kubernetes", "cluster
          "transport", "state_dir", "sockopt_offload", "local_path", "rdma"}
 _RDMA_KEYS = {"device", "port", "gid_index", "pump"}
 PUMPS = ("compiled", "python")
-_KUBE_KEYS = {"kubeconfig", "context", "runtime_class", "tsord_port"}
+_KUBE_KEYS = {"kubeconfig", "context", "runtime_class", "tsord_port", "discovery_seconds"}
 DEFAULT_TSORD_PORT = 7470
 DEFAULT_STATE_DIR = "/run/quark/tsord"
 TRANSPORTS = ("auto", "rdma", "tcp")
@@ -72,6 +74,7 @@ class Kubernetes:
     context: str | None = None
     runtime_class: str = "quark"
     tsord_port: int | None = None    # None: this node's listen port, else DEFAULT_TSORD_PORT
+    discovery_seconds: float = 60.0  # policy kinds served (tsor/policy_kinds.py), looked up this often
 
 
 @dataclass(frozen=True)
@@ -225,8 +228,12 @@ def _kubernetes(value: object, path: str) -> Kubernetes | None:
     port = value.get("tsord_port")
     if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
         raise ConfigError(path, "kubernetes.tsord_port", f"expected a port number, got {port!r}")
+    every = value.get("discovery_seconds", 60.0)
+    if not isinstance(every, (int, float)) or isinstance(every, bool) or not 0 < every <= 86400:
+        raise ConfigError(path, "kubernetes.discovery_seconds", f"expected seconds (0 to 86400), got {every!r}")
     return Kubernetes(kubeconfig=kubeconfig, context=value.get("context"),
-                      runtime_class=value.get("runtime_class") or "quark", tsord_port=port)
+                      runtime_class=value.get("runtime_class") or "quark", tsord_port=port,
+                      discovery_seconds=float(every))
 
 
 def _rdma(value: object, path: str) -> RdmaPort:

@@ -158,6 +158,7 @@ class Daemon:
         self.metrics.rdma_links = lambda: self.rdma.status() if self.rdma is not None else {}
         self.metrics.rdma_resets = lambda: self.rdma.resets if self.rdma is not None else {}
         self.metrics.route_source = getattr(self.route_source, "status", dict)   # KubernetesSource's
+        self.metrics.foreign_policies = lambda: self.routes.policy.foreign.scopes() if self.routes.policy else []
         self.metrics.warm_setups = lambda: self.remote.warm.taken if self.remote is not None else 0
 
     def _byte_counts(self) -> dict[tuple[str, str], int]:

@@ -129,9 +129,11 @@ class SliceObject(_Object, total=False):
     endpoints: Optional[list[Endpoint]]
 
 
-# NetworkPolicies and Namespaces go whole to tsor/netpol.py: Any (decoded whole, by msgspec)
+# NetworkPolicies and Namespaces go whole to tsor/netpol.py: Any (decoded whole, by msgspec); of
+# the policy kinds tsord does not evaluate (tsor/policy_kinds.py) only where each object is
 OBJECTS: dict[str, Any] = {"nodes": NodeObject, "pods": PodObject, "services": ServiceObject,
-                           "endpointslices": SliceObject, "networkpolicies": Any, "namespaces": Any}
+                           "endpointslices": SliceObject, "networkpolicies": Any, "namespaces": Any,
+                           "foreign": _Object}
 
 
 class Decoder:

@@ -53,12 +53,15 @@ class Metrics:
         self.setup_seconds = dict.fromkeys(PATHS, 0.0)
         self.protocol_errors = 0
         self.refused_claims = 0
-        self._policy_native = {"deny": 0, "unknown": 0}   # connections NetworkPolicy kept native
+        self._policy_native = {"deny": 0, "unknown": 0, "foreign": 0}   # connections policy kept native
         self.gauges: Callable[[], dict[str, int]] = dict
         self.byte_counts: Callable[[], dict[tuple[str, str], int]] = dict
         self.rdma_links: Callable[[], dict[str, dict]] = dict   # RdmaTransport.status()
         self.rdma_resets: Callable[[], dict[str, int]] = dict   # RdmaEngine.resets: links reset, by reason
         self.route_source: Callable[[], dict[str, dict]] = dict  # KubernetesSource.status(), by kind
+        # (ForeignKind, scope) of the policy kinds tsord does not evaluate that send connections
+        # native now (tsor/policy_kinds.py ForeignPolicies.scopes)
+        self.foreign_policies: Callable[[], list] = list
         self.warm_setups: Callable[[], int] = int   # TcpTransport's warm set-ups taken
         self._registry: CollectorRegistry | None = None
 
@@ -109,7 +112,8 @@ class Metrics:
             yield fam
         yield CounterMetricFamily("tsor_protocol_errors_total", "Malformed messages from sandboxes.", value=errors)
         fam = CounterMetricFamily("tsor_policy_native_total", "Connections left native because NetworkPolicy "
-                                  "denies them (deny) or tsord cannot evaluate it (unknown).", labels=["verdict"])
+                                  "denies them (deny), tsord cannot evaluate it (unknown), or a policy kind "
+                                  "tsord does not evaluate could govern them (foreign).", labels=["verdict"])
         for v, n in policy.items():
             fam.add_metric([v], n)
         yield fam
@@ -141,6 +145,13 @@ class Metrics:
             fam.add_metric([reason], n)
         yield fam
         yield from _route_source_families(self.route_source())
+        foreign = GaugeMetricFamily("tsor_policy_foreign", "Policy kinds the cluster serves that tsord does not "
+                                    "evaluate, and where they send connections native: scope cluster (every "
+                                    "connection) or namespace/NAME (from or to its pods).",
+                                    labels=["kind", "api", "scope"])
+        for k, scope in self.foreign_policies():
+            foreign.add_metric([k.kind, f"{k.group}/{k.version}", scope], 1)
+        yield foreign
         for name, value in self.gauges().items():
             yield GaugeMetricFamily(f"tsor_{name}", GAUGE_HELP.get(name, f"tsor {name}."), value=value)
 

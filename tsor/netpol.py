@@ -21,6 +21,9 @@ policies and namespaces, a namespace whose labels it has not seen, a named port 
 and an ipBlock that covers a pod's address (whether such a block applies to pod traffic is left to
 each network implementation by the API: some match it before address translation, some after).
 Selectors are matchLabels and matchExpressions (In, NotIn, Exists, DoesNotExist).
+
+Policy kinds of other APIs that the cluster serves (Calico's, Cilium's, AdminNetworkPolicy) are not
+evaluated: a connection one of them could govern is FOREIGN, native too (tsor/policy_kinds.py).
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-ALLOW, DENY, UNKNOWN = "allow", "deny", "unknown"
+from tsor.policy_kinds import ForeignKind, ForeignPolicies
+
+ALLOW, DENY, UNKNOWN, FOREIGN = "allow", "deny", "unknown", "foreign"
 NAME_LABEL = "kubernetes.io/metadata.name"   # every namespace carries its name as this label
 
 
@@ -88,11 +93,13 @@ class PolicySet:
         # called after every change: tsord bumps its route generation (tsor/peers.py), so that no
         # supervisor keeps connecting directly on a decision the change may have altered
         self.changed: Callable[[], None] = _nothing
+        # the policy kinds of other APIs the cluster serves, and where their objects are
+        self.foreign = ForeignPolicies(lambda: self.changed())
 
     @property
     def synced(self) -> bool:
-        """Both lists done at least once: until then every answer is UNKNOWN."""
-        return self._listed >= {"policies", "namespaces"}
+        """Both lists and the first discovery of policy kinds done: until then every answer is UNKNOWN."""
+        return self._listed >= {"policies", "namespaces"} and self.foreign.discovered
 
     # ---- updates (from list and watch events) ------------------------------------------------------
     def put_policy(self, obj: dict) -> None:
@@ -140,16 +147,20 @@ class PolicySet:
             self._listed.add("namespaces")
         self.changed()
 
-    def replace(self, policies: list[dict], namespaces: list[dict]) -> None:
-        """Both lists at once."""
+    def replace(self, policies: list[dict], namespaces: list[dict], foreign: list[ForeignKind] = ()) -> None:
+        """Both lists, and the policy kinds of other APIs, at once."""
         self.sync_namespaces(namespaces)
         self.sync_policies(policies)
+        self.foreign.set_kinds(list(foreign))
 
     # ---- the question ----------------------------------------------------------------------------
     def decide(self, src: PodRef, dst: PodRef, port: int) -> tuple[str, str]:
-        """(ALLOW | DENY | UNKNOWN, why) for a TCP connection from `src` to `dst`:`port`."""
+        """(ALLOW | DENY | UNKNOWN | FOREIGN, why) for a TCP connection from `src` to `dst`:`port`."""
         if not self.synced:
             return UNKNOWN, "network policies not listed yet"
+        why = self.foreign.governs(src.namespace, dst.namespace)
+        if why is not None:
+            return FOREIGN, why
         with self._lock:
             policies = list(self.policies.values())
         verdicts = [self._direction(policies, "Ingress", dst, src, dst, port),

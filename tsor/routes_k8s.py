@@ -12,6 +12,10 @@ What goes into the table:
   slices    EndpointSlices by their kubernetes.io/service-name label: ports and endpoints
             (first address, ready, nodeName), what tsord picks a Service's endpoint from
 
+NetworkPolicy kinds of other APIs (Calico's, Cilium's, AdminNetworkPolicy: tsor/policy_kinds.py) are
+found by API discovery every `discovery_seconds`; each one served gets a list-and-watch thread of
+its own (only its objects' names and namespaces are read), stopped when the kind goes.
+
 One thread per kind, each the informer's loop: list (in pages), then watch from the list's
 resourceVersion with bookmarks. A watch that ends at its timeout resumes from the last
 resourceVersion seen (an event's or a BOOKMARK's); one that drops, or an API server that cannot be
@@ -30,6 +34,7 @@ brings ~300 model modules (~26 MiB of tsord) for nothing here.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import random
 import socket
@@ -43,6 +48,7 @@ from tsor.config import HostPort, Kubernetes
 from tsor.errors import ConfigError
 from tsor.k8s_fields import Decoder
 from tsor.netpol import PolicySet
+from tsor.policy_kinds import ForeignKind, foreign_kinds
 from tsor.routes import EndpointSlice, Network, Node, Pod, RouteTable, ServicePort
 
 log = logging.getLogger("tsor.routes_k8s")
@@ -75,10 +81,14 @@ class Kind:
     """One watched kind: where to list it, and how its objects become table entries."""
 
     def __init__(self, name: str, convert: Callable[[dict], Any],
-                 sync: Callable[[dict[Key, Any]], None], apply: Callable[[Key, Any], None]) -> None:
+                 sync: Callable[[dict[Key, Any]], None], apply: Callable[[Key, Any], None],
+                 path: str | None = None, fields: str | None = None) -> None:
         self.name, self.convert, self.sync, self.apply = name, convert, sync, apply
-        self.path = next(collection_path(g, r) for g, r in WATCHED if r == name)
-        self.decoder = Decoder(name)
+        self.path = path or next(collection_path(g, r) for g, r in WATCHED if r == name)
+        self.decoder = Decoder(fields or name)
+        self.retired = threading.Event()   # a policy kind discovery no longer finds: its thread ends
+        self.unlisted: Callable[[str], None] | None = None   # told why a list failed (policy kinds)
+        self.response: Any = None          # the open watch's, to cut when the kind is retired
         self.resource_version: str | None = None
         self.synced = threading.Event()   # listed at least once
         self.relists = 0
@@ -213,11 +223,15 @@ class KubernetesSource:
 
     def __init__(self, settings: Kubernetes, tsord_port: int, client: Any = None, *,
                  backoff: tuple[float, float] = BACKOFF, watch_seconds: int = WATCH_SECONDS,
-                 read_timeout: float = READ_TIMEOUT, first_sync: float = 5.0) -> None:
+                 read_timeout: float = READ_TIMEOUT, first_sync: float = 5.0,
+                 discovery_seconds: float | None = None) -> None:
         self.settings, self.tsord_port = settings, tsord_port
         self._client = client
         self.backoff, self.watch_seconds, self.read_timeout = backoff, watch_seconds, read_timeout
         self.first_sync = first_sync
+        self.discovery_seconds = discovery_seconds or settings.discovery_seconds   # (tsor.yaml's)
+        self.foreign: dict[ForeignKind, Kind] = {}   # the policy kinds of other APIs being watched
+        self.discovery_errors = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._responses: set[Any] = set()
@@ -227,15 +241,74 @@ class KubernetesSource:
     def start(self, table: RouteTable) -> None:
         self._setup(table)
         for kind in self.kinds:
-            t = threading.Thread(target=self._run, args=(kind,), name=f"k8s-{kind.name}", daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._thread(kind)
+        discovered = threading.Event()
+        t = threading.Thread(target=self._discover_loop, args=(discovered,), name="k8s-discovery", daemon=True)
+        t.start()
+        self._threads.append(t)
         # tsord serves at once either way; waiting a little lets its first connections see the routes
         deadline = time.monotonic() + self.first_sync
         for kind in self.kinds:
             if not kind.synced.wait(max(0.0, deadline - time.monotonic())):
                 log.warning("routes from Kubernetes: %s not listed yet; their connections go native meanwhile",
                             kind.name)
+        if not discovered.wait(max(0.0, deadline - time.monotonic())):
+            log.warning("routes from Kubernetes: the policy kinds served not discovered yet; connections go "
+                        "native meanwhile")
+
+    def _thread(self, kind: Kind) -> None:
+        t = threading.Thread(target=self._run, args=(kind,), name=f"k8s-{kind.name}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    # ---- policy kinds of other APIs ------------------------------------------------------------
+    def _discover_loop(self, discovered: threading.Event) -> None:
+        while not self._stop.is_set():
+            try:
+                self.discover()
+                discovered.set()
+            except Exception as e:   # the API server away: keep the kinds known, try again later
+                self.discovery_errors += 1
+                log.warning("routes from Kubernetes: discovering policy kinds: %s (kinds kept as they are)",
+                            describe(e))
+            self._stop.wait(self.discovery_seconds)
+
+    def discover(self) -> list[ForeignKind]:
+        """Look the policy kinds the cluster serves up now, and watch those tsord does not evaluate."""
+        from kubernetes.client.rest import ApiException
+
+        def resources(group_version: str) -> dict | None:
+            try:
+                return self._get_json(f"/apis/{group_version}")
+            except ApiException as e:
+                if e.status == 404:
+                    return None
+                raise
+        kinds = foreign_kinds(self._get_json("/apis"), resources)
+        foreign = self.table.policy.foreign
+        new, gone = foreign.set_kinds(kinds)
+        for k in gone:
+            kind = self.foreign.pop(k)
+            kind.retired.set()
+            if kind.response is not None:
+                _shutdown(kind.response)
+            log.info("routes from Kubernetes: %s no longer served", k.label)
+        for k in new:
+            log.warning("routes from Kubernetes: the cluster serves %s, which tsord does not evaluate: "
+                        "connections its objects could govern go native", k.label)
+            kind = self.foreign[k] = Kind(
+                k.label, lambda o: True, lambda m, k=k: foreign.sync(k, list(m)),
+                lambda key, e, k=k: foreign.put(k, key, e is not None), path=k.path, fields="foreign")
+            kind.unlisted = lambda why, k=k: foreign.unreadable(k, why)
+            self._thread(kind)
+        return kinds
+
+    def _get_json(self, path: str) -> Any:
+        resp = self._get_path(path, {})
+        try:
+            return json.loads(resp.data)
+        finally:
+            resp.release_conn()
 
     def list_once(self, table: RouteTable, names: tuple[str, ...]) -> None:
         """List the kinds named into `table` once, as start() does first, and watch nothing (`quark
@@ -290,13 +363,15 @@ class KubernetesSource:
 
     def status(self) -> dict[str, dict]:
         return {k.name: {"synced": k.synced.is_set(), "resource_version": k.resource_version,
-                         "relists": k.relists, "events": k.events, "errors": k.errors} for k in self.kinds}
+                         "relists": k.relists, "events": k.events, "errors": k.errors}
+                for k in self.kinds + list(self.foreign.values())}
 
     # ---- one kind: list, watch, and again ------------------------------------------------------
     def _run(self, kind: Kind) -> None:
         delay = self.backoff[0]
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not kind.retired.is_set():
             events = kind.events
+            listing = kind.resource_version is None
             try:
                 if kind.resource_version is None:
                     self._list(kind)
@@ -315,8 +390,10 @@ class KubernetesSource:
                 reason = describe(e)
                 if kind.events > events:   # a watch that worked for a while: a fresh failure
                     delay = self.backoff[0]
-            if self._stop.is_set():
+            if self._stop.is_set() or kind.retired.is_set():
                 return
+            if listing and kind.unlisted is not None:
+                kind.unlisted(reason)
             kind.errors += 1
             log.warning("routes from Kubernetes: %s: %s; retrying in %.1f s (routes kept as they are)",
                         kind.name, reason, delay)
@@ -334,16 +411,20 @@ class KubernetesSource:
             raise
 
     def _get(self, kind: Kind, query: dict[str, str]) -> Any:
-        """A GET of the kind's collection: its raw (urllib3) response; ApiException unless 2xx.
-        Made as the generated CoreV1Api & co. make it, without importing them (the module's docstring)."""
+        """A GET of the kind's collection: its raw (urllib3) response; ApiException unless 2xx."""
+        return self._get_path(kind.path, query)
+
+    def _get_path(self, path: str, query: dict[str, str]) -> Any:
+        """A GET: its raw (urllib3) response; ApiException unless 2xx. Made as the generated CoreV1Api
+        & co. make it, without importing them (the module's docstring)."""
         from kubernetes.client.rest import ApiException
         api, timeout = self._client, (CONNECT_TIMEOUT, self.read_timeout)
         headers, auth = {"Accept": "application/json"}, ["BearerToken"]
         if not hasattr(api, "param_serialize"):   # a client of the older generator (python-legacy)
-            return api.call_api(kind.path, "GET", query_params=list(query.items()), header_params=headers,
+            return api.call_api(path, "GET", query_params=list(query.items()), header_params=headers,
                                 auth_settings=auth, _preload_content=False, _return_http_data_only=True,
                                 _request_timeout=timeout)
-        request = api.param_serialize("GET", kind.path, query_params=list(query.items()), header_params=headers,
+        request = api.param_serialize("GET", path, query_params=list(query.items()), header_params=headers,
                                       auth_settings=auth)
         resp = api.call_api(*request, _request_timeout=timeout)
         if not 200 <= resp.status <= 299:
@@ -370,6 +451,8 @@ class KubernetesSource:
             cont = meta.get("continue")
             if not cont:
                 break
+        if kind.retired.is_set():
+            return
         kind.sync(entries)
         kind.resource_version = rv
         kind.relists += 1
@@ -392,10 +475,11 @@ class KubernetesSource:
             raise
         with self._lock:
             self._responses.add(resp)
+        kind.response = resp
         seen = False
         try:
             for line in iter_resp_lines(resp):
-                if self._stop.is_set():
+                if self._stop.is_set() or kind.retired.is_set():
                     return True
                 if not line:
                     continue
@@ -417,6 +501,8 @@ class KubernetesSource:
             if obj.get("code") == 410:
                 raise Gone()
             raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message')}")
+        if kind.retired.is_set():
+            return
         if typ in ("ADDED", "MODIFIED"):
             kind.apply(_key(obj), kind.entry(obj))
         elif typ == "DELETED":

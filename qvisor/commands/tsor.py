@@ -48,6 +48,7 @@ def status(args: argparse.Namespace) -> int:
         text = fetch(where)
         values = parse(text)
         links = _links(text)
+        foreign = _foreign(text)
     except OSError as e:
         raise QuarkError(f"tsord is not answering on {where}: {e}") from None
     except ValueError as e:
@@ -66,7 +67,7 @@ def status(args: argparse.Namespace) -> int:
                "protocol_errors": int(values.get("tsor_protocol_errors_total", 0)),
                "refused": int(values.get("tsor_refused_total", 0))}
     if args.format == "json":
-        print(json.dumps({"paths": rows, "rdma_links": links, **summary}, indent=2))
+        print(json.dumps({"paths": rows, "rdma_links": links, "foreign_policies": foreign, **summary}, indent=2))
         return 0
     print(f"{'PATH':<9} {'CONNECTIONS':>11} {'INCOMING':>8} {'BYTES SENT':>12} {'BYTES RECV':>12} {'SETUP (us)':>10}")
     for r in rows:
@@ -77,7 +78,19 @@ def status(args: argparse.Namespace) -> int:
     for link in links:
         what = f"rdma on {link['device']} ({link['provider']}, {link['pump']} pump)"
         print(f"rdma link to node {link['node']}: {what}, {link['connections']} connections")
+    for f in foreign:
+        where = ("every connection" if f["scope"] == "cluster"
+                 else f"connections from or to namespace {f['scope'].split('/', 1)[1]}")
+        print(f"policy kind {f['kind']} ({f['api']}) is not evaluated by tsord: {where} goes native")
     return 0
+
+
+def _foreign(text: str) -> list[dict]:
+    """The policy kinds tsord does not evaluate and where they send connections native (tsor_policy_foreign)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return [{k: sample.labels[k] for k in ("kind", "api", "scope")}
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == "tsor_policy_foreign" and sample.value]
 
 
 def _links(text: str) -> list[dict]:

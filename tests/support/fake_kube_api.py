@@ -3,19 +3,24 @@
 No Kubernetes API server can be installed on these machines, so the route source
 (tsor/routes_k8s.py) is tested with the official client against this: a local HTTP/1.1 server that
 answers the list and watch requests of six collections (nodes, pods, services, endpointslices,
-networkpolicies, namespaces) in the API's wire format:
+networkpolicies, namespaces), and of any other kind a test serves (`serve_kind`: a CRD's, such as
+Calico's or Cilium's policies), in the API's wire format:
 
   GET /api/v1/pods?limit=N&continue=T     a JSON list, metadata.resourceVersion (and continue)
   GET ...?watch=true&resourceVersion=N&allowWatchBookmarks=true&timeoutSeconds=S
                                           a chunked stream, one JSON event a line:
                                           {"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR, "object": ...}
+  GET /apis                               the APIGroupList: the built-in groups above, and the served kinds'
+  GET /apis/GROUP/VERSION                 that group version's APIResourceList
 
 Objects are whatever the test puts in: the builders below make them from the `kubernetes` client's
 own models (`ApiClient().sanitize_for_serialization`). One resourceVersion counter serves every
 collection, as etcd's revision does. A test drives the faults: `bookmark()`, `compact()` (watches from
 older versions get an ERROR event with a 410 Status, as after etcd's compaction), `expire_watches()`
 (the open watches get that ERROR now), `drop_watches()` (their connections are cut mid-stream),
-`stop()` / `start()` (the server gone, then back on the same port). Nothing else of the API
+`stop()` / `start()` (the server gone, then back on the same port), `unserve_kind()` (a CRD deleted: it
+leaves discovery, its collection answers 404 and its open watches end), `forbid()` (the collection
+answers 403, as RBAC does to a client without the grant). Nothing else of the API
 (no writes, selectors, auth, admission) exists here.
 """
 from __future__ import annotations
@@ -35,7 +40,12 @@ COLLECTIONS = {
     "networkpolicies": ("/apis/networking.k8s.io/v1/networkpolicies", "NetworkPolicyList", "networking.k8s.io/v1"),
     "namespaces": ("/api/v1/namespaces", "NamespaceList", "v1"),
 }
-_BY_PATH = {path: kind for kind, (path, _, _) in COLLECTIONS.items()}
+# the built-in groups discovery lists (core's kinds are under /api, which nothing here reads)
+BUILT_IN_RESOURCES = {
+    "discovery.k8s.io/v1": [("endpointslices", "EndpointSlice", True)],
+    "networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy", True), ("ingresses", "Ingress", True),
+                             ("ingresses/status", "Ingress", True)],
+}
 
 
 def _key(obj: dict) -> tuple[str, str]:
@@ -50,6 +60,9 @@ class FakeKubeAPI:
         self.listener = listener
         self.cond = threading.Condition()
         self.rv = 1
+        self.collections = dict(COLLECTIONS)
+        self.resources = {gv: list(rs) for gv, rs in BUILT_IN_RESOURCES.items()}   # discovery's
+        self.forbidden: set[str] = set()
         self.objects: dict[str, dict[tuple[str, str], dict]] = {k: {} for k in COLLECTIONS}
         self._encoded: dict[str, list[bytes] | None] = dict.fromkeys(COLLECTIONS)   # each kind's items, sorted
         self.log: list[tuple[int, str, str, dict]] = []   # (rv, kind, type, object)
@@ -97,6 +110,35 @@ class FakeKubeAPI:
 
     def kubeconfig(self, path: str) -> str:
         return write_kubeconfig(path, self.url)
+
+    # ---- kinds ---------------------------------------------------------------------------------
+    def serve_kind(self, group: str, version: str, resource: str, kind: str, namespaced: bool = True) -> str:
+        """Serve another kind (as a CRD does): in discovery, listed and watched at its collection.
+        Its key for put()/delete(): "GROUP/RESOURCE"."""
+        key, gv = f"{group}/{resource}", f"{group}/{version}"
+        with self.cond:
+            self.collections[key] = (f"/apis/{gv}/{resource}", f"{kind}List", gv)
+            self.resources.setdefault(gv, []).append((resource, kind, namespaced))
+            self.objects[key], self._encoded[key] = {}, None
+            self._watching[key] = 0
+            self.cond.notify_all()
+        return key
+
+    def unserve_kind(self, key: str) -> None:
+        """The kind's CRD deleted: out of discovery, its objects gone, its watches ended."""
+        with self.cond:
+            path, _, gv = self.collections.pop(key)
+            resource = path.rsplit("/", 1)[1]
+            self.resources[gv] = [r for r in self.resources[gv] if r[0] != resource]
+            if not self.resources[gv]:
+                del self.resources[gv]
+            self.objects.pop(key)
+            self.cond.notify_all()
+
+    def forbid(self, key: str, forbidden: bool = True) -> None:
+        """The collection answers 403 Forbidden (the client's RBAC does not grant it), or no longer."""
+        with self.cond:
+            (self.forbidden.add if forbidden else self.forbidden.discard)(key)
 
     # ---- objects -------------------------------------------------------------------------------
     def put(self, kind: str, obj: dict) -> int:
@@ -207,18 +249,41 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         url = urlsplit(self.path)
-        kind = _BY_PATH.get(url.path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        with self.fake.cond:
+            kind = next((k for k, (path, _, _) in self.fake.collections.items() if path == url.path), None)
+            discovery = self._discovery(url.path) if kind is None else None
+            forbidden = kind in self.fake.forbidden
+            self.fake.requests.append((kind or url.path, query))
+        if discovery is not None:
+            return self._json(200, discovery)
         if kind is None:
             return self._json(404, _status(404, "NotFound", f"{url.path} is not served by this stand-in"))
-        with self.fake.cond:
-            self.fake.requests.append((kind, query))
+        if forbidden:
+            return self._json(403, _status(403, "Forbidden", f"{url.path}: forbidden by the stand-in"))
         try:
             if query.get("watch") == "true":
                 return self._watch(kind, query)
             self._list(kind, query)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True   # the client went away (or the test cut it): nothing to say
+
+    def _discovery(self, path: str) -> dict | None:
+        """/apis (APIGroupList) or /apis/GROUP/VERSION (APIResourceList); None for any other path."""
+        resources = self.fake.resources
+        if path == "/apis":
+            groups = {}
+            for gv in sorted(resources):
+                group, version = gv.split("/")
+                groups.setdefault(group, []).append({"groupVersion": gv, "version": version})
+            return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+                {"name": g, "versions": vs, "preferredVersion": vs[0]} for g, vs in groups.items()]}
+        gv = path[len("/apis/"):] if path.startswith("/apis/") else None
+        if gv not in resources:
+            return None
+        return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": [
+            {"name": r, "singularName": "", "namespaced": ns, "kind": k, "verbs": ["get", "list", "watch"]}
+            for r, k, ns in resources[gv]]}
 
     def _json(self, code: int, body: dict) -> None:
         self._send(code, json.dumps(body).encode())
@@ -232,7 +297,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _list(self, kind: str, query: dict[str, str]) -> None:
         fake = self.fake
-        _, list_kind, version = COLLECTIONS[kind]
+        _, list_kind, version = fake.collections[kind]
         with fake.cond:
             if "continue" in query:
                 rv, start = (int(x) for x in query["continue"].split(":"))
@@ -275,10 +340,14 @@ class _Handler(BaseHTTPRequestHandler):
         while True:
             with fake.cond:
                 fake.cond.wait_for(lambda: fake.generation != seen or time.monotonic() >= deadline
+                                   or kind not in fake.collections
                                    or any(rv > cursor and k == kind for rv, k, _, _ in fake.log[-50:]), 0.2)
                 gen = dict(fake.generation)
                 events = [(rv, t, o) for rv, k, t, o in fake.log if rv > cursor and k == kind]
                 current = fake.rv
+                served = kind in fake.collections
+            if not served:
+                return self._end()   # the kind's CRD went: the API server ends its watches
             if gen["drop"] != seen["drop"]:
                 return _cut(self.connection)
             for rv, typ, obj in events:
@@ -289,7 +358,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._end()
             if gen["bookmark"] != seen["bookmark"] and bookmarks:
                 self._chunk({"type": "BOOKMARK", "object": {
-                    "kind": COLLECTIONS[kind][1][:-4], "apiVersion": COLLECTIONS[kind][2],
+                    "kind": fake.collections[kind][1][:-4], "apiVersion": fake.collections[kind][2],
                     "metadata": {"resourceVersion": str(current)}}})
                 cursor = max(cursor, current)
             seen = gen

@@ -311,15 +311,18 @@ def test_the_static_files_single_addresses_still_win_over_cidrs():
 
 def test_config_chooses_the_kubernetes_source_and_names_bad_fields(tmp_path):
     f = tmp_path / "tsor.yaml"
-    f.write_text("node: a\nkubernetes: {kubeconfig: kc, runtime_class: quark2, tsord_port: 7000}\n")
+    f.write_text("node: a\nkubernetes: {kubeconfig: kc, runtime_class: quark2, tsord_port: 7000, discovery_seconds: 5}\n")
     cfg = load(str(f))
-    assert cfg.kubernetes == Kubernetes(kubeconfig=str(tmp_path / "kc"), runtime_class="quark2", tsord_port=7000)
+    assert cfg.kubernetes == Kubernetes(kubeconfig=str(tmp_path / "kc"), runtime_class="quark2", tsord_port=7000,
+                                        discovery_seconds=5.0)
     assert cfg.tsord_port == 7000
     f.write_text("node: a\nkubernetes: true\n")
     assert load(str(f)).kubernetes == Kubernetes()
     for text, field in [("kubernetes: {kubecfg: x}", "kubernetes.kubecfg"),
                         ("kubernetes: {tsord_port: 70000}", "kubernetes.tsord_port"),
                         ("kubernetes: {runtime_class: ''}", "kubernetes.runtime_class"),
+                        ("kubernetes: {discovery_seconds: 0}", "kubernetes.discovery_seconds"),
+                        ("kubernetes: {discovery_seconds: soon}", "kubernetes.discovery_seconds"),
                         ("kubernetes: yes please", "kubernetes"),
                         ("routes: r.yaml\nkubernetes: true", "kubernetes")]:
         f.write_text("node: a\n" + text + "\n")
@@ -337,7 +340,7 @@ def test_config_chooses_the_kubernetes_source_and_names_bad_fields(tmp_path):
 @pytest.fixture
 def tsord(node, api, tmp_path):  # noqa: F811 (the imported fixture)
     """A tsord (test_tsor_daemon's `node`) with routes from the stand-in API server."""
-    kube = Kubernetes(kubeconfig=api.kubeconfig(str(tmp_path / "kubeconfig")))
+    kube = Kubernetes(kubeconfig=api.kubeconfig(str(tmp_path / "kubeconfig")), discovery_seconds=0.2)
     return lambda name="node-a", owned=None, listen=None: node(name, owned, listen=listen, kubernetes=kube)
 
 
@@ -513,3 +516,87 @@ def test_network_policy_allow_deny_and_cannot_decide(api, tsord):
     # not only the path: between the two events deny-srv alone sends connections native too
     eventually(lambda: connects(cli, ("10.1.0.7", 8080)) == ["fallback"] and native("unknown") > before,
                what="the ipBlock policy's 'unknown' verdict")
+
+
+# ---- policy kinds tsord does not evaluate (tsor/policy_kinds.py) ---------------------------------
+CALICO = ("crd.projectcalico.org", "v1")
+CILIUM = ("cilium.io", "v2")
+ANP = ("policy.networking.k8s.io", "v1alpha1")
+
+
+def _foreign_object(kind: str, name: str, namespace: str | None = None) -> dict:
+    meta = {"name": name, **({"namespace": namespace} if namespace else {})}
+    return {"apiVersion": "x/v1", "kind": kind, "metadata": meta, "spec": {}}
+
+
+def test_discovery_finds_the_policy_kinds_of_other_apis_and_nothing_else(api, source):
+    api.serve_kind(*CALICO, "networkpolicies", "NetworkPolicy")
+    api.serve_kind(*CALICO, "globalnetworkpolicies", "GlobalNetworkPolicy", namespaced=False)
+    api.serve_kind(*CALICO, "ippools", "IPPool", namespaced=False)              # not a policy
+    api.serve_kind(*CILIUM, "ciliumnetworkpolicies", "CiliumNetworkPolicy")
+    api.serve_kind(*CILIUM, "ciliumclusterwidenetworkpolicies", "CiliumClusterwideNetworkPolicy", namespaced=False)
+    api.serve_kind(*ANP, "adminnetworkpolicies", "AdminNetworkPolicy", namespaced=False)
+    api.serve_kind("monitoring.coreos.com", "v1", "servicemonitors", "ServiceMonitor")
+    src, _ = source()
+    found = {(k.group, k.kind, k.namespaced, k.path) for k in src.discover()}
+    assert found == {
+        ("crd.projectcalico.org", "NetworkPolicy", True, "/apis/crd.projectcalico.org/v1/networkpolicies"),
+        ("crd.projectcalico.org", "GlobalNetworkPolicy", False, "/apis/crd.projectcalico.org/v1/globalnetworkpolicies"),
+        ("cilium.io", "CiliumNetworkPolicy", True, "/apis/cilium.io/v2/ciliumnetworkpolicies"),
+        ("cilium.io", "CiliumClusterwideNetworkPolicy", False, "/apis/cilium.io/v2/ciliumclusterwidenetworkpolicies"),
+        ("policy.networking.k8s.io", "AdminNetworkPolicy", False,
+         "/apis/policy.networking.k8s.io/v1alpha1/adminnetworkpolicies")}   # not networking.k8s.io's own
+
+
+def test_connections_a_policy_kind_tsord_does_not_evaluate_could_govern_go_native(api, tsord, tmp_path):
+    """Fail closed on Calico's, Cilium's and AdminNetworkPolicy kinds: a namespaced one's objects send
+    their namespace's connections native, a cluster-wide one's every connection, one tsord cannot
+    list every connection too; the choice follows objects and kinds coming and going, and metrics
+    (what `quark tsor status` prints) say why."""
+    from prometheus_client import generate_latest
+    for ns in ("default", "shop"):
+        api.put("namespaces", k8s.namespace(ns))
+    d = tsord(owned={"srv": {"10.1.0.7"}, "cli": {"10.1.0.5"}, "web": {"10.1.0.8"}, "cart": {"10.1.0.9"}})
+    loop = Loop()
+    cli, srv = pods_on_a(api, loop, d, ("cli", "10.1.0.5"), ("srv", "10.1.0.7"))
+    api.put("pods", k8s.pod("web", ["10.1.0.8"], "node-a", namespace="shop"))
+    api.put("pods", k8s.pod("cart", ["10.1.0.9"], "node-a", namespace="shop"))
+    web, cart = Sandbox(loop, d.cfg.socket, "web", ["10.1.0.8"]), Sandbox(loop, d.cfg.socket, "cart", ["10.1.0.9"])
+    assert web.register() and cart.register()
+    eventually(lambda: {"10.1.0.8", "10.1.0.9"} <= set(d.routes.pods), what="the shop pods")
+    srv.call(protocol.Listen(1, "0.0.0.0", 8080))
+    cart.call(protocol.Listen(2, "0.0.0.0", 8080))
+
+    def paths() -> tuple[str, str]:
+        return connects(cli, ("10.1.0.7", 8080))[0], connects(web, ("10.1.0.9", 8080))[0]
+
+    def settles(want: tuple[str, str], what: str) -> None:
+        eventually(lambda: paths() == want, what=what)
+
+    def foreign() -> set[tuple[str, str]]:
+        from qvisor.commands.tsor import _foreign   # what `quark tsor status` reads of the metrics
+        return {(f["kind"], f["scope"]) for f in _foreign(generate_latest(d.metrics.registry()).decode())}
+
+    settles(("local", "local"), "both pairs on the local path")
+    cnp = api.serve_kind(*CILIUM, "ciliumnetworkpolicies", "CiliumNetworkPolicy")
+    settles(("local", "local"), "a kind with no objects governs nothing")
+    api.put(cnp, _foreign_object("CiliumNetworkPolicy", "l7", "shop"))
+    settles(("local", "fallback"), "shop's connections native")
+    assert foreign() == {("CiliumNetworkPolicy", "namespace/shop")}
+    gnp = api.serve_kind(*CALICO, "globalnetworkpolicies", "GlobalNetworkPolicy", namespaced=False)
+    api.put(gnp, _foreign_object("GlobalNetworkPolicy", "deny-all"))
+    settles(("fallback", "fallback"), "a cluster-wide kind's object: every connection native")
+    assert ("GlobalNetworkPolicy", "cluster") in foreign()
+    api.delete(gnp, "", "deny-all")
+    settles(("local", "fallback"), "the cluster-wide object gone")
+    api.unserve_kind(cnp)                                    # Cilium uninstalled: its CRD goes
+    settles(("local", "local"), "the kind gone")
+    assert foreign() == set()
+    anp = api.serve_kind(*ANP, "adminnetworkpolicies", "AdminNetworkPolicy", namespaced=False)
+    api.forbid(anp)                                          # tsord's RBAC does not grant it
+    settles(("fallback", "fallback"), "a kind tsord cannot list: every connection native")
+    assert foreign() == {("AdminNetworkPolicy", "cluster")}
+    native = parse(generate_latest(d.metrics.registry()).decode())
+    assert native.get('tsor_policy_native_total{verdict="foreign"}', 0) >= 4
+    api.forbid(anp, False)
+    settles(("local", "local"), "the kind listed (no objects) once the grant is there")
