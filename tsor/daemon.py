@@ -9,6 +9,13 @@ because a local connect waits for the server sandbox to take its end. On the loc
 tsord holds no connection once it is set up: killing or restarting it never breaks an established
 connection, and while it is down sandboxes connect natively. The rdma path's pump runs in tsord
 (transport/rdma.py): its connections end, reset, with it.
+
+Per-sandbox bounds keep one noisy pod from slowing every pod's set-ups: at most SETUPS_PER_SANDBOX
+of a sandbox's connects are being set up at once (the pool's share one sandbox can hold), and at most
+OFFERS_PER_SANDBOX connections wait for a listening sandbox to take them (a listener that does not
+answer holds a pool thread for OFFER_TIMEOUT each); the listening sandbox itself takes no more than
+its listener's backlog queues (tsor/sandbox.py). What exceeds a bound is native — the kernel's TCP,
+as without quark — and counted (`tsor_limited_total{limit}`).
 """
 from __future__ import annotations
 
@@ -43,6 +50,8 @@ log = logging.getLogger("tsor.daemon")
 OFFER_TIMEOUT = 5.0
 MAX_SESSIONS = 1024       # registered sandboxes (a thread each); Kubernetes runs ~110 pods a node
 MAX_UNREGISTERED = 64     # connections that have not said a valid hello yet
+SETUPS_PER_SANDBOX = 8    # a sandbox's connects being set up at once (of the pool's 32 threads)
+OFFERS_PER_SANDBOX = 16   # connections offered to one listening sandbox and not yet answered
 HELLO_TIMEOUT = 5.0       # ... for this long; supervisors retry every second
 
 
@@ -58,6 +67,24 @@ class Session:
         self._ids = itertools.count(1)
         self._waiting: dict[int, concurrent.futures.Future] = {}
         self.closed = False
+        self._setups = 0        # its connects being set up now (SETUPS_PER_SANDBOX)
+        self._setups_lock = threading.Lock()
+
+    def begin_setup(self, limit: int) -> bool:
+        with self._setups_lock:
+            if self._setups >= limit:
+                return False
+            self._setups += 1
+            return True
+
+    def end_setup(self) -> None:
+        with self._setups_lock:
+            self._setups -= 1
+
+    @property
+    def offers_waiting(self) -> int:
+        """Requests to this sandbox not answered yet (offers of connections, channels)."""
+        return len(self._waiting)
 
     @property
     def name(self) -> str:
@@ -140,6 +167,7 @@ class Daemon:
         self.sessions: set[Session] = set()
         self.listeners: dict[Endpoint, tuple[Session, int]] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="connect")
+        self.setups_per_sandbox, self.offers_per_sandbox = SETUPS_PER_SANDBOX, OFFERS_PER_SANDBOX
         self._stopped = threading.Event()
         self.local = LocalTransport(self.deliver)
         self.remote = None
@@ -373,8 +401,13 @@ class Daemon:
                     del self.listeners[key]
             sess.send(protocol.reply(mid, ok=True))
         elif isinstance(msg, protocol.Connect):
-            if not self._stopped.is_set():
-                self.pool.submit(self._connect, sess, mid, msg)
+            if self._stopped.is_set():
+                return
+            if not sess.begin_setup(self.setups_per_sandbox):
+                self.metrics.limited("setups")
+                self.metrics.connected("fallback", 0.0)
+                return sess.send(protocol.reply(mid, path="fallback"))
+            self.pool.submit(self._connect_bounded, sess, mid, msg)
         elif isinstance(msg, protocol.Carried):
             carried = self.sockmap is not None and self.sockmap.path.holds(msg.local, msg.remote, msg.cookie)
             sess.send(protocol.reply(mid, carried=carried))
@@ -475,6 +508,12 @@ class Daemon:
         self.generation.bump()   # supervisors' cached "native" answers (tsor/peers.py) no longer hold
 
     # ---- connections ---------------------------------------------------------------------------
+    def _connect_bounded(self, sess: Session, mid: int, msg: protocol.Connect) -> None:
+        try:
+            self._connect(sess, mid, msg)
+        finally:
+            sess.end_setup()
+
     def _connect(self, sess: Session, mid: int, msg: protocol.Connect) -> None:
         t0 = time.monotonic()
         generation = self.generation.value   # before anything is decided: a change meanwhile voids the route
@@ -602,10 +641,15 @@ class Daemon:
         sess, token = entry
         if path != "tcp" and not self._covers(sess):
             return False
+        if sess.offers_waiting >= self.offers_per_sandbox:
+            self.metrics.limited("offers")
+            return False
         if path == "tcp":   # before the offer: the application may use it as soon as it is taken
             self.bytes.track(sock, greeting=greet)
         answer = sess.ask(protocol.Incoming(token, peer, dst, path, greet), [sock.fileno()], OFFER_TIMEOUT)
         if not answer or not answer.get("ok"):
+            if answer and answer.get("full"):
+                self.metrics.limited("backlog")   # the listener's backlog of queued connections is full
             if path == "tcp":
                 self.bytes.untrack(sock)
             return False
@@ -621,6 +665,9 @@ class Daemon:
         if entry is None or (path != "tcp" and not self._covers(entry[0])):
             return None   # (deliver(), which the caller falls back to, refuses it then)
         sess, token = entry
+        if sess.offers_waiting >= self.offers_per_sandbox:
+            self.metrics.limited("offers")
+            return None
         if path == "tcp":   # before the offer: the application may use it as soon as it is taken
             self.bytes.track(sock, greeting=True)
         fut = sess.ask_nowait(protocol.Incoming(token, peer, dst, path, True), [sock.fileno()])
@@ -632,7 +679,10 @@ class Daemon:
         def done(f: concurrent.futures.Future) -> None:
             if f.result() and f.result().get("ok"):
                 self.metrics.delivered(path)
-            elif path == "tcp":
+                return
+            if f.result() and f.result().get("full"):
+                self.metrics.limited("backlog")
+            if path == "tcp":
                 self.bytes.untrack(sock)
         fut.add_done_callback(done)
         return fut

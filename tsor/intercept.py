@@ -451,8 +451,11 @@ class SocketIntercept:
                 return e.errno
             ip, port = s.getsockname()[:2]
             v6only = s.family == socket.AF_INET6 and bool(s.getsockopt(SOL_IPV6, socket.IPV6_V6ONLY))
+            # a listener's TCP_INFO says its effective backlog in tcpi_sacked (sk_max_ack_backlog)
+            backlog = struct.unpack_from("I", s.getsockopt(SOL_TCP, TCP_INFO, 32), 28)[0]
             self.net.listen(Listener(token=os.fstat(s.fileno()).st_ino, family=s.family,
-                                     local=(unmapped(ip), port), v6only=v6only, pid=call.pid, fd=fd))
+                                     local=(unmapped(ip), port), v6only=v6only, pid=call.pid, fd=fd,
+                                     backlog=backlog))
         return 0
 
     def listener(self, call: Call, fd: int) -> Listener | None:

@@ -54,6 +54,7 @@ class Metrics:
         self.protocol_errors = 0
         self.refused_claims = 0
         self._policy_native = {"deny": 0, "unknown": 0, "foreign": 0}   # connections policy kept native
+        self._limited = {"setups": 0, "offers": 0, "backlog": 0}          # ... and per-sandbox bounds
         self.gauges: Callable[[], dict[str, int]] = dict
         self.byte_counts: Callable[[], dict[tuple[str, str], int]] = dict
         self.rdma_links: Callable[[], dict[str, dict]] = dict   # RdmaTransport.status()
@@ -82,6 +83,11 @@ class Metrics:
             if incoming:
                 self.incoming[path] += incoming
 
+    def limited(self, limit: str) -> None:
+        """A connection left native because a per-sandbox bound was reached (tsor/daemon.py)."""
+        with self._lock:
+            self._limited[limit] += 1
+
     def policy_native(self, verdict: str) -> None:
         with self._lock:
             self._policy_native[verdict] += 1
@@ -105,6 +111,7 @@ class Metrics:
                          dict(self.setup_seconds))]
             errors, refused = self.protocol_errors, self.refused_claims
             policy = dict(self._policy_native)
+            limited = dict(self._limited)
         for name, doc, values in per_path:
             fam = CounterMetricFamily(name, doc, labels=["path"])
             for p, n in values.items():
@@ -115,6 +122,13 @@ class Metrics:
                                   "denies them (deny), tsord cannot evaluate it (unknown), or a policy kind "
                                   "tsord does not evaluate could govern them (foreign).", labels=["verdict"])
         for v, n in policy.items():
+            fam.add_metric([v], n)
+        yield fam
+        fam = CounterMetricFamily("tsor_limited_total", "Connections left native because a per-sandbox bound "
+                                  "was reached: setups (the connecting sandbox's connects being set up at once), "
+                                  "offers (connections waiting for the listening sandbox to take them), backlog "
+                                  "(its listener's backlog of queued connections).", labels=["limit"])
+        for v, n in limited.items():
             fam.add_metric([v], n)
         yield fam
         yield CounterMetricFamily("tsor_tcp_warm_setups_total", "tcp-path connections whose set-up started "

@@ -50,6 +50,11 @@ from dataclasses import dataclass
 from tsor import protocol
 from tsor.addr import Endpoint, family_of, unmapped
 
+# What a listening sandbox answers an offer when its listener's backlog is full (tsor/sandbox.py):
+# FULL, not taken (from tsord: the connection then goes native, into the kernel's accept queue);
+# OVER, over a direct channel: taken, and the client told to connect through tsord from now on
+FULL, OVER = "full", "over"
+
 log = logging.getLogger("quark.tsor")
 TALLY_S = 0.05
 MAX_NATIVE = 4096   # cached fallback answers per sandbox
@@ -136,7 +141,9 @@ class _Channel:
 
 class ClientChannel(_Channel):
     """The connecting sandbox's end: sends `incoming` offers. An offer is not waited for: the
-    listening supervisor answers only a refusal, naming the address, and the route to it is dropped."""
+    listening supervisor answers only a refusal, or that the listener's backlog is full (the offer
+    taken all the same), naming the address, and the route to it is dropped: the next connect asks
+    tsord, which sends what the backlog cannot take native, into the kernel's accept queue."""
 
     def __init__(self, loop, sock: socket.socket, on_eof: Callable[[_Channel], None],
                  on_refused: Callable[[Endpoint], None]) -> None:
@@ -152,7 +159,7 @@ class ClientChannel(_Channel):
     def record(self, mid: int, msg: object, fds: list[int]) -> None:
         for fd in fds:
             os.close(fd)
-        if isinstance(msg, dict) and msg.get("ok") is False:
+        if isinstance(msg, dict) and (msg.get("ok") is False or msg.get("full") is True):
             local = msg.get("local")
             if isinstance(local, list) and len(local) == 2 and isinstance(local[0], str):
                 self.on_refused((unmapped(local[0]), local[1]))
@@ -180,7 +187,11 @@ class ServedChannel(_Channel):
         finally:
             for fd in fds:
                 os.close(fd)
-        if isinstance(msg, protocol.Incoming) and not ok:   # a taken offer is not answered
+        if not isinstance(msg, protocol.Incoming) or ok is True:   # a taken offer is not answered
+            return
+        if ok == OVER:   # taken, but the listener's backlog is full: connect through tsord for now
+            self.send(protocol.reply(mid, ok=True, full=True, local=msg.local))
+        else:
             self.send(protocol.reply(mid, ok=False, local=msg.local))
 
 
@@ -327,15 +338,15 @@ class PeerLinks:
             del self.channels[name]
 
     # ---- listening -------------------------------------------------------------------------------
-    def _take(self, msg: protocol.Incoming, fd: int) -> bool:
+    def _take(self, msg: protocol.Incoming, fd: int) -> bool | str:
         ip = unmapped(msg.local[0])
         if ip not in self.own_addrs or family_of(ip) != family_of(msg.peer[0]):
             return False
-        if self.take(msg, fd):
+        taken = self.take(msg, fd)
+        if taken is True or taken == OVER:
             self.incoming += 1
             self._tally_soon()
-            return True
-        return False
+        return taken
 
     # ---- counts for tsord's metrics --------------------------------------------------------------
     def _tally_soon(self) -> None:

@@ -22,7 +22,7 @@ from typing import Callable
 from tsor import DEFAULT_SOCKET, SOCKET_ANNOTATION, _sys, local_path_marker, protocol, sockopt_offload
 from tsor.addr import Endpoint, family_of, unmapped
 from tsor.errors import ProtocolError
-from tsor.peers import PeerLinks
+from tsor.peers import FULL, OVER, PeerLinks
 from tsor.sockopt_offload import Offload
 
 log = logging.getLogger("quark.tsor")
@@ -181,7 +181,8 @@ class TsordClient:
             os.close(extra)
         ok = handler(msg, fds[0])
         os.close(fds[0])
-        self._send_reply(protocol.reply(mid, ok=ok))
+        # FULL: the listener's backlog of queued connections is full (tsord counts it, then native)
+        self._send_reply(protocol.reply(mid, ok=ok is True, **({"full": True} if ok == FULL else {})))
 
     def _send_reply(self, data: bytes) -> None:
         try:
@@ -230,6 +231,12 @@ class Queued:
     local: Endpoint
     path: str
     bell: socket.socket | None = None   # the doorbell connection that made the listener readable
+    token: int = 0                      # the listener's
+
+
+# past a listener's backlog, over a direct channel (whose client gave the application its
+# connection already) an offer is still taken, up to DIRECT_SLACK more (OVER, tsor/peers.py)
+DIRECT_SLACK = 1024
 
 
 @dataclass
@@ -245,6 +252,9 @@ class Listener:
     v6only: bool
     pid: int                 # where it was seen, to check it is still open cheaply
     fd: int
+    # the kernel's effective backlog (listen's, capped at the namespace's somaxconn): at most this
+    # many + 1 TSoR connections wait in its queue, as the kernel holds its accept queue to
+    backlog: int = 4096
 
 
 def _local_path(tsord_socket: str) -> str:
@@ -382,7 +392,11 @@ class SandboxNet:
             return True
         return lst.token in _sys.socket_inodes(self.pids())
 
-    def _incoming(self, msg: protocol.Incoming, fd: int) -> bool:
+    def _incoming(self, msg: protocol.Incoming, fd: int, direct: bool = False) -> bool | str:
+        """Take an offered connection for a listener: True; False: not (the listener is gone, the
+        doorbell failed); FULL: its backlog of connections the application has not accepted is full,
+        so this one goes native, where the kernel's accept queue decides as it does for TCP; OVER
+        (`direct`: over a peer channel): taken past the backlog (see FULL, OVER)."""
         lst = self.listeners.get(msg.token)
         if lst is None or not self._alive(lst):
             if lst is not None:
@@ -393,6 +407,10 @@ class SandboxNet:
                 os.write(fd, b"\x01")
             if self._hand_to_waiting(lst.token, msg, fd):
                 return True
+            queued = sum(1 for q in self.bells.values() if q.token == lst.token)
+            if queued > lst.backlog + (DIRECT_SLACK if direct else 0):
+                log.debug("listener %s:%d: backlog of %d full", *msg.local, lst.backlog)
+                return FULL
             target = (msg.local[0], msg.local[1])
             bell = self._bell_socket(family_of(target[0]))
             err = bell.connect_ex(target)
@@ -403,8 +421,8 @@ class SandboxNet:
         except OSError as e:
             log.warning("doorbell for %s:%d failed: %s", msg.local[0], msg.local[1], e)
             return False
-        self.bells[key] = Queued(os.dup(fd), msg.peer, msg.local, msg.path, bell)
-        return True
+        self.bells[key] = Queued(os.dup(fd), msg.peer, msg.local, msg.path, bell, lst.token)
+        return OVER if direct and queued >= lst.backlog else True
 
     def accept_waiting(self, token: int, take: Callable[[Queued], bool]) -> Callable[[], None]:
         """A blocking accept waits on listener `token`: `take(queued)` hands it a connection (True:
@@ -440,7 +458,7 @@ class SandboxNet:
         bell.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
         return bell
 
-    def _incoming_direct(self, msg: protocol.Incoming, fd: int) -> bool:
+    def _incoming_direct(self, msg: protocol.Incoming, fd: int) -> bool | str:
         """An offer over a direct channel: as tsord's, once the listener is checked to cover the
         address and port (tsord checked that itself for its offers)."""
         lst = self.listeners.get(msg.token)
@@ -452,7 +470,7 @@ class SandboxNet:
                 return False
         elif ip != dst:
             return False
-        return self._incoming(msg, fd)
+        return self._incoming(msg, fd, direct=True)
 
     def take_bell(self, peer: Endpoint) -> Queued | None:
         """The TSoR connection whose doorbell came from `peer`, if that accepted connection is one."""
@@ -503,3 +521,4 @@ def _is_any(ip: str) -> bool:
 
 def _ep(addr: tuple) -> Endpoint:
     return (unmapped(addr[0]), addr[1])
+
