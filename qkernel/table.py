@@ -161,7 +161,9 @@ _SOL_SOCKET = 1
 _SOCKOPTS = ArgMatch(
     tuple(((1, level),) for level in tsor.EMULATED_LEVELS)
     + tuple(((1, _SOL_SOCKET), (2, opt)) for opt in tsor.RECORDED_SOCKET_OPTS + tsor.UNIX_REFUSED_SOCKET_OPTS),
-    "level is IPPROTO_IP/TCP/IPV6, or SOL_SOCKET with SO_TYPE/PROTOCOL/DOMAIN/REUSEPORT/ZEROCOPY/TXTIME")
+    "level is IPPROTO_IP/TCP/IPV6, or SOL_SOCKET with SO_TYPE/PROTOCOL/DOMAIN/REUSEPORT/ZEROCOPY/TXTIME "
+    "or a credential option (SO_PASSCRED, SO_PEERCRED, SO_PEERSEC, SO_PASSSEC, SO_PASSPIDFD, SO_PEERPIDFD, "
+    "SO_PASSRIGHTS)")
 # With the option offload (tsor/sockopt_offload.py), get/setsockopt(IPPROTO_TCP) is trapped for every
 # option but TCP_NODELAY (1) and TCP_CORK (3), which cgroup BPF programs answer on local-path sockets
 # (and the kernel itself on TCP ones): optname < 1, == 2, > 3; setsockopt of 1 and 3 also with an

@@ -23,6 +23,9 @@ SOCKET_ANNOTATION = "io.quark.tsor.socket"
 # application made), and the SOL_SOCKET options AF_UNIX refuses but TCP accepts (SO_REUSEPORT,
 # SO_ZEROCOPY, SO_TXTIME). tsor/intercept.py answers them; QKernel's filter traps get/setsockopt
 # for these only (qkernel/table.py), so every other option runs natively.
+# The credential options (SO_PASSCRED, SO_PEERCRED, SO_PEERSEC, SO_PASSSEC, SO_PASSPIDFD,
+# SO_PEERPIDFD, SO_PASSRIGHTS) are TCP's too, never the AF_UNIX end's: on it they would hand the peer
+# pod this pod's credentials, or read tsord's as the peer's.
 EMULATED_LEVELS = (0, 6, 41)
 RECORDED_SOCKET_OPTS = (3, 38, 39)
-UNIX_REFUSED_SOCKET_OPTS = (15, 60, 61)
+UNIX_REFUSED_SOCKET_OPTS = (15, 60, 61) + (16, 17, 31, 34, 76, 77, 83)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
+import logging
 import socket
 import struct
 from typing import Iterator
@@ -182,3 +183,25 @@ def peer_pid(sock: socket.socket) -> int:
     """SO_PEERCRED's pid: who is on the other end of a unix socket (the kernel says, not the peer)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[0]
+
+
+SO_PASSRIGHTS = 83   # Linux 6.16: 0 refuses SCM_RIGHTS sent to this socket (the sender gets EPERM)
+_no_passrights = False
+
+
+def refuse_rights(*socks: socket.socket) -> bool:
+    """No fd crosses these AF_UNIX ends (a local-path socketpair between two pods): TCP carries none.
+    False where the kernel has no SO_PASSRIGHTS (before 6.16), where nothing stops SCM_RIGHTS."""
+    global _no_passrights
+    if _no_passrights:
+        return False
+    try:
+        for s in socks:
+            s.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
+    except OSError as e:
+        _no_passrights = True
+        logging.getLogger("tsor").warning(
+            "this kernel has no SO_PASSRIGHTS (%s; Linux 6.16): a pod can pass an open fd to another pod over "
+            "the socketpair local path (SECURITY.md); local_path: sockmap carries none", e.strerror)
+        return False
+    return True

@@ -17,8 +17,10 @@ from tsor.metrics import fetch, parse
 CLIENT = r"""
 import socket, struct, os
 def kind(s):
-    uid = struct.unpack('3i', s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-    return 'AF_UNIX underneath (TSoR local path)' if uid != -1 else 'kernel TCP'
+    # a kernel TCP socket of this pod is listed in /proc/net/tcp by its inode; a TSoR end is not
+    ino = str(os.fstat(s.fileno()).st_ino)
+    tcp = any(l.split()[9] == ino for t in ('/proc/net/tcp', '/proc/net/tcp6') for l in open(t).readlines()[1:])
+    return 'kernel TCP' if tcp else 'AF_UNIX underneath (TSoR local path)'
 s = socket.create_connection(('{ip}', 8080), timeout=5)
 s.sendall(b'GET / HTTP/1.0\r\n\r\n'); reply = s.recv(100).split(b'\r\n')[0].decode()
 print(f'client -> server {ip}:8080   {{reply}}; getpeername={{s.getpeername()}}; {{kind(s)}}')

@@ -305,6 +305,89 @@ def test_a_listener_that_does_not_accept_holds_its_backlog_and_no_more(bed, runt
         bed.stop(runtime, f"{tag}-srv")
 
 
+ANCILLARY_COMMON = r"""
+import array, errno, json, os, socket, struct, sys
+def attempt(f):
+    try:
+        r = f()
+        return r if isinstance(r, int) else list(r) if isinstance(r, tuple) else r
+    except OSError as e:
+        return errno.errorcode[e.errno]
+def options(s):
+    return {"passcred_set": attempt(lambda: s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1) or 0),
+            "passcred": attempt(lambda: s.getsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED)),
+            "peercred": attempt(lambda: struct.unpack("iII", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))),
+            "passrights": attempt(lambda: s.getsockopt(socket.SOL_SOCKET, 83))}
+"""
+ANCILLARY_SERVER = ANCILLARY_COMMON + r"""
+ip, tag = sys.argv[1], sys.argv[2]
+l = socket.socket(); l.bind((ip, 7310)); l.listen(4)
+open(f"/out/{tag}-ready", "w").close()
+s, _ = l.accept()
+res = options(s)
+data, anc, fds = b"", [], 0
+while len(data) < 6:
+    d, a, _, _ = s.recvmsg(64, 4096)
+    if not d:
+        break
+    data += d
+    for level, kind, payload in a:
+        anc.append([level, kind])
+        if kind == socket.SCM_RIGHTS:
+            for fd in array.array("i", payload[:len(payload) - len(payload) % 4]):
+                fds += 1
+                os.close(fd)
+res.update(data=data.decode(), ancillary=anc, fds=fds)
+json.dump(res, open(f"/out/{tag}-srv.json", "w"))
+"""
+ANCILLARY_CLIENT = ANCILLARY_COMMON + r"""
+ip, tag = sys.argv[1], sys.argv[2]
+c = socket.create_connection((ip, 7310))
+res = options(c)
+creds = struct.pack("iII", os.getpid(), os.getuid(), os.getgid())
+res["creds"] = attempt(lambda: c.sendmsg([b"one"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)]))
+fd = os.open("/etc/hostname", os.O_RDONLY)
+res["rights"] = attempt(lambda: c.sendmsg([b"two"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]))
+if res["rights"] != 3:
+    c.sendall(b"two")
+json.dump(res, open(f"/out/{tag}-cli.json", "w"))
+c.close()
+"""
+
+
+def test_no_fd_or_credentials_cross_between_pods_and_their_options_answer_as_tcp(bed):
+    """TCP carries no SCM_RIGHTS or SCM_CREDENTIALS (its sendmsg drops them) and its credential options
+    say so; the local path's AF_UNIX ends would carry both. The same client and server under runc and
+    under quark: what the server receives (data, no ancillary data, no fd) and every option's answer
+    on both sides are runc's. Where runc's sendmsg with SCM_RIGHTS returns its byte count, quark's
+    fails EPERM (the receiving end refuses fds: SO_PASSRIGHTS, Linux 6.16); that errno is what is
+    left of issue 35 item 1."""
+    got = {}
+    for runtime in ("runc", "quark"):
+        tag = f"anc{runtime[0]}"
+        pod_s, pod_c = bed.node_a.pod(f"{tag}s"), bed.node_a.pod(f"{tag}c")
+        bed.start(runtime, f"{tag}-srv", bed.bundle(f"{tag}-srv", ["python3", "-c", ANCILLARY_SERVER, pod_s.ip, tag], pod_s))
+        try:
+            wait_file(bed.out(f"{tag}-ready"))
+            before = local_connections(bed.node_a)
+            r = bed.run(runtime, f"{tag}-cli", timeout=60, bundle=bed.bundle(
+                f"{tag}-cli", ["python3", "-c", ANCILLARY_CLIENT, pod_s.ip, tag], pod_c))
+            assert r.returncode == 0, r.stderr
+            wait_file(bed.out(f"{tag}-srv.json"))
+            with open(bed.out(f"{tag}-srv.json")) as f, open(bed.out(f"{tag}-cli.json")) as g:
+                got[runtime] = json.load(f), json.load(g)
+            if runtime == "quark":
+                assert local_connections(bed.node_a) >= before + 1   # it took the local path
+        finally:
+            bed.stop(runtime, f"{tag}-srv")
+    (srv_runc, cli_runc), (srv_quark, cli_quark) = got["runc"], got["quark"]
+    assert srv_runc["data"] == "onetwo" and srv_runc["fds"] == 0 and srv_runc["ancillary"] == []
+    assert srv_quark == srv_runc                       # no fd, no credentials; the options as TCP's
+    rights = cli_quark.pop("rights"), cli_runc.pop("rights")
+    assert cli_quark == cli_runc                       # SO_PASSCRED, SO_PEERCRED, SCM_CREDENTIALS sent
+    assert rights[1] == 3 and rights[0] in (3, "EPERM")
+
+
 def test_a_tsor_peer_wakes_a_hibernated_server(bed):
     """Wake-on-connect through TSoR's local path: the connection is held while the server is
     frozen (its doorbell waits in the listener's accept queue) and completes once it runs."""

@@ -30,12 +30,18 @@ SO_DOMAIN, SO_PROTOCOL = 39, 38
 
 
 def real_kind(fd: int) -> str:
-    # SO_PEERCRED has the peer's credentials on an AF_UNIX socket (tsord's: uid 0) and uid -1 on
-    # TCP; quark passes SOL_SOCKET options through, so this tells what the kernel really holds.
-    s = socket.socket(fileno=os.dup(fd))
-    with s:
-        uid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-    return "tcp" if uid == -1 else "unix"
+    # What the kernel really holds: a TCP socket of this pod's network namespace is listed in
+    # /proc/net/tcp(6) by its inode; a local-path end (AF_UNIX, made in tsord's namespace) is not.
+    # (Not SO_PEERCRED, which quark answers as TCP does on every TSoR socket.)
+    ino = os.fstat(fd).st_ino
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                if any(line.split()[9] == str(ino) for line in f.readlines()[1:]):
+                    return "tcp"
+        except OSError:
+            pass
+    return "unix"
 
 
 # ---- server --------------------------------------------------------------------------------------
