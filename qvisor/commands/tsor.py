@@ -65,7 +65,9 @@ def status(args: argparse.Namespace) -> int:
     summary = {"sandboxes": int(values.get("tsor_sandboxes", 0)), "pods": int(values.get("tsor_pods", 0)),
                "listeners": int(values.get("tsor_listeners", 0)),
                "protocol_errors": int(values.get("tsor_protocol_errors_total", 0)),
-               "refused": int(values.get("tsor_refused_total", 0))}
+               "refused": int(values.get("tsor_refused_total", 0)),
+               # connections sent native by tsord's per-sandbox bounds (tsor_limited_total, any limit)
+               "limited": int(sum(v for k, v in values.items() if k.startswith("tsor_limited_total{")))}
     if args.format == "json":
         print(json.dumps({"paths": rows, "rdma_links": links, "foreign_policies": foreign, **summary}, indent=2))
         return 0

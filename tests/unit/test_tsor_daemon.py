@@ -479,6 +479,7 @@ def test_quark_tsor_status_prints_the_counters(node, tmp_path, capsys):
     by_path = {r["path"]: r for r in out["paths"]}
     assert by_path["local"]["connections"] == 1 and by_path["fallback"]["connections"] == 1
     assert out["sandboxes"] == 2 and out["listeners"] == 1
+    assert out["limited"] == 0 and out["foreign_policies"] == []
     assert cmd.run(argparse.Namespace(metrics=f"unix:{m}", config="", format="table")) == 0
     assert capsys.readouterr().out.splitlines()[0].split()[:2] == ["PATH", "CONNECTIONS"]
 
