@@ -1,6 +1,8 @@
 /* 64-byte TCP ping-pong and connection set-up timing for bench/tsor.py.
  *   pingpong server PORT                 echo 64-byte messages, one thread per connection
  *   pingpong rtt IP PORT N               N round trips on one connection: prints p50 p99 (us)
+ *   pingpong rttmsg IP PORT N            the same, the client sending with sendmsg (as memcached's
+ *                                        replies go): what a trapped sendmsg costs a TSoR sandbox
  *   pingpong connect IP PORT N           N x (connect, 1-byte echo, close): prints p50 p99 (us)
  */
 #include <arpa/inet.h>
@@ -11,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -23,6 +26,17 @@ static double now_us(void) {
 static int cmp(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
+}
+
+static int sendmsg_all(int fd, char *buf, int n) {
+    for (int done = 0; done < n;) {
+        struct iovec iov = {buf + done, (size_t)(n - done)};
+        struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1};
+        int r = sendmsg(fd, &m, 0);
+        if (r <= 0) return -1;
+        done += r;
+    }
+    return 0;
 }
 
 static int full(int fd, char *buf, int n, int rd) {
@@ -71,11 +85,14 @@ int main(int argc, char **argv) {
     int n = atoi(argv[4]), port = atoi(argv[3]);
     double *lat = calloc(n, sizeof *lat);
     char buf[64] = {0};
-    if (!strcmp(argv[1], "rtt")) {
-        int fd = dial(argv[2], port);
+    if (!strcmp(argv[1], "rtt") || !strcmp(argv[1], "rttmsg")) {
+        int fd = dial(argv[2], port), with_msg = !strcmp(argv[1], "rttmsg");
         for (int i = 0; i < n + 1000; i++) {   /* 1000 warm-up round trips */
             double t0 = now_us();
-            if (full(fd, buf, 64, 0) < 0 || full(fd, buf, 64, 1) < 0) { perror("rtt"); return 1; }
+            if ((with_msg ? sendmsg_all(fd, buf, 64) : full(fd, buf, 64, 0)) < 0 || full(fd, buf, 64, 1) < 0) {
+                perror("rtt");
+                return 1;
+            }
             if (i >= 1000) lat[i - 1000] = now_us() - t0;
         }
     } else {

@@ -60,10 +60,11 @@ GOALS = {"iperf3_gbps": (">=", 2.0), "rtt_p50_us": ("<=", 0.75), "redis_c50_rps"
          "rdma_iperf3_gbps": (">=", 0.5), "rdma_setup_p50_us": ("<=", 1.0)}
 NGINX_NO_CORK = False   # --nginx-no-cork
 TWO_NODE_REDIS_REQUESTS = 100000   # --redis-requests
-PARTS = ("iperf3", "rtt", "pinned", "redis", "setup", "nginx", "two_nodes", "rdma", "fallback")
+PARTS = ("iperf3", "rtt", "rtt_sendmsg", "pinned", "redis", "setup", "nginx", "two_nodes", "rdma", "fallback")
 # (section, key, label, unit, higher is better): the rows of the report and the bars of the chart, in order
 METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
            ("one_node", "rtt_p50_us", "64 B RTT p50", "us", False),
+           ("one_node", "rtt_sendmsg_p50_us", "64 B RTT p50, client's sendmsg", "us", False),
            ("one_node", "rtt_same_cpu_p50_us", "RTT p50, both on CPU 0", "us", False),
            ("one_node", "rtt_cross_cpu_p50_us", "RTT p50, CPUs 0 and 1", "us", False),
            ("one_node", "redis_c50_rps", "redis -c 50", "req/s", True),
@@ -208,7 +209,7 @@ def one_node(runtime: str, pp: str, tag: str, parts: set[str], local_path: str |
         if "iperf3" in parts:
             bed.start(runtime, "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], srv, tsor=tsor))
             ports.append(5201)
-        if parts & {"rtt", "setup"}:
+        if parts & {"rtt", "rtt_sendmsg", "setup"}:
             bed.start(runtime, "pp-s", bed.bundle("pp-s", [pp, "server", "7001"], srv, tsor=tsor))
             ports.append(7001)
         if "pinned" in parts:       # its per-connection threads inherit CPU 0
@@ -234,6 +235,9 @@ def one_node(runtime: str, pp: str, tag: str, parts: set[str], local_path: str |
         if "rtt" in parts:
             p50, p99 = map(float, client(bed, runtime, "rtt", cli, f"{pp} rtt {srv.ip} 7001 20000").split())
             res["rtt_p50_us"], res["rtt_p99_us"] = p50, p99
+        if "rtt_sendmsg" in parts:   # every sendmsg of a TSoR sandbox is trapped (qkernel/syscalls/sys_sendmsg.py)
+            p50, p99 = map(float, client(bed, runtime, "rttmsg", cli, f"{pp} rttmsg {srv.ip} 7001 20000").split())
+            res["rtt_sendmsg_p50_us"], res["rtt_sendmsg_p99_us"] = p50, p99
         if "pinned" in parts:
             # the server's end on CPU 0; the client's on CPU 0 (same) or 1 (cross): placement like for like
             for place, cpu in (("same_cpu", 0), ("cross_cpu", 1)):

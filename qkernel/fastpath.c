@@ -13,6 +13,14 @@
  * notification is copied to the caller and qfp_serve returns: Python dispatches it as before.
  * Anything unexpected (a bad pointer, a table miss) also goes to Python, which knows every rule.
  *
+ * sendmsg/sendmmsg are trapped in a sandbox TSoR serves only for what a local-path end (an AF_UNIX
+ * socket underneath, where TCP has none) would carry and TCP does not: file descriptors and
+ * credentials in a control buffer. Here every call on any other fd, and every sendmsg on an end
+ * without a control buffer, is let through at once (CONTINUE); the rest goes to Python, which sends
+ * the bytes and drops the control as TCP does. The inodes of the ends are a second table (qfp_end_*).
+ * A thread that rewrites its msghdr between this check and the kernel's own read of it meets the
+ * ends' SO_PASSRIGHTS 0 (EPERM, Linux 6.16+): never an fd across.
+ *
  * qfp_held_elsewhere() is TSoR's check before it swaps a connecting socket (tsor/_sys.py has the
  * same in Python): one readlink per fd of the task and a read of each epoll set's fdinfo, a
  * third of the connect handler's time in Python when the task holds a few dozen fds (wrk).
@@ -39,6 +47,8 @@
 struct entry { uint64_t ino; int32_t nodelay, cork; };
 
 static struct entry table[CAPACITY];
+static struct entry ends[CAPACITY];  /* local-path ends: only .ino is used */
+static int nr_sendmsg = -1, nr_sendmmsg = -1;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int nr_setsockopt = -1;
 static uint32_t audit_arch;
@@ -49,17 +59,47 @@ static uint64_t answered;           /* calls answered here (tests and `quark` di
 #define SECCOMP_IOCTL_NOTIF_SEND _IOWR('!', 1, struct seccomp_notif_resp)
 #define SECCOMP_IOCTL_NOTIF_ID_VALID _IOW('!', 2, __u64)
 #endif
+#ifndef SECCOMP_USER_NOTIF_FLAG_CONTINUE
+#define SECCOMP_USER_NOTIF_FLAG_CONTINUE (1UL << 0)
+#endif
 
-static struct entry *find(uint64_t ino, int for_insert) {
+static struct entry *find_in(struct entry *t, uint64_t ino, int for_insert) {
     uint64_t h = (ino * 0x9E3779B97F4A7C15ull) >> 48;
     struct entry *grave = NULL;
     for (int i = 0; i < CAPACITY; i++) {
-        struct entry *e = &table[(h + i) & (CAPACITY - 1)];
+        struct entry *e = &t[(h + i) & (CAPACITY - 1)];
         if (e->ino == ino) return e;
         if (e->ino == TOMBSTONE) { if (!grave) grave = e; continue; }
         if (e->ino == EMPTY) return for_insert ? (grave ? grave : e) : NULL;
     }
     return for_insert ? grave : NULL;
+}
+
+static struct entry *find(uint64_t ino, int for_insert) { return find_in(table, ino, for_insert); }
+
+void qfp_init_send(int sendmsg_nr, int sendmmsg_nr) { nr_sendmsg = sendmsg_nr; nr_sendmmsg = sendmmsg_nr; }
+
+/* 0 recorded; -1 the table is full (Python then answers that end's sendmsg calls itself). */
+int qfp_end_add(uint64_t ino) {
+    pthread_mutex_lock(&lock);
+    struct entry *e = find_in(ends, ino, 1);
+    if (e) e->ino = ino;
+    pthread_mutex_unlock(&lock);
+    return e ? 0 : -1;
+}
+
+void qfp_end_remove(uint64_t ino) {
+    pthread_mutex_lock(&lock);
+    struct entry *e = find_in(ends, ino, 0);
+    if (e) e->ino = TOMBSTONE;
+    pthread_mutex_unlock(&lock);
+}
+
+static int is_end(uint64_t ino) {
+    pthread_mutex_lock(&lock);
+    int found = find_in(ends, ino, 0) != NULL;
+    pthread_mutex_unlock(&lock);
+    return found;
 }
 
 void qfp_init(int setsockopt_nr, uint32_t arch) { nr_setsockopt = setsockopt_nr; audit_arch = arch; }
@@ -108,9 +148,31 @@ static uint64_t socket_inode(uint32_t pid, int fd) {
     return strtoull(link + 8, NULL, 10);
 }
 
+static int let_through(int listener, struct seccomp_notif *n) {
+    struct seccomp_notif_resp r = {.id = n->id, .flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE};
+    if (ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, &r) == 0) __atomic_add_fetch(&answered, 1, __ATOMIC_RELAXED);
+    return 1;
+}
+
+/* sendmsg/sendmmsg: 1 let through here; 0 for Python (an end's call with a control buffer, any
+ * sendmmsg on an end, anything unreadable). */
+static int try_send(int listener, struct seccomp_notif *n) {
+    int fd = (int)n->data.args[0];
+    uint64_t ino = fd >= 0 ? socket_inode(n->pid, fd) : 0;
+    if (!ino || !is_end(ino)) return let_through(listener, n);
+    if (n->data.nr != nr_sendmsg) return 0;
+    uint64_t controllen;   /* struct msghdr's msg_controllen, at 40 on 64-bit */
+    struct iovec local = {&controllen, sizeof controllen};
+    struct iovec remote = {(void *)(uintptr_t)(n->data.args[1] + 40), sizeof controllen};
+    if (process_vm_readv((pid_t)n->pid, &local, 1, &remote, 1, 0) != sizeof controllen) return 0;
+    return controllen == 0 ? let_through(listener, n) : 0;
+}
+
 /* 1 answered here; 0 for Python. */
 static int try_answer(int listener, struct seccomp_notif *n) {
-    if (n->data.nr != nr_setsockopt || n->data.arch != audit_arch) return 0;
+    if (n->data.arch != audit_arch) return 0;
+    if ((int)n->data.nr == nr_sendmsg || (int)n->data.nr == nr_sendmmsg) return try_send(listener, n);
+    if (n->data.nr != nr_setsockopt) return 0;
     int fd = (int)n->data.args[0], level = (int)n->data.args[1], opt = (int)n->data.args[2];
     if (fd < 0 || level != 6 /* IPPROTO_TCP */ || (opt != 1 && opt != 3)) return 0;
     uint64_t ino = socket_inode(n->pid, fd);

@@ -1,6 +1,7 @@
 """The compiled fast path (qkernel/fastpath.c), loaded with ctypes: the seccomp receiver loop that
-answers TCP_NODELAY/TCP_CORK on TSoR's local-path sockets without Python, and TSoR's connect-time
-check that a socket is not also held elsewhere in the task.
+answers TCP_NODELAY/TCP_CORK on TSoR's local-path sockets without Python and lets every sendmsg
+through that carries nothing TCP would drop, and TSoR's connect-time check that a socket is not
+also held elsewhere in the task.
 
 `make install` builds qkernel/_fastpath.so (gcc). Without it, or when it is older than its source,
 `load()` answers None and every trapped call goes through Python as before: same answers, slower.
@@ -33,14 +34,25 @@ class FastPath:
         lib.qfp_set.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
         lib.qfp_remove.argtypes = [ctypes.c_uint64]
         lib.qfp_init.argtypes = [ctypes.c_int, ctypes.c_uint32]
+        lib.qfp_init_send.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.qfp_end_add.argtypes = [ctypes.c_uint64]
+        lib.qfp_end_remove.argtypes = [ctypes.c_uint64]
         lib.qfp_answered.restype = ctypes.c_uint64
         lib.qfp_held_elsewhere.argtypes = [ctypes.c_uint32, ctypes.c_int, ctypes.c_uint64]
         lib.qfp_sockopts.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_void_p]
         lib.qfp_sockopts.restype = None
 
-    def init(self, setsockopt_nr: int, audit_arch: int) -> None:
+    def init(self, setsockopt_nr: int, audit_arch: int, sendmsg_nr: int = -1, sendmmsg_nr: int = -1) -> None:
         self._lib.qfp_init(setsockopt_nr, audit_arch)
+        self._lib.qfp_init_send(sendmsg_nr, sendmmsg_nr)
+
+    # The local-path ends (by socket inode): their sendmsg calls with a control buffer go to Python.
+    def end_add(self, inode: int) -> bool:
+        return self._lib.qfp_end_add(inode) == 0
+
+    def end_remove(self, inode: int) -> None:
+        self._lib.qfp_end_remove(inode)
 
     def serve(self, listener: int) -> sn.SeccompNotif:
         """The next notification Python must answer (the fast ones are answered inside). Raises

@@ -29,7 +29,7 @@ _FLAGS = {"SECCOMP_FILTER_FLAG_TSYNC": seccomp.Attr.CTL_TSYNC,
 
 def install_filter(oci_seccomp, platform: str, no_new_privileges: bool, sockets: bool,
                    caps: frozenset[str] = frozenset(), own_namespaces: frozenset[str] = frozenset(),
-                   sockopt_offload: bool = False, sockmap: bool = False) -> int | None:
+                   sockopt_offload: bool = False, sockmap: bool = False, channel_fd: int | None = None) -> int | None:
     """Install quark's filter, then the bundle's; return the listener fd (seccomp) or None (ptrace).
 
     Called in the container process right before execve. Without no_new_privileges the process
@@ -37,13 +37,15 @@ def install_filter(oci_seccomp, platform: str, no_new_privileges: bool, sockets:
     sandbox is served by TSoR, so its socket calls are trapped (otherwise they all run natively).
     `sockopt_offload`: TCP_NODELAY/TCP_CORK of its local-path sockets are the kernel's to answer
     (tsor/sockopt_offload.py), so setsockopt of those is not trapped. `sockmap`: TSoR serves it
-    with tsord's sockmap path, which traps only shutdown (qkernel/table.py says why).
+    with tsord's sockmap path, which traps only shutdown (qkernel/table.py says why). `channel_fd`:
+    the socket this process hands its listener to the supervisor on, with sendmsg, right after this
+    filter is loaded: its sendmsg must not wait for a supervisor that has no listener yet.
     `caps` (the process's bounding set) and `own_namespaces` (kinds the container has its own of)
     decide the capability grants of the table (table.Grant).
     """
     check_platform(platform)
     # Build both before loading either, so a bad bundle profile fails with nothing installed.
-    base = build_base_filter(platform, sockets, caps, own_namespaces, sockopt_offload, sockmap)
+    base = build_base_filter(platform, sockets, caps, own_namespaces, sockopt_offload, sockmap, channel_fd)
     bundle = build_bundle_filter(oci_seccomp) if oci_seccomp is not None else None
     for f in (base, bundle):
         if f is not None:
@@ -65,7 +67,8 @@ _COMPARE = {"lt": seccomp.LT, "gt": seccomp.GT}
 
 def build_base_filter(platform: str, sockets: bool = True, caps: frozenset[str] = frozenset(),
                       own_namespaces: frozenset[str] = frozenset(),
-                      sockopt_offload: bool = False, sockmap: bool = False) -> seccomp.SyscallFilter:
+                      sockopt_offload: bool = False, sockmap: bool = False,
+                      channel_fd: int | None = None) -> seccomp.SyscallFilter:
     arch = table.native_arch()
     if arch not in _ARCHES:
         raise FilterError(f"no syscall table for architecture {arch}")
@@ -82,7 +85,11 @@ def build_base_filter(platform: str, sockets: bool = True, caps: frozenset[str] 
             if (sc.tsor_only and not sockets) or (sc.sockmap_only and not sockmap):
                 continue
             only = sc.offloaded_only if sockopt_offload and sc.offloaded_only is not None else sc.only
-            if only is None:
+            if only is None and channel_fd is not None and sc.name == "sendmsg":
+                # every fd but the channel's (closed at exec; a later fd of that number escapes the
+                # trap, and SO_PASSRIGHTS on local-path ends still stops any fd there)
+                f.add_rule(trap, nr, seccomp.Arg(0, seccomp.NE, channel_fd))
+            elif only is None:
                 f.add_rule(trap, nr)
             for pattern in only.patterns if only is not None else ():
                 f.add_rule(trap, nr, *(seccomp.Arg(c[0], _COMPARE[c[2]] if len(c) > 2 else seccomp.EQ, c[1])

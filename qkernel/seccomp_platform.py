@@ -118,7 +118,9 @@ class SeccompPlatform:
             from qkernel import fastpath
             self._fast = fastpath.load() or False
             if self._fast:
-                self._fast.init(table.by_name()["setsockopt"].nr(self.kernel.arch), self.audit_arch)
+                names = table.by_name()
+                self._fast.init(names["setsockopt"].nr(self.kernel.arch), self.audit_arch,
+                                names["sendmsg"].nr(self.kernel.arch), names["sendmmsg"].nr(self.kernel.arch))
                 hooks.use_option_table(self._fast)
         threading.Thread(target=self._receive_loop, args=(fd,), name=f"qkernel-recv-{fd}", daemon=True).start()
 

@@ -82,6 +82,10 @@ class SocketHooks(Protocol):
     def listen(self, call: TrappedCall, fd: int, backlog: int) -> int | None:
         """listen(fd, backlog), carried out here (0) or failed (an errno)."""
 
+    def local_end(self, call: TrappedCall, fd: int) -> socket.socket | None:
+        """Our duplicate of the task's `fd` when it is a local-path end (an AF_UNIX socket standing
+        for TCP), else None. The caller closes it."""
+
     def shutdown(self, call: TrappedCall, fd: int, how: int) -> int | ConnectReply | None:
         """shutdown(fd, how), carried out here (0, or the reply `call.defer` gave, answered later) or
         failed (an errno)."""

@@ -363,7 +363,7 @@ def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserv
 
     def install_filter(no_new_privs: bool) -> None:
         fd = qkernel.install_filter(spec.linux.seccomp, platform, no_new_privs, caps=caps,
-                                    own_namespaces=spec.own_namespaces, **socket_filter)
+                                    own_namespaces=spec.own_namespaces, channel_fd=sock.fileno(), **socket_filter)
         if fd is not None:
             channel.send(sock, {"type": "listener", "t": time.monotonic()}, [fd])
             os.close(fd)

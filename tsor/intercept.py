@@ -104,6 +104,7 @@ class SocketIntercept:
         # AF_UNIX ends whose TCP_NODELAY/TCP_CORK the kernel answers (tsor/sockopt_offload.py): the
         # values live in each socket's own BPF storage
         self._offloaded: set[int] = set()
+        self._ends: set[int] = set()   # local-path ends in the fast path's table of ends
         net.on_forget = self._forget
 
     @property
@@ -126,6 +127,8 @@ class SocketIntercept:
         (offload), QKernel's compiled table, or (neither) the record."""
         if st.real_family != socket.AF_UNIX:
             return
+        if self.fast is not None and self.fast.end_add(ino):
+            self._ends.add(ino)   # its sendmsg calls with a control buffer reach Python (the rest: not)
         nodelay, cork = (struct.unpack_from("i", st.opts.get(key, b"\0\0\0\0"))[0] for key in _BOOLEAN_KEYS)
         if self.net.offload is not None and sock is not None:
             # the kernel's programs answer these on this end (the filter traps neither any more)
@@ -139,6 +142,9 @@ class SocketIntercept:
             st.opts.pop(key, None)
 
     def _forget(self, ino: int) -> None:
+        if ino in self._ends:
+            self._ends.discard(ino)
+            self.fast.end_remove(ino)
         if ino in self._tabled:
             self._tabled.discard(ino)
             self.fast.remove(ino)
@@ -153,6 +159,13 @@ class SocketIntercept:
 
     def close(self) -> None:
         self.net.close()
+
+    # ---- sendmsg (qkernel/syscalls/sys_sendmsg.py) ----------------------------------------------
+    def local_end(self, call: Call, fd: int) -> socket.socket | None:
+        ino, st = self._redirected(call, fd)
+        if st is None or st.real_family != socket.AF_UNIX:
+            return None
+        return _dup(call, fd, socket.AF_UNIX)
 
     # ---- shutdown (the sockmap path only) -----------------------------------------------------
     def shutdown(self, call: Call, fd: int, how: int) -> int | Reply | None:

@@ -14,6 +14,8 @@ accept(4)    on a listener the hooks announced: accepts on the supervisor's dupl
              and the call answered in one step (ADDFD_FLAG_SEND).
 getsockopt   only the levels the hooks may emulate are trapped (qkernel/table.py's _SOCKOPTS).
 setsockopt
+sendmsg      the bytes without the control buffer on a local-path end (sys_sendmsg.py); the compiled
+sendmmsg     fast path lets every other call through before it reaches Python
 """
 from __future__ import annotations
 
@@ -28,13 +30,15 @@ from collections.abc import Callable
 from qkernel.errors import MemoryFault, TaskGone
 from qkernel.request import Continue, Deferred, Errno, InstallFd, Request, Return
 from qkernel.sockets import SocketHooks
+from qkernel.syscalls import sys_sendmsg
 from qlib import procfs
 
 log = logging.getLogger("quark.qkernel")
 
 # Only the calls that may have to answer differently for a TSoR socket; socket, bind, shutdown,
 # sendmsg/recvmsg and friends always run natively (the socket underneath does the right thing).
-TRAPPED = ("connect", "listen", "accept", "accept4", "getsockname", "getpeername", "setsockopt", "getsockopt")
+TRAPPED = ("connect", "listen", "accept", "accept4", "getsockname", "getpeername", "setsockopt", "getsockopt",
+           "sendmsg", "sendmmsg")
 
 _MAX_OPT = 512   # the most of an option value read from the task
 
@@ -333,4 +337,6 @@ class _Accept:
 
 _HANDLERS = {"connect": _connect, "listen": _listen, "accept": _accept, "accept4": _accept,
              "getsockname": _getname, "getpeername": _getname,
-             "getsockopt": _getsockopt, "setsockopt": _setsockopt, "shutdown": _shutdown}
+             "getsockopt": _getsockopt, "setsockopt": _setsockopt, "shutdown": _shutdown,
+             "sendmsg": lambda req, hooks: sys_sendmsg.handle(req, hooks, _Call(req)),
+             "sendmmsg": lambda req, hooks: sys_sendmsg.handle(req, hooks, _Call(req))}

@@ -102,7 +102,8 @@ def child(argv: list[str], platform: str, sock: socket.socket, go: int, bundle, 
         os.read(go, 1)   # ptrace: wait until the harness has seized us
         # the filter a container with this process's capabilities and no namespace of its own gets:
         # no grant applies, and what is denied only to holders of a capability is denied
-        fd = qkernel.install_filter(bundle, platform, nnp, sockets=True, caps=_bounding_set())
+        fd = qkernel.install_filter(bundle, platform, nnp, sockets=True, caps=_bounding_set(),
+                                    channel_fd=sock.fileno())
         if fd is not None:
             socket.send_fds(sock, [b"L"], [fd])
             os.close(fd)

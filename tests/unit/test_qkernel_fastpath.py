@@ -1,6 +1,6 @@
 """QKernel's compiled fast path (qkernel/fastpath.c) against a real seccomp listener: the per-request
-TCP_CORK/TCP_NODELAY calls on a registered local-path socket are answered without Python; every
-other notification still reaches Python. No root needed (the child sets no_new_privs)."""
+TCP_CORK/TCP_NODELAY calls on a registered local-path socket are answered without Python, and so is
+every sendmsg that carries nothing TCP would drop; every other notification still reaches Python. No root needed (the child sets no_new_privs)."""
 from __future__ import annotations
 
 import errno
@@ -23,7 +23,8 @@ def fast():
     fp = fastpath.load()
     if fp is None:
         pytest.skip(f"{fastpath.LIBRARY} is not built (make install builds it with gcc)")
-    fp.init(table.by_name()["setsockopt"].nr(table.native_arch()), AUDIT_ARCH[table.native_arch()])
+    names, arch = table.by_name(), table.native_arch()
+    fp.init(names["setsockopt"].nr(arch), AUDIT_ARCH[arch], names["sendmsg"].nr(arch), names["sendmmsg"].nr(arch))
     return fp
 
 
@@ -52,24 +53,30 @@ def _child(chan: socket.socket) -> None:
     chan.send(json.dumps({"errors": errors, "other": other}).encode())
 
 
-def test_option_calls_on_registered_sockets_never_reach_python(fast):
+def _serve_child(fast, child_main, register, unregister, error: int):
+    """Fork `child_main(chan)`, which sends a JSON line naming its socket (`a`: its inode) and its
+    seccomp listener, then waits for b"g"; register `a` (`register(inode)`), serve the listener through
+    the fast path until the child is gone, answering what reaches Python with -`error`. Returns the
+    child's first message, its last (its results), the (nr, arg0, arg1, arg2) of each notification
+    Python saw, and how many the fast path answered."""
     # SEQPACKET: each send is one message (a stream could join the inode and the fd message)
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
         try:
             parent.close()
-            _child(child)
+            child_main(child)
         finally:
             os._exit(0)
     child.close()
-    ino = None
+    ino = listener = None
     try:
-        ino = json.loads(parent.recv(100))["a"]
+        first = json.loads(parent.recv(100))
+        ino = first["a"]
         _, fds, _, _ = socket.recv_fds(parent, 1, 1)
         listener = fds[0]
         before = fast.answered
-        assert fast.add(ino, False, False)
+        assert register(ino)
         parent.send(b"g")
         seen = []
         while True:
@@ -78,20 +85,71 @@ def test_option_calls_on_registered_sockets_never_reach_python(fast):
             except OSError as e:
                 assert e.errno == errno.ENOENT
                 break
-            seen.append((notif.data.args[1], notif.data.args[2]))
-            sn.send(listener, notif.id, error=-errno.EOPNOTSUPP)
-        result = json.loads(parent.recv(100))
+            seen.append((notif.data.nr, *notif.data.args[:3]))
+            sn.send(listener, notif.id, error=-error)
+        return first, json.loads(parent.recv(200)), seen, fast.answered - before
     finally:
         if os.waitpid(pid, os.WNOHANG)[0] == 0:   # never leave the child held in a trapped call
             os.kill(pid, 9)
             os.waitpid(pid, 0)
         if ino is not None:
-            fast.remove(ino)
+            unregister(ino)
+        if listener is not None:
+            os.close(listener)
         parent.close()
+
+
+def test_option_calls_on_registered_sockets_never_reach_python(fast):
+    _, result, seen, answered = _serve_child(fast, _child, lambda ino: fast.add(ino, False, False), fast.remove,
+                                             errno.EOPNOTSUPP)
+    seen = [(level, opt) for _, _, level, opt in seen]
     assert result == {"errors": 0, "other": errno.EOPNOTSUPP}
     assert seen == [(socket.IPPROTO_TCP, socket.TCP_NODELAY)]   # only the unregistered socket's call
-    assert fast.answered - before == CALLS + 1
-    os.close(listener)
+    assert answered == CALLS + 1
+
+
+def _sending_child(chan: socket.socket) -> None:
+    """Registered end `a`: CALLS x sendmsg without a control buffer, one with SCM_RIGHTS, one sendmmsg;
+    `c`, no end (say a UDP or another unix socket): a sendmsg with SCM_RIGHTS."""
+    import array
+    a, peer = socket.socketpair()
+    c, c_peer = socket.socketpair()
+    chan.send(json.dumps({"a": os.fstat(a.fileno()).st_ino, "fd": a.fileno()}).encode())
+    f = seccomp.SyscallFilter(seccomp.ALLOW)
+    f.add_rule(seccomp.NOTIFY, "sendmsg", seccomp.Arg(0, seccomp.NE, chan.fileno()))   # as qkernel's policy
+    f.add_rule(seccomp.NOTIFY, "sendmmsg")
+    f.load()
+    socket.send_fds(chan, [b"L"], [f.get_notify_fd()])
+    chan.recv(1)
+    sent = 0
+    for i in range(CALLS):
+        sent += a.sendmsg([b"x"])
+        if i % 50 == 49:
+            peer.recv(65536)   # (one-byte messages fill a unix socket's buffer in a few hundred)
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0]))]
+    results = []
+    for call in (lambda: a.sendmsg([b"y"], rights), lambda: c.sendmsg([b"z"], rights)):
+        try:
+            results.append(call())
+        except OSError as e:
+            results.append(-e.errno)
+    import ctypes   # (Python has no sendmmsg: libc's)
+    libc = ctypes.CDLL(None, use_errno=True)
+    results.append(libc.sendmmsg(a.fileno(), None, 0, 0))
+    results.append(-ctypes.get_errno() if results[-1] < 0 else 0)
+    chan.send(json.dumps({"sent": sent, "results": results}).encode())
+
+
+def test_sendmsg_without_a_control_buffer_or_not_on_an_end_never_reaches_python(fast):
+    first, result, seen, answered = _serve_child(fast, _sending_child, fast.end_add, fast.end_remove, errno.EPERM)
+    a_fd = first["fd"]
+    seen = [(nr, fd) for nr, fd, _, _ in seen]
+    names, arch = table.by_name(), table.native_arch()
+    # only the end's sendmsg with a control buffer, and its sendmmsg, reached Python
+    assert seen == [(names["sendmsg"].nr(arch), a_fd), (names["sendmmsg"].nr(arch), a_fd)]
+    assert result["sent"] == CALLS and result["results"][:2] == [-errno.EPERM, 1]   # (Python answered EPERM)
+    assert result["results"][2:] == [-1, -errno.EPERM]
+    assert answered == CALLS + 1
 
 
 def test_the_table_keeps_what_was_set_and_forgets_removed_sockets(fast):
