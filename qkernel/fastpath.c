@@ -19,7 +19,9 @@
  * without a control buffer, is let through at once (CONTINUE); the rest goes to Python, which sends
  * the bytes and drops the control as TCP does. The inodes of the ends are a second table (qfp_end_*).
  * A thread that rewrites its msghdr between this check and the kernel's own read of it meets the
- * ends' SO_PASSRIGHTS 0 (EPERM, Linux 6.16+): never an fd across.
+ * ends' SO_PASSRIGHTS 0 (EPERM, Linux 6.16+): never an fd across. Where the kernel has no
+ * SO_PASSRIGHTS (strict), every sendmsg on an end goes to Python, which sends it itself: no second
+ * read of the task's memory for a thread to race.
  *
  * qfp_held_elsewhere() is TSoR's check before it swaps a connecting socket (tsor/_sys.py has the
  * same in Python): one readlink per fd of the task and a read of each epoll set's fdinfo, a
@@ -49,6 +51,7 @@ struct entry { uint64_t ino; int32_t nodelay, cork; };
 static struct entry table[CAPACITY];
 static struct entry ends[CAPACITY];  /* local-path ends: only .ino is used */
 static int nr_sendmsg = -1, nr_sendmmsg = -1;
+static int ends_strict;              /* every sendmsg on an end to Python: the kernel cannot refuse fds */
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int nr_setsockopt = -1;
 static uint32_t audit_arch;
@@ -77,7 +80,9 @@ static struct entry *find_in(struct entry *t, uint64_t ino, int for_insert) {
 
 static struct entry *find(uint64_t ino, int for_insert) { return find_in(table, ino, for_insert); }
 
-void qfp_init_send(int sendmsg_nr, int sendmmsg_nr) { nr_sendmsg = sendmsg_nr; nr_sendmmsg = sendmmsg_nr; }
+void qfp_init_send(int sendmsg_nr, int sendmmsg_nr, int strict) {
+    nr_sendmsg = sendmsg_nr; nr_sendmmsg = sendmmsg_nr; ends_strict = strict;
+}
 
 /* 0 recorded; -1 the table is full (Python then answers that end's sendmsg calls itself). */
 int qfp_end_add(uint64_t ino) {
@@ -160,7 +165,7 @@ static int try_send(int listener, struct seccomp_notif *n) {
     int fd = (int)n->data.args[0];
     uint64_t ino = fd >= 0 ? socket_inode(n->pid, fd) : 0;
     if (!ino || !is_end(ino)) return let_through(listener, n);
-    if (n->data.nr != nr_sendmsg) return 0;
+    if (n->data.nr != nr_sendmsg || ends_strict) return 0;
     uint64_t controllen;   /* struct msghdr's msg_controllen, at 40 on 64-bit */
     struct iovec local = {&controllen, sizeof controllen};
     struct iovec remote = {(void *)(uintptr_t)(n->data.args[1] + 40), sizeof controllen};

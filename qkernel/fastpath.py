@@ -34,7 +34,7 @@ class FastPath:
         lib.qfp_set.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
         lib.qfp_remove.argtypes = [ctypes.c_uint64]
         lib.qfp_init.argtypes = [ctypes.c_int, ctypes.c_uint32]
-        lib.qfp_init_send.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.qfp_init_send.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.qfp_end_add.argtypes = [ctypes.c_uint64]
         lib.qfp_end_remove.argtypes = [ctypes.c_uint64]
         lib.qfp_answered.restype = ctypes.c_uint64
@@ -43,9 +43,12 @@ class FastPath:
                                      ctypes.c_void_p, ctypes.c_void_p]
         lib.qfp_sockopts.restype = None
 
-    def init(self, setsockopt_nr: int, audit_arch: int, sendmsg_nr: int = -1, sendmmsg_nr: int = -1) -> None:
+    def init(self, setsockopt_nr: int, audit_arch: int, sendmsg_nr: int = -1, sendmmsg_nr: int = -1,
+             strict: bool = False) -> None:
+        """`strict`: every sendmsg on a local-path end goes to Python (the kernel cannot make the ends
+        refuse fds, so none may be let through to a second read of the task's msghdr)."""
         self._lib.qfp_init(setsockopt_nr, audit_arch)
-        self._lib.qfp_init_send(sendmsg_nr, sendmmsg_nr)
+        self._lib.qfp_init_send(sendmsg_nr, sendmmsg_nr, int(strict))
 
     # The local-path ends (by socket inode): their sendmsg calls with a control buffer go to Python.
     def end_add(self, inode: int) -> bool:

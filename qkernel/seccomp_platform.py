@@ -120,7 +120,8 @@ class SeccompPlatform:
             if self._fast:
                 names = table.by_name()
                 self._fast.init(names["setsockopt"].nr(self.kernel.arch), self.audit_arch,
-                                names["sendmsg"].nr(self.kernel.arch), names["sendmmsg"].nr(self.kernel.arch))
+                                names["sendmsg"].nr(self.kernel.arch), names["sendmmsg"].nr(self.kernel.arch),
+                                strict=not hooks.ends_refuse_rights)
                 hooks.use_option_table(self._fast)
         threading.Thread(target=self._receive_loop, args=(fd,), name=f"qkernel-recv-{fd}", daemon=True).start()
 

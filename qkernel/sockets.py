@@ -82,6 +82,11 @@ class SocketHooks(Protocol):
     def listen(self, call: TrappedCall, fd: int, backlog: int) -> int | None:
         """listen(fd, backlog), carried out here (0) or failed (an errno)."""
 
+    @property
+    def ends_refuse_rights(self) -> bool:
+        """Whether the kernel makes local-path ends refuse fds (SO_PASSRIGHTS): if not, every sendmsg
+        on an end is sent by the supervisor, never let through to the kernel's own read."""
+
     def local_end(self, call: TrappedCall, fd: int) -> socket.socket | None:
         """Our duplicate of the task's `fd` when it is a local-path end (an AF_UNIX socket standing
         for TCP), else None. The caller closes it."""

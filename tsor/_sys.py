@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
+import functools
 import logging
 import socket
 import struct
@@ -189,6 +190,18 @@ SO_PASSRIGHTS = 83   # Linux 6.16: 0 refuses SCM_RIGHTS sent to this socket (the
 _no_passrights = False
 
 
+@functools.cache
+def passrights_supported() -> bool:
+    """Can an AF_UNIX socket refuse fds here (SO_PASSRIGHTS, Linux 6.16)?"""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    with a, b:
+        try:
+            a.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
+            return True
+        except OSError:
+            return False
+
+
 def refuse_rights(*socks: socket.socket) -> bool:
     """No fd crosses these AF_UNIX ends (a local-path socketpair between two pods): TCP carries none.
     False where the kernel has no SO_PASSRIGHTS (before 6.16), where nothing stops SCM_RIGHTS."""
@@ -201,7 +214,7 @@ def refuse_rights(*socks: socket.socket) -> bool:
     except OSError as e:
         _no_passrights = True
         logging.getLogger("tsor").warning(
-            "this kernel has no SO_PASSRIGHTS (%s; Linux 6.16): a pod can pass an open fd to another pod over "
-            "the socketpair local path (SECURITY.md); local_path: sockmap carries none", e.strerror)
+            "this kernel has no SO_PASSRIGHTS (%s; Linux 6.16): local-path ends cannot refuse fds, so the "
+            "sandboxes' supervisors send every sendmsg on them themselves (slower; SECURITY.md)", e.strerror)
         return False
     return True

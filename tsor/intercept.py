@@ -161,6 +161,10 @@ class SocketIntercept:
         self.net.close()
 
     # ---- sendmsg (qkernel/syscalls/sys_sendmsg.py) ----------------------------------------------
+    @property
+    def ends_refuse_rights(self) -> bool:
+        return _sys.passrights_supported()
+
     def local_end(self, call: Call, fd: int) -> socket.socket | None:
         ino, st = self._redirected(call, fd)
         if st is None or st.real_family != socket.AF_UNIX:

@@ -3,7 +3,8 @@
 A local-path end is an AF_UNIX socket underneath, which would carry file descriptors (SCM_RIGHTS)
 and credentials (SCM_CREDENTIALS) to the peer pod; TCP carries neither: its sendmsg sends the bytes
 and drops the control messages. The compiled fast path (qkernel/fastpath.c) lets through every call
-on any other fd, and every sendmsg on an end without a control buffer; what reaches this handler is
+on any other fd, and every sendmsg on an end without a control buffer (where the kernel lets the ends
+refuse fds; elsewhere every sendmsg on an end is sent here); what reaches this handler is
 sent here, from the supervisor's duplicate of the end, without its control buffer, and answered as
 TCP answers: the bytes sent (sendmsg), the messages sent with each one's msg_len (sendmmsg). On a
 blocking socket the call waits, on the loop, until all of it is sent, as a blocking stream send does.
@@ -43,9 +44,11 @@ def handle(req: Request, hooks: SocketHooks, call: TrappedCall):
             raw = req.read(req.args[1], MMSGHDR * vlen)
             headers = [raw[i * MMSGHDR:i * MMSGHDR + MSGHDR] for i in range(vlen)]
             flags = req.args[3] & 0xFFFFFFFF
-        if all(struct.unpack_from("Q", h, 40)[0] == 0 for h in headers):
+        if hooks.ends_refuse_rights and all(struct.unpack_from("Q", h, 40)[0] == 0 for h in headers):
             sock.close()
-            return Continue()   # nothing TCP would drop: the kernel's own call (the fast path's race)
+            # nothing TCP would drop: the kernel's own call (a thread that adds a control buffer
+            # meanwhile meets the ends' SO_PASSRIGHTS: EPERM, never an fd across)
+            return Continue()
         datas = [_gather(req, h) for h in headers]
     except _Fail as e:
         sock.close()

@@ -211,3 +211,38 @@ def test_sockopts_in_one_call_agree_with_getsockopt(fast):
         assert int.from_bytes(got[1], "little") == 33
         assert got[4] is None   # an IPv6 option of an AF_INET socket: EOPNOTSUPP
         assert fast.sockopts(s.fileno(), keys) == got   # the buffers are reused per key list
+
+
+def _plain_sending_child(chan: socket.socket) -> None:
+    """Three sendmsg without a control buffer on registered end `a`, one on `c` (no end)."""
+    a, peer = socket.socketpair()
+    c, c_peer = socket.socketpair()
+    chan.send(json.dumps({"a": os.fstat(a.fileno()).st_ino, "fd": a.fileno()}).encode())
+    f = seccomp.SyscallFilter(seccomp.ALLOW)
+    f.add_rule(seccomp.NOTIFY, "sendmsg", seccomp.Arg(0, seccomp.NE, chan.fileno()))
+    f.load()
+    socket.send_fds(chan, [b"L"], [f.get_notify_fd()])
+    chan.recv(1)
+    results = []
+    for s in (a, a, a, c):
+        try:
+            results.append(s.sendmsg([b"x"]))
+        except OSError as e:
+            results.append(-e.errno)
+    chan.send(json.dumps({"results": results}).encode())
+
+
+def test_where_ends_cannot_refuse_fds_every_sendmsg_on_an_end_reaches_python(fast):
+    """Without SO_PASSRIGHTS (kernels before 6.16) a call let through could have its msghdr given a
+    control buffer by another thread before the kernel reads it: every sendmsg on an end goes to
+    Python, which sends it itself."""
+    names, arch = table.by_name(), table.native_arch()
+    fast.init(names["setsockopt"].nr(arch), AUDIT_ARCH[arch], names["sendmsg"].nr(arch), names["sendmmsg"].nr(arch),
+              strict=True)
+    try:
+        first, result, seen, answered = _serve_child(fast, _plain_sending_child, fast.end_add, fast.end_remove,
+                                                     errno.EPERM)
+    finally:
+        fast.init(names["setsockopt"].nr(arch), AUDIT_ARCH[arch], names["sendmsg"].nr(arch), names["sendmmsg"].nr(arch))
+    assert [fd for _, fd, _, _ in seen] == [first["fd"]] * 3
+    assert result["results"] == [-errno.EPERM] * 3 + [1] and answered == 1
