@@ -187,34 +187,28 @@ def peer_pid(sock: socket.socket) -> int:
 
 
 SO_PASSRIGHTS = 83   # Linux 6.16: 0 refuses SCM_RIGHTS sent to this socket (the sender gets EPERM)
-_no_passrights = False
 
 
 @functools.cache
 def passrights_supported() -> bool:
-    """Can an AF_UNIX socket refuse fds here (SO_PASSRIGHTS, Linux 6.16)?"""
+    """Can an AF_UNIX socket refuse fds here (SO_PASSRIGHTS, Linux 6.16)? Said once in the log if not."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     with a, b:
         try:
             a.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
             return True
-        except OSError:
+        except OSError as e:
+            logging.getLogger("tsor").warning(
+                "this kernel has no SO_PASSRIGHTS (%s; Linux 6.16): local-path ends cannot refuse fds, so the "
+                "sandboxes' supervisors send every sendmsg on them themselves (slower; SECURITY.md)", e.strerror)
             return False
 
 
 def refuse_rights(*socks: socket.socket) -> bool:
     """No fd crosses these AF_UNIX ends (a local-path socketpair between two pods): TCP carries none.
     False where the kernel has no SO_PASSRIGHTS (before 6.16), where nothing stops SCM_RIGHTS."""
-    global _no_passrights
-    if _no_passrights:
+    if not passrights_supported():
         return False
-    try:
-        for s in socks:
-            s.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
-    except OSError as e:
-        _no_passrights = True
-        logging.getLogger("tsor").warning(
-            "this kernel has no SO_PASSRIGHTS (%s; Linux 6.16): local-path ends cannot refuse fds, so the "
-            "sandboxes' supervisors send every sendmsg on them themselves (slower; SECURITY.md)", e.strerror)
-        return False
+    for s in socks:
+        s.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
     return True
