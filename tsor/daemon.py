@@ -639,10 +639,7 @@ class Daemon:
         if entry is None:
             return False
         sess, token = entry
-        if path != "tcp" and not self._covers(sess):
-            return False
-        if sess.offers_waiting >= self.offers_per_sandbox:
-            self.metrics.limited("offers")
+        if (path != "tcp" and not self._covers(sess)) or not self._offer_room(sess):
             return False
         if path == "tcp":   # before the offer: the application may use it as soon as it is taken
             self.bytes.track(sock, greeting=greet)
@@ -656,6 +653,13 @@ class Daemon:
         self.metrics.delivered(path)
         return True
 
+    def _offer_room(self, sess: Session) -> bool:
+        """May one more connection be offered to `sess` now (OFFERS_PER_SANDBOX)? Counted if not."""
+        if sess.offers_waiting < self.offers_per_sandbox:
+            return True
+        self.metrics.limited("offers")
+        return False
+
     def offer(self, dst: Endpoint, peer: Endpoint, sock: socket.socket,
               path: str) -> concurrent.futures.Future | None:
         """deliver() for a thread that must not block (the rdma engine's, the tcp gate's): the offer
@@ -665,8 +669,7 @@ class Daemon:
         if entry is None or (path != "tcp" and not self._covers(entry[0])):
             return None   # (deliver(), which the caller falls back to, refuses it then)
         sess, token = entry
-        if sess.offers_waiting >= self.offers_per_sandbox:
-            self.metrics.limited("offers")
+        if not self._offer_room(sess):
             return None
         if path == "tcp":   # before the offer: the application may use it as soon as it is taken
             self.bytes.track(sock, greeting=True)
