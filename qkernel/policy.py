@@ -85,7 +85,7 @@ def build_base_filter(platform: str, sockets: bool = True, caps: frozenset[str] 
             if (sc.tsor_only and not sockets) or (sc.sockmap_only and not sockmap):
                 continue
             only = sc.offloaded_only if sockopt_offload and sc.offloaded_only is not None else sc.only
-            if only is None and channel_fd is not None and sc.name == "sendmsg":
+            if only is None and channel_fd is not None and sc.channel_exempt:
                 # every fd but the channel's (closed at exec; a later fd of that number escapes the
                 # trap, and SO_PASSRIGHTS on local-path ends still stops any fd there)
                 f.add_rule(trap, nr, seccomp.Arg(0, seccomp.NE, channel_fd))

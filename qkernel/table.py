@@ -86,6 +86,9 @@ class Syscall:
     # TRAPPED: only in a sandbox whose connections to quark pods tsord's sockmap path carries (the
     # kernel's TCP, nothing of the socket family trapped but this); elsewhere native
     sockmap_only: bool = False
+    # TRAPPED: except on the socket the new process hands its listener to the supervisor on, with
+    # this call, right after its filter is loaded (qkernel/policy.py's channel_fd)
+    channel_exempt: bool = False
     # TRAPPED: what `only` becomes when the kernel answers TCP_NODELAY/TCP_CORK on local-path
     # sockets itself (tsor/sockopt_offload.py): the sandbox's filter no longer traps those
     offloaded_only: ArgMatch | None = None
@@ -117,9 +120,11 @@ def _denied(err: int, reason: str, when: ArgMask | None = None, grant: Grant | N
 
 
 def _trapped(handler: Callable, reason: str, native_on_error: bool = False, only: ArgMatch | None = None,
-             tsor_only: bool = False, offloaded_only: ArgMatch | None = None, sockmap_only: bool = False) -> dict:
+             tsor_only: bool = False, offloaded_only: ArgMatch | None = None, sockmap_only: bool = False,
+             channel_exempt: bool = False) -> dict:
     return {"fate": Fate.TRAPPED, "handler": handler, "reason": reason, "native_on_error": native_on_error,
-            "only": only, "tsor_only": tsor_only, "offloaded_only": offloaded_only, "sockmap_only": sockmap_only}
+            "only": only, "tsor_only": tsor_only, "offloaded_only": offloaded_only, "sockmap_only": sockmap_only,
+            "channel_exempt": channel_exempt}
 
 
 _MODULES = "changes the code the host kernel runs"
@@ -255,7 +260,8 @@ POLICY: dict[str, dict] = {
     **{name: _trapped(sys_socket.handle, _TSOR, native_on_error=True, tsor_only=True,
                       only=_SOCKOPTS if name in ("getsockopt", "setsockopt") else None,
                       offloaded_only={"setsockopt": _SETSOCKOPTS_OFFLOADED,
-                                      "getsockopt": _GETSOCKOPTS_OFFLOADED}.get(name))
+                                      "getsockopt": _GETSOCKOPTS_OFFLOADED}.get(name),
+                      channel_exempt=name == "sendmsg")
        for name in sys_socket.TRAPPED},
     # the kernel's sockmap receive path answers a blocking read EAGAIN when the reader's own FIN is
     # acknowledged while it waits (tcp_bpf_recvmsg takes the state change's wake-up for a timeout):
