@@ -22,6 +22,7 @@ listed yet governs every connection too, since its objects are unknown.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,8 +80,23 @@ class _State:
     def __init__(self, kind: ForeignKind) -> None:
         self.kind = kind
         self.listed = False
-        self.unreadable: str | None = None            # why it cannot be listed
-        self.objects: dict[tuple[str, str], None] = {}   # (namespace, name): "" namespace for cluster-wide
+        self.unreadable: str | None = None             # why it cannot be listed
+        self.objects: set[tuple[str, str]] = set()     # (namespace, name): "" namespace for cluster-wide
+        self.namespaces: Counter[str] = Counter()      # objects per namespace: what a decision reads
+
+    def replace(self, keys: list[tuple[str, str]]) -> None:
+        self.objects = set(keys)
+        self.namespaces = Counter(ns for ns, _ in self.objects)
+
+    def put(self, key: tuple[str, str], present: bool) -> None:
+        if present and key not in self.objects:
+            self.objects.add(key)
+            self.namespaces[key[0]] += 1
+        elif not present and key in self.objects:
+            self.objects.discard(key)
+            self.namespaces[key[0]] -= 1
+            if not self.namespaces[key[0]]:
+                del self.namespaces[key[0]]
 
 
 class ForeignPolicies:
@@ -113,7 +129,7 @@ class ForeignPolicies:
             st = self._kinds.get(kind)
             if st is None:
                 return
-            st.objects = dict.fromkeys(keys)
+            st.replace(keys)
             st.listed, st.unreadable = True, None
         self.changed()
 
@@ -122,10 +138,7 @@ class ForeignPolicies:
             st = self._kinds.get(kind)
             if st is None:
                 return
-            if present:
-                st.objects[key] = None
-            else:
-                st.objects.pop(key, None)
+            st.put(key, present)
         self.changed()
 
     def unreadable(self, kind: ForeignKind, why: str) -> None:
@@ -151,19 +164,18 @@ class ForeignPolicies:
                 return f"{len(st.objects)} cluster-wide {k.label} object(s) tsord does not evaluate"
             if k.namespaced:
                 for ns in namespaces:
-                    if any(key[0] == ns for key in st.objects):
+                    if ns in st.namespaces:
                         return f"{k.label} objects in namespace {ns}, which tsord does not evaluate"
         return None
 
     def scopes(self) -> list[tuple[ForeignKind, str]]:
         """(kind, where it sends connections native) for every kind that does: "cluster" (every
         connection: cluster-wide objects, not listed, or unreadable) or "namespace/NAME"."""
-        with self._lock:
-            states = list(self._kinds.values())
         out = []
-        for st in states:
-            if st.unreadable is not None or not st.listed or (not st.kind.namespaced and st.objects):
-                out.append((st.kind, "cluster"))
-            elif st.kind.namespaced:
-                out.extend((st.kind, f"namespace/{ns}") for ns in sorted({key[0] for key in st.objects}))
+        with self._lock:   # (the watch threads change the states meanwhile)
+            for st in self._kinds.values():
+                if st.unreadable is not None or not st.listed or (not st.kind.namespaced and st.objects):
+                    out.append((st.kind, "cluster"))
+                elif st.kind.namespaced:
+                    out.extend((st.kind, f"namespace/{ns}") for ns in sorted(st.namespaces))
         return out
