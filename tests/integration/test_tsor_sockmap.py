@@ -68,6 +68,19 @@ def _cookie(pod: testbed.Pod) -> int:
     return _sys.netns_cookie(pod.netns_path, os.stat(pod.netns_path).st_ino)
 
 
+def _opened(root: str, *carried: testbed.Pod) -> sockmap.SockmapPath:
+    """A tsord's SockmapPath, the pods' addresses registered (their connections carried)."""
+    path = sockmap.SockmapPath.open(root)
+    for pod in carried:
+        path.register(pod.ip, _cookie(pod))
+    return path
+
+
+def _end_key(path: sockmap.SockmapPath, pod: testbed.Pod) -> bytes:
+    """The pairs map's key of the (one) end whose local address is `pod`'s."""
+    return next(k for k in sockmap.bpf.map_keys(path.pairs, 16) if k[:4] == socket.inet_aton(pod.ip))
+
+
 def _tx_bytes(pod: testbed.Pod) -> int:
     return int(testbed.sh("cat", "/sys/class/net/eth0/statistics/tx_bytes", netns=pod.netns).stdout)
 
@@ -233,8 +246,7 @@ def test_the_first_message_decides_and_the_choice_sticks(pods, path):
     path.register(two.ip, _cookie(two))
     pair = Pair(one, two, 7105)
     try:
-        keys = sockmap.bpf.map_keys(path.pairs, 16)
-        server_key = next(k for k in keys if k[:4] == socket.inet_aton(two.ip))
+        server_key = _end_key(path, two)
         assert sockmap.bpf.map_delete(path.pairs, server_key)     # as if its ACK were not processed yet
         before = _tx_bytes(one)
         assert _send_recv(pair.client, pair.server, b"first") == b"first"
@@ -251,9 +263,7 @@ def test_the_first_message_decides_and_the_choice_sticks(pods, path):
 
 def test_connections_outlive_tsord_and_the_next_one_takes_over(pods):
     _, one, two = pods
-    first = sockmap.SockmapPath.open(cgroup2_root())
-    first.register(one.ip, _cookie(one))
-    first.register(two.ip, _cookie(two))
+    first = _opened(cgroup2_root(), one, two)
     pair = Pair(one, two, 7106)
     second = None
     try:
@@ -289,13 +299,11 @@ def test_a_tsord_taking_over_keeps_each_connections_way(pods):
     that went to the stack keeps going there after the restart."""
     _, one, two = pods
     root = cgroup2_root()
-    first = sockmap.SockmapPath.open(root)
-    first.register(one.ip, _cookie(one))
-    first.register(two.ip, _cookie(two))
+    first = _opened(root, one, two)
     pair = Pair(one, two, 7113)
     second = None
     try:
-        server_key = next(k for k in sockmap.bpf.map_keys(first.pairs, 16) if k[:4] == socket.inet_aton(two.ip))
+        server_key = _end_key(first, two)
         assert sockmap.bpf.map_delete(first.pairs, server_key)          # its ACK not processed yet, say
         assert _send_recv(pair.client, pair.server, b"first") == b"first"   # the client's way: the stack
         sockmap.bpf.map_update(first.pairs, server_key, pair.server.fileno().to_bytes(8, "little"))
@@ -321,9 +329,7 @@ def test_a_socketpair_tsord_retires_the_programs_once_no_connection_needs_them(p
     (its bytes in flight would be lost with the map) but carry no new one; once none is, they go."""
     _, one, two = pods
     root = cgroup2_root()
-    first = sockmap.SockmapPath.open(root)
-    first.register(one.ip, _cookie(one))
-    first.register(two.ip, _cookie(two))
+    first = _opened(root, one, two)
     pair = Pair(one, two, 7108)
     try:
         first.close()
