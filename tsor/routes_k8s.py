@@ -231,7 +231,6 @@ class KubernetesSource:
         self.first_sync = first_sync
         self.discovery_seconds = discovery_seconds or settings.discovery_seconds   # (tsor.yaml's)
         self.foreign: dict[ForeignKind, Kind] = {}   # the policy kinds of other APIs being watched
-        self.discovery_errors = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._responses: set[Any] = set()
@@ -268,7 +267,6 @@ class KubernetesSource:
                 self.discover()
                 discovered.set()
             except Exception as e:   # the API server away: keep the kinds known, try again later
-                self.discovery_errors += 1
                 log.warning("routes from Kubernetes: discovering policy kinds: %s (kinds kept as they are)",
                             describe(e))
             self._stop.wait(self.discovery_seconds)

@@ -121,7 +121,7 @@ class _Send:
     def _result(self):
         if self.req.name == "sendmmsg":
             return Return(self.message) if self.message else Errno(errno.EAGAIN)
-        return Return(self.sent) if self.sent or not self.datas[0] else Return(0)
+        return Return(self.sent)
 
     def _wait(self):
         loop = self.req.kernel.loop
