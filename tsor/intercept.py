@@ -50,8 +50,9 @@ log = logging.getLogger("quark.qkernel")
 SOL_SOCKET, SOL_IP, SOL_TCP, SOL_IPV6 = socket.SOL_SOCKET, socket.IPPROTO_IP, socket.IPPROTO_TCP, socket.IPPROTO_IPV6
 SO_TYPE, SO_PROTOCOL, SO_DOMAIN = 3, 38, 39
 TCP_INFO, TCP_ESTABLISHED, TCP_FIN_WAIT1, TCP_CLOSE = 11, 1, 4, 7
-# How long a sockmap-path shutdown waits for its FIN's acknowledgement at most: a peer on this node
-# answers within a millisecond, or a delayed ACK (40 ms) later; past this the call returns anyway
+# How long a sockmap-path shutdown waits for its FIN's acknowledgement at most: past a delayed ACK
+# (40 ms, the kernel's minimum) with room to spare; how long it takes between two pods is measured in
+# bench/README.md ("Half-close on the sockmap path"). Past this the call returns anyway
 FIN_ACK_WAIT_S = 0.2
 _INET = (socket.AF_INET, socket.AF_INET6)
 _MAX_OPT = 512   # as much of an option as is ever read (the handlers read at most as much)

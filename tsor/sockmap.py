@@ -31,7 +31,7 @@ Three rules keep it safe (bench/README.md says how each was found):
 Half-close: the kernel's receive path for a socket in a sockmap (tcp_bpf_recvmsg) takes any wake-up
 of a blocking reader that finds no data for a timeout and answers EAGAIN. A reader's own FIN being
 acknowledged wakes it so (FIN_WAIT1 -> FIN_WAIT2 is a state change), which is exactly a client that
-sends, shuts down its writing side and blocks for the reply: about 1 exchange in 100 failed. A
+sends, shuts down its writing side and blocks for the reply (how often: bench/README.md). A
 sockmap sandbox's filter traps shutdown(SHUT_WR/SHUT_RDWR) alone of the socket family, and its
 supervisor (tsor/intercept.py) shuts the socket down and returns once tsord says the end is in the
 map (`SockmapPath.holds`) and the FIN is acknowledged, so that wake-up comes before the next read.
