@@ -14,7 +14,7 @@ in it, a copy of the container's mount namespace, and hands the init an fd of it
 its own user namespace, whose CAP_SYS_ADMIN covers the new one, a descendant) joins that copy with
 setns(CLONE_NEWNS) and the helper exits. The container's user namespace, capabilities and the rest of its namespaces are
 unchanged; only its mount namespace is now owned by the helper's user namespace. Mounts the container
-makes afterwards are its own and unlocked. One consequence, stated in README: shared mounts become
+makes afterwards are its own and unlocked. One consequence, stated in docs/security.md: shared mounts become
 slaves in the copy (the kernel's CL_SHARED_TO_SLAVE), so nothing the container mounts propagates
 back out of its mount namespace.
 """
