@@ -59,7 +59,8 @@ _parsed: list = [None, None]   # [(path, inode, mtime, size), its top-level mapp
 
 def _parse(path: str) -> dict | None:
     # imported here, not at the top: the CLI's create path imports this module and reads the file
-    # only when --platform is not given, and yaml costs ~25 ms of start-up that nothing else there pays
+    # only when --platform is not given, and importing yaml costs start-up time that nothing else
+    # there pays
     import yaml
     try:
         with open(path, encoding="utf-8") as f:

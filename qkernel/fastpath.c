@@ -3,8 +3,9 @@
  *
  * A server like nginx (Debian's default tcp_nopush) sets TCP_CORK on and off around every response.
  * On a local-path socket (an AF_UNIX end underneath, which has no TCP options) QKernel must answer
- * those calls itself, and through Python each answer cost ~65 us of the supervisor's CPU. Here they
- * cost a readlink, a 4-byte process_vm_readv and two ioctls.
+ * those calls itself, and through Python each answer cost the supervisor several times what it
+ * costs here: a readlink, a 4-byte process_vm_readv and two ioctls (supervisor CPU per 10k nginx
+ * requests before and after: bench/README.md, "TSoR", "What the numbers say (issue 13)").
  *
  * qfp_serve() blocks in SECCOMP_IOCTL_NOTIF_RECV (called through ctypes, so without the GIL) and
  * answers setsockopt(fd, IPPROTO_TCP, TCP_NODELAY or TCP_CORK, ...) when fd's socket inode is in

@@ -4,11 +4,12 @@ supervisor answers them.
 Each listener has a receiver thread blocked in SECCOMP_IOCTL_NOTIF_RECV, with the listener in
 SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP mode (Linux 6.6): the trapping task hands its CPU straight to
 the receiver and gets it back with the answer, instead of two cross-CPU wake-ups (on older kernels
-the event loop waits for the listener instead: see serve_listener). Measured here
-(bench/syscalls.py, 2 vCPUs): a trapped round trip took ~100 us p50 through the event loop's epoll
-(epoll does not pass the same-CPU hint on) and ~12 us with the receiver, of which the Python
-handler is most. The receiver dispatches holding the loop's lock (qlib/eventloop.py), so handlers
-and loop callbacks never run at once; deferred answers complete from loop callbacks as before.
+the event loop waits for the listener instead: see serve_listener). A trapped round trip through
+the event loop's epoll (epoll does not pass the same-CPU hint on) took several times as long as
+with the receiver, where the Python handler is most of it (measured with bench/syscalls.py:
+bench/README.md, "Syscall interception"). The receiver dispatches holding the loop's lock
+(qlib/eventloop.py), so handlers and loop callbacks never run at once; deferred answers complete
+from loop callbacks as before.
 """
 from __future__ import annotations
 

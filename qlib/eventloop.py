@@ -4,11 +4,11 @@ Everything the supervisor waits on — the control socket, child exits, deferred
 an fd registered here with a callback. One other thread may do loop work: QKernel's seccomp
 notification receiver (qkernel/seccomp_platform.py) blocks in the listener's RECV ioctl, because
 only a direct waiter gets the kernel's same-CPU hand-off (an epoll waiter is woken across CPUs,
-which costs ~80 us a trap on these machines). Both run their work holding `Loop.lock`, so callbacks
-and trapped-syscall handlers never run at the same time and the code they share stays
-single-threaded in effect. The supervisor forks while holding the lock (in a callback), when the
-other thread holds nothing but is blocked in the kernel or waits for the lock, so a child never
-inherits a lock held mid-update.
+which made a trap several times slower: bench/README.md, "Syscall interception"). Both run their
+work holding `Loop.lock`, so callbacks and trapped-syscall handlers never run at the same time and
+the code they share stays single-threaded in effect. The supervisor forks while holding the lock
+(in a callback), when the other thread holds nothing but is blocked in the kernel or waits for the
+lock, so a child never inherits a lock held mid-update.
 """
 from __future__ import annotations
 

@@ -104,8 +104,9 @@ def install_filter(platform: str, allow_chroot: bool = False, caps: frozenset[st
 
     The filter is compiled once per distinct outcome (_filter_key) and kept as BPF, which the
     sandbox factory compiles for the usual case before it forks supervisors: compiling it with
-    libseccomp in each supervisor wrote ~0.8 MiB of pages shared with the factory (the syscall
-    table's objects, libseccomp's bindings) into the supervisor's private memory, for every sandbox."""
+    libseccomp in each supervisor wrote pages shared with the factory (the syscall table's objects,
+    libseccomp's bindings) into the supervisor's private memory, for every sandbox (how much:
+    bench/README.md, "Start-up and supervisor memory")."""
     key = _filter_key(platform, allow_chroot, caps, own_namespaces)
     bpf = _COMPILED.get(key)
     if bpf is None:

@@ -77,7 +77,8 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     try:
         shutil.copyfile(os.path.join(bundle, "config.json"), store.path(container_id, CONFIG_COPY))
         # the supervisor takes this object on rather than opening the cgroup again (which parses the
-        # mount table: ~0.2 MiB of its private memory, bench/README.md)
+        # mount table and costs it private memory; measured: bench/README.md, "Start-up and
+        # supervisor memory")
         cgroup = cgroups.open_cgroup(spec.linux.cgroups_path or cgroups.default_path(container_id))
         st = ContainerState(id=container_id, bundle=bundle, created=now_rfc3339(),
                             annotations=security.reported(spec.annotations, report), rootfs=spec.root.path,
@@ -238,8 +239,9 @@ def _root_level(level: int) -> None:
 class _LogFile(logging.Handler):
     """The supervisor's log: one line per record, "time level logger: message" as a FileHandler
     with that format writes it, appended with one write(2). A supervisor pays a private page for
-    each object of the factory's it touches (bench/README.md, supervisor memory): FileHandler's
-    path through Handler.handle, Formatter, PercentStyle and a TextIOWrapper cost it ~0.3 MiB."""
+    each object of the factory's it touches, and FileHandler's path through Handler.handle,
+    Formatter, PercentStyle and a TextIOWrapper touched many (measured: bench/README.md, "Start-up
+    and supervisor memory")."""
 
     def __init__(self, path: str) -> None:
         super().__init__()
@@ -382,8 +384,8 @@ def kill_exec(root: str, container_id: str, pid: int, sig: int) -> None:
 
 def _wait_stopped(store: StateStore, st: ContainerState, timeout: float = 10.0) -> None:
     # woken by the init's and the supervisor's pidfds when either exits (a fixed sleep between
-    # checks cost every delete 10 ms); the checks themselves decide, so a pidfd of a reused pid
-    # only wakes the loop early
+    # checks added its length to every delete: bench/README.md, "Start-up and supervisor memory");
+    # the checks themselves decide, so a pidfd of a reused pid only wakes the loop early
     pidfds = []
     for pid in (st.pid, st.supervisor_pid):
         try:

@@ -1,7 +1,8 @@
 """The sandbox factory: a pre-imported quark that forks supervisors and runs the hot verbs.
 
-Every `quark` call used to be a new CPython process that paid ~20 ms of interpreter start and
-~30-60 ms of imports before any work, and every supervisor paid the imports again. The factory
+Every `quark` call used to be a new CPython process that paid the interpreter's start and then
+its imports before any work, each longer than runc's whole `start`, and every supervisor paid the
+imports again (measured: bench/README.md, "Start-up and supervisor memory"). The factory
 imports everything once, freezes its objects out of the garbage collector's reach (so forked
 children keep sharing those pages), and listens on a unix socket. A client (the C front end,
 qvisor/frontend.c, the Python CLI, or the shim) sends one request: the argv of a `quark` call, its
@@ -485,8 +486,9 @@ class Factory:
         A process forked from the factory pays a private page for every page of the factory's it
         writes; CPython writes to every object it touches (reference counts). A supervisor forked
         from the worker that ran `quark create` inherited the pages that worker wrote (the
-        rehearsal, argument parsing, loading and checking the spec: ~1.5 MiB it never touches
-        again) and kept them for the container's life. The seed is forked ahead (by the zygote,
+        rehearsal, argument parsing, loading and checking the spec: pages it never touches again)
+        and kept them for the container's life (measured: bench/README.md, "Start-up and
+        supervisor memory"). The seed is forked ahead (by the zygote,
         _start_zygote; by the factory if there is none) and waits; the worker hands it what its
         fork would have given it (container._hand_over:
         the state, the spec, its stdio, cwd, environment, umask, limits and cgroups) and it becomes
@@ -505,10 +507,11 @@ class Factory:
 
     def _start_zygote(self) -> None:
         """Fork the process that forks the seeds. Every page the factory writes after a fork is a
-        page the child no longer shares with it, and the factory writes ~1 MiB of them serving each
-        request (measured: a seed's private memory grew 1.2 -> 2.2 MiB over 5 requests); a
-        supervisor, which lives as long as its container, kept a copy of them all. The zygote runs
-        one small loop and writes little, so what its seeds share with it stays shared."""
+        page the child no longer shares with it, and the factory writes many of them serving each
+        request (a waiting seed's private memory grows with every request; measured:
+        bench/README.md, "Start-up and supervisor memory"); a supervisor, which lives as long as
+        its container, kept a copy of them all. The zygote runs one small loop and writes little,
+        so what its seeds share with it stays shared."""
         self.zygote = self._fork_detached("the seeds' zygote", _zygote)
 
     def _fork_detached(self, what: str, run: Callable[[socket.socket], None]) -> socket.socket | None:
@@ -740,7 +743,8 @@ def _fill_free_blocks() -> None:
     what a seed allocates goes to fresh pools instead. Each free block sits on a page the seed
     shares with us; an object a supervisor allocates there costs it that whole 4 KiB page, and
     the few thousand objects it keeps were spread over as many pages. In fresh pools they lie
-    side by side: a supervisor's private memory went 5.3 -> 5.0 MiB (bench/README.md)."""
+    side by side, and a supervisor keeps fewer private pages (measured: bench/README.md, "Start-up
+    and supervisor memory")."""
     for size, free in _free_blocks().items():
         if size == 32:
             _fillers.extend(1_000_000_000 + i for i in range(free))   # a one-digit int: 28 bytes
@@ -825,9 +829,9 @@ def _rehearse() -> None:
     """In a spare worker, while no request waits: run `quark state` of a container under a root
     that does not exist (it fails at once, writes nothing; its output goes to /dev/null). A forked
     process pays a copy-on-write fault for each page it first writes, and running Python writes
-    to every object it touches (reference counts): a verb took ~575 such faults, ~1.5 ms here. The
-    rehearsal takes more than half of them before the request comes (measured: `quark state`
-    through the factory 9.0 -> 7.7 ms median)."""
+    to every object it touches (reference counts): a verb takes hundreds of such faults. The
+    rehearsal takes more than half of them before the request comes (how many, and what it saves
+    `quark state`: bench/README.md, "Start-up and supervisor memory")."""
     null = os.open(os.devnull, os.O_RDWR)
     saved = [os.dup(fd) for fd in (0, 1, 2)]
     try:
@@ -854,7 +858,9 @@ def join_cgroups(theirs: str) -> None:
     from qlib import procfs
     with open("/proc/self/cgroup") as f:
         if f.read() == theirs:
-            return   # where the caller is already (the usual case): a move would cost ~10 ms on v1
+            # where the caller is already (the usual case): a move is slow on v1
+            # (bench/README.md, "Start-up and supervisor memory")
+            return
     # (controllers or name=, or {""} for v2) and mount point of each hierarchy mounted at its root
     mounts = [({""} if m.fstype == "cgroup2" else set(m.super_options.split(",")), m.mount_point)
               for m in procfs.mountinfo() if m.fstype in ("cgroup", "cgroup2") and m.root == "/"]

@@ -1,22 +1,23 @@
 /* quark's front end: the `quark` and `containerd-shim-quark-v1` on PATH.
  *
  * Why it is C: a runc-compatible manager runs `quark create`, `start`, `state`, `kill` and
- * `delete` for every container, and CPython needs ~20 ms to start before it runs a line, which is
- * on its own more than runc needs for a whole `start` (~4 ms). This program starts in well under
- * a millisecond and hands the call to the sandbox factory (qvisor/factory.py), a pre-imported
- * quark that forks a worker to run it: argv, environment and umask in one SOCK_SEQPACKET message,
- * stdin, stdout, stderr and the working directory as fds. It holds no logic of quark's own: the
- * verbs the factory does not serve, and every call when no factory answers or it declines, exec
- * the Python CLI (QUARK_PY, fixed at build time) with the same argv, which behaves exactly as
- * before (and starts a factory on its first create).
+ * `delete` for every container, and CPython's start before it runs a line is on its own longer
+ * than runc's whole `start` (both measured: bench/README.md, "Start-up and supervisor memory").
+ * This program starts at once and hands the call to the sandbox factory (qvisor/factory.py), a
+ * pre-imported quark that forks a worker to run it: argv, environment and umask in one
+ * SOCK_SEQPACKET message, stdin, stdout, stderr and the working directory as fds. It holds no
+ * logic of quark's own: the verbs the factory does not serve, and every call when no factory
+ * answers or it declines, exec the Python CLI (QUARK_PY, fixed at build time) with the same argv,
+ * which behaves exactly as before (and starts a factory on its first create).
  *
  * Run as containerd-shim-quark-v1 (a link to this program), it hands containerd's `... start` and
  * `... delete` to the factory the same way (the shim's server is then forked from a pre-imported
  * worker), and execs the Python shim (QUARK_SHIM_PY) for everything else.
  *
  * One verb skips the factory: `quark [--root DIR] start ID` (no other flag) goes straight to the
- * container's supervisor, as the CLI's `start` does after its checks (direct_start): runc's whole
- * `start` is ~4 ms, and the trip through the factory and a worker alone cost ~5 ms of it. The
+ * container's supervisor, as the CLI's `start` does after its checks (direct_start): the trip
+ * through the factory and a worker alone cost about as much as runc's whole `start` (before and
+ * after: bench/README.md, "Start-up and supervisor memory"). The
  * supervisor answers "fallback" for what only the CLI does (poststart hooks, the refusal of a
  * container not in the created state) before it does anything, and this program then takes the
  * usual way.

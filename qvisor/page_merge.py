@@ -7,7 +7,8 @@
 Why: a supervisor is a Python process forked from the sandbox factory, and CPython 3.11 writes the
 reference count of every object it touches, so each supervisor holds a few MiB of private copies of
 the factory's pages — most of them byte for byte the same in every supervisor, or the same as the
-page it was copied from (bench/README.md, supervisor memory). KSM merges such pages back into one.
+page it was copied from (bench/README.md, "Start-up and supervisor memory"). KSM merges such pages
+back into one.
 
 With the setting on, each supervisor marks all of its memory mergeable (prctl PR_SET_MEMORY_MERGE,
 Linux 6.4+); the host's ksmd merges it only when the operator runs ksmd (/sys/kernel/mm/ksm/run = 1:

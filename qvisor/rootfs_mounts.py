@@ -171,9 +171,9 @@ def _mount_cgroup(root_fd: int, m: Mount, opts: mountopts.MountOptions, cgroup_p
             sub = paths.ensure_in_root(fd, name, True)
             try:
                 L.mount(src, paths.fd_path(sub), None, L.MS_BIND)
-                # no mount table check here (one per hierarchy was ~1/3 of the rootfs's set-up):
-                # the directory is ours, in the tmpfs just made in this mount namespace, which no
-                # other process can reach yet, so nothing can swap it for another mount
+                # no mount table check here (one per hierarchy was a large share of the rootfs's
+                # set-up): the directory is ours, in the tmpfs just made in this mount namespace,
+                # which no other process can reach yet, so nothing can swap it for another mount
                 new = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             finally:
                 os.close(sub)

@@ -4,10 +4,11 @@
 processes, which must not happen from the shim's multithreaded process, and their stdio are the
 container's, so their errors are read from a JSON log file. Every other verb (start, state, kill,
 delete, pause, resume, ps, wait) only talks to the supervisor's control socket, the state file
-and the cgroup, so it is called in-process (`qvisor.container`): a CLI process costs ~40 ms of
-interpreter start-up per call. Failures become RpcErrors with the status code containerd expects
-(NotFound, AlreadyExists, FailedPrecondition, ...), chosen by the error's kind (qlib/errors.py):
-the exception's in-process, the "kind" of the CLI's JSON log entry otherwise. Never by its wording.
+and the cgroup, so it is called in-process (`qvisor.container`): a CLI process would cost an
+interpreter's start and its imports per call (measured: bench/README.md, "Start-up and supervisor
+memory"). Failures become RpcErrors with the status code containerd expects (NotFound,
+AlreadyExists, FailedPrecondition, ...), chosen by the error's kind (qlib/errors.py): the
+exception's in-process, the "kind" of the CLI's JSON log entry otherwise. Never by its wording.
 """
 from __future__ import annotations
 

@@ -15,9 +15,10 @@ count as sent). Then:
 tsord is in those groups only while it tracks a socket. The kernel keeps one listener bitmap per
 netlink protocol for all network namespaces, so while anyone on the host is in a destroy group,
 *every* TCP socket of the host (every pod's, runc's too, the node's own) is freed through a kworker
-that first builds and broadcasts its TCP_INFO (net/core/sock_diag.c): measured, nginx with a
-connection per request on the sockmap local path (which hands out no tcp-path socket) served 3-5%
-fewer requests a second with tsord in the groups than without.
+that first builds and broadcasts its TCP_INFO (net/core/sock_diag.c): nginx with a connection per
+request on the sockmap local path (which hands out no tcp-path socket) served fewer requests a
+second with tsord in the groups than without (measured: bench/README.md, "The sockmap local path,
+built", "A tax tsord put on every socket of the node, removed").
 
 "sent" is what this node's pods sent (acknowledged by the peer), "received" what they received, as
 TCP counts them: a FIN takes one sequence number, so a connection closed in a direction adds one

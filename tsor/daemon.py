@@ -48,7 +48,7 @@ from tsor.transport.tcp import TcpTransport
 
 log = logging.getLogger("tsor.daemon")
 OFFER_TIMEOUT = 5.0
-MAX_SESSIONS = 1024       # registered sandboxes (a thread each); Kubernetes runs ~110 pods a node
+MAX_SESSIONS = 1024       # registered sandboxes (a thread each); a kubelet's default maxPods is 110
 MAX_UNREGISTERED = 64     # connections that have not said a valid hello yet
 SETUPS_PER_SANDBOX = 8    # a sandbox's connects being set up at once (of the pool's 32 threads)
 OFFERS_PER_SANDBOX = 16   # connections offered to one listening sandbox and not yet answered

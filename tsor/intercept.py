@@ -57,9 +57,9 @@ FIN_ACK_WAIT_S = 0.2
 _INET = (socket.AF_INET, socket.AF_INET6)
 _MAX_OPT = 512   # as much of an option as is ever read (the handlers read at most as much)
 # The send buffer of a local-path (AF_UNIX) end. AF_UNIX stream flow control is the sender's
-# SO_SNDBUF alone, and its default (wmem_default, ~208 KiB) halves bulk throughput; TCP autotunes
-# its buffer up to tcp_wmem's maximum (4 MiB). 1 MiB (2 MiB once the kernel doubles it) gets most of
-# the gain (bench/README.md) and bounds what one connection can pin in kernel memory. An
+# SO_SNDBUF alone, and its default (wmem_default, ~208 KiB) holds bulk throughput well below TCP's;
+# TCP autotunes its buffer up to tcp_wmem's maximum (4 MiB). 1 MiB (2 MiB once the kernel doubles
+# it) gets most of the gain and bounds what one connection can pin in kernel memory. An
 # application that sets SO_SNDBUF itself (before or after connect) gets its own value.
 LOCAL_SNDBUF = 1 << 20
 # SOL_SOCKET options Linux refuses on AF_UNIX (EOPNOTSUPP) but accepts on TCP.
@@ -271,7 +271,8 @@ class SocketIntercept:
                 return False
             os.set_blocking(new, not nonblock)
             # a local-path end is known to be AF_UNIX: saying so spares the three getsockopt calls
-            # with which socket() finds out (a connection costs ~40 syscalls here; each counts)
+            # with which socket() finds out (a connection costs the supervisor a few dozen syscalls;
+            # each counts: bench/README.md, "Set-up path trimmed")
             sock = (socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, new) if reply["path"] == "local"
                     else socket.socket(fileno=new))
             try:
@@ -326,8 +327,9 @@ class SocketIntercept:
 
     def _read_carried(self, old: socket.socket) -> list[bytes | None]:
         """SO_SNDBUF, SO_RCVBUF, then every option of _CARRY, of the connecting socket: in one call
-        of the compiled fast path when there is one (22 getsockopt calls through Python were a tenth
-        of a connect's supervisor time)."""
+        of the compiled fast path when there is one (22 getsockopt calls through Python were a
+        noticeable share of a connect's supervisor time; measured with other cuts: bench/README.md,
+        "Set-up path trimmed")."""
         if self.fast is not None:
             return self.fast.sockopts(old.fileno(), _CARRY_ALL)
         values = []

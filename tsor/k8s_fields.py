@@ -1,11 +1,11 @@
 """The fields of each Kubernetes kind that the route source reads (tsor/routes_k8s.py), and the
 decoding of list pages and watch events to plain dicts holding only those fields.
 
-Why: a real Pod is ~5 KB of JSON (containers' env, volumes, managedFields) of which the route
-source reads ~300 bytes. The standard library's `json` (and orjson alike) builds every dict and
-string of it: ~1.2 s for 10,000 such pods on this project's machines, most of the list's time.
-msgspec decoding into the TypedDicts below walks past the fields not named here without building
-them: ~0.1 s for the same pods (bench/README.md, "Routes from Kubernetes", has the comparison).
+Why: a real Pod is kilobytes of JSON (containers' env, volumes, managedFields) of which the route
+source reads a small part. The standard library's `json` (and orjson alike) builds every dict and
+string of it, most of a 10,000-pod list's time. msgspec decoding into the TypedDicts below walks
+past the fields not named here without building them, several times faster (measured, with the
+pods' sizes: bench/README.md, "Routes from Kubernetes").
 
 A field the converters in routes_k8s.py (node_entry, pod_entry, ...) read must be named here, or
 they would find it missing; tests/unit/test_routes_k8s.py checks that each converter makes the same

@@ -4,8 +4,8 @@ prometheus_client does the exposition (its registry, text format and HTTP handle
 (`parse`, for `quark tsor status` and the tests). `Metrics` is a custom collector: the counts live
 here as plain numbers under one lock and become metric families only at scrape time, because two of
 them (gauges, bytes) are read from the daemon and the kernel on each scrape anyway. prometheus_client
-is imported only where it is used: importing it costs tsord ~45 ms (http.server, email, urllib),
-which a tsord without a metrics endpoint need not pay.
+is imported only where it is used: importing it (http.server, email, urllib) costs tsord start-up
+time that a tsord without a metrics endpoint need not pay.
 
 Bytes: no process sits in the local and tcp paths' data path, so tsord cannot count them itself. For
 the tcp path the kernel does (tcpi_bytes_acked / tcpi_bytes_received of the sockets tsord handed out,

@@ -2,7 +2,8 @@
 
 A local-path connection used to cross tsord four times (its reader thread, a pool thread, the
 server sandbox's reader thread, the pool thread again), each a wake-up of another thread; on this
-2-core VM those hops were most of a connection's set-up and tsord spent ~0.4 ms of CPU on each.
+2-core VM those hops were most of a connection's set-up, and tsord's CPU per connection was far
+above what it is now (before and after: bench/README.md, "Supervisor to supervisor").
 tsord still decides the first connection from a sandbox to a listener (identity, address claims,
 NetworkPolicy, as before). When both supervisors said in their hello that they can (`direct`), its
 answer also carries a *route*: the listener's token and tsord's route generation, plus one end of a
@@ -29,8 +30,8 @@ What keeps this as strict as asking tsord every time:
   transport), its answer carries the generation, and the next connects to that address and port
   go native without asking, until the generation moves (a listener registering bumps it too).
   Such a connect costs the trap and a dict lookup instead of the /proc checks and a round trip
-  through tsord (`bench/tsor.py --only fallback`, two nodes: set-up p50 292-302 -> 88-130 us, plain
-  TCP 34-36 us);
+  through tsord (`bench/tsor.py --only fallback`, measured: bench/README.md, "TSoR", "Fallback
+  connects, cached");
 - a supervisor whose tsord connection drops closes every channel it holds (a restarted tsord starts
   from nothing), and a channel's end of file (the other sandbox gone) drops its routes.
 Counts: the supervisors tell tsord how many connections went direct (`tally`, at most every 50 ms
@@ -317,7 +318,8 @@ class PeerLinks:
         src = (route.src_ip, src_port)
         # The application's end first, the offer after: sent first, the offer woke the listening
         # supervisor onto this CPU (a unix socket's wake-up is a "sync" one), which then ran its part
-        # before this one could answer the trapped connect (set-up p50 ~0.75 -> ~0.6 ms with traces on).
+        # before this one could answer the trapped connect (measured: bench/README.md, "Supervisor to
+        # supervisor").
         with theirs:
             if on_reply({"path": "local", "src": list(src)}, [ours.detach()]) is False:
                 return True   # answered natively after all (the task's fd changed meanwhile): no offer

@@ -1,4 +1,8 @@
-"""The qkernel <-> tsord protocol: JSON records on a SOCK_SEQPACKET unix socket, fds by SCM_RIGHTS.
+"""tsord's unix-socket protocol: JSON records on a SOCK_SEQPACKET socket, fds by SCM_RIGHTS. Three
+kinds of peer speak it: a sandbox's supervisor and tsord (tsor/sandbox.py's SandboxNet, which runs
+in the supervisor, and daemon.py), two supervisors of one node over a direct channel tsord set up
+(tsor/peers.py: `incoming` records only), and quark-cni and tsord (cni/plugin.py, below). tsord
+talks to other nodes' tsords over TCP with a protocol of its own (transport/tcp.py, rdma_link.py).
 
 SEQPACKET keeps each message and its fds one record, so nothing depends on how a stream was cut.
 A request is {"op": NAME, "id": N, ...fields}; its reply is {"re": N, ...}. Both sides send

@@ -25,11 +25,12 @@ relist replaces that kind in the table whole, so objects deleted meanwhile go to
 server is away the table stays as it was: pods it knew keep their paths, pods it never saw are
 unknown to tsord and connect natively.
 
-Objects are read as JSON, not deserialised into the client's models: a model per object would cost
-~1 ms each, too slow for 10,000 pods (bench/routes_k8s.py). Only the fields the entries below read
-are decoded (tsor/k8s_fields.py). The requests go through the client's ApiClient (its configuration:
-server, TLS, credentials and their refresh) but not its generated CoreV1Api & co., whose import
-brings ~300 model modules (~26 MiB of tsord) for nothing here.
+Objects are read as JSON, not deserialised into the client's models: a model per object is too
+slow for 10,000 pods (bench/routes_k8s.py; measured: bench/README.md, "Routes from Kubernetes").
+Only the fields the entries below read are decoded (tsor/k8s_fields.py). The requests go through
+the client's ApiClient (its configuration: server, TLS, credentials and their refresh) but not its
+generated CoreV1Api & co., whose import brings hundreds of model modules, and tsord's memory with
+them, for nothing here (same section).
 """
 from __future__ import annotations
 
@@ -107,8 +108,8 @@ class Kind:
 
 
 def _ip(value: object) -> str | None:
-    """An address in its canonical text (the table's keys), None if it is not one. inet_pton: a
-    tenth of ipaddress's cost, which counts at 10,000 pods."""
+    """An address in its canonical text (the table's keys), None if it is not one. inet_pton: far
+    cheaper than ipaddress, which counts at 10,000 pods."""
     if not isinstance(value, str):
         return None
     for fam in (socket.AF_INET, socket.AF_INET6) if ":" not in value else (socket.AF_INET6,):

@@ -29,7 +29,7 @@ log = logging.getLogger("quark.tsor")
 RECONNECT_S = 1.0
 HELLO_TIMEOUT_S = 1.0
 SWEEP_S = 5.0
-SWEEP_BATCH = 256   # fds looked at per turn of the loop (~1 ms), however many the sandbox holds
+SWEEP_BATCH = 256   # fds looked at per turn of the loop: a turn stays short however many the sandbox holds
 _LINGER_RESET = struct.pack("ii", 1, 0)
 BELL_BATCH = 16   # doorbell sockets made ahead per setns into the pod
 

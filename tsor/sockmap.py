@@ -7,9 +7,10 @@ connection are moved socket to socket by the kernel: a SOCK_OPS program puts bot
 SOCKHASH when they become established, and an SK_MSG program on that map hands each `sendmsg` to
 the peer's receive queue. The sandboxes trap none of the socket family (qvisor's `_socket_filter`):
 set-up, close, every option and TCP_INFO are the kernel's. What it costs and gives, measured against
-the socketpair local path, is in bench/README.md ("A local path with no trap").
+the socketpair local path, is in bench/README.md ("The sockmap local path, built", and the probe
+before it, "A local path with no trap").
 
-Three rules keep it safe (bench/README.md says how each was found):
+Three rules keep it safe (bench/README.md, "A local path with no trap", says how each was found):
 - Only quark pods, keyed so that keys cannot collide: the programs sit on the unified hierarchy's
   root (every socket of the node passes them), and an end is inserted only when its local address
   is registered here (`register`) *for that socket's network namespace* (the namespace's cookie)
@@ -31,12 +32,13 @@ Three rules keep it safe (bench/README.md says how each was found):
 Half-close: the kernel's receive path for a socket in a sockmap (tcp_bpf_recvmsg) takes any wake-up
 of a blocking reader that finds no data for a timeout and answers EAGAIN. A reader's own FIN being
 acknowledged wakes it so (FIN_WAIT1 -> FIN_WAIT2 is a state change), which is exactly a client that
-sends, shuts down its writing side and blocks for the reply (how often: bench/README.md). A
-sockmap sandbox's filter traps shutdown(SHUT_WR/SHUT_RDWR) alone of the socket family, and its
-supervisor (tsor/intercept.py) shuts the socket down and returns once tsord says the end is in the
-map (`SockmapPath.holds`) and the FIN is acknowledged, so that wake-up comes before the next read.
-A signal that interrupts a blocking read on a carried socket gets the same EAGAIN (where TCP would
-restart the read or say EINTR): the kernel's, not fixed here.
+sends, shuts down its writing side and blocks for the reply (how often: bench/README.md,
+"Half-close on the sockmap path"). A sockmap sandbox's filter traps shutdown(SHUT_WR/SHUT_RDWR)
+alone of the socket family, and its supervisor (tsor/intercept.py) shuts the socket down and
+returns once tsord says the end is in the map (`SockmapPath.holds`) and the FIN is acknowledged, so
+that wake-up comes before the next read. A signal that interrupts a blocking read on a carried
+socket gets the same EAGAIN (where TCP would restart the read or say EINTR): the kernel's, not
+fixed here.
 
 IPv4 only: an AF_INET6 socket is carried when both its addresses are IPv4-mapped (a dual-stack
 listener's connection from an IPv4 client); IPv6 connections take the stack. Connections to a

@@ -2,12 +2,13 @@
 
 A local-path end is an AF_UNIX socket, which has no TCP options: setsockopt(SOL_TCP, TCP_CORK) on it
 is EOPNOTSUPP, so QKernel has had to trap the call and answer it. nginx as Debian ships it corks and
-uncorks around every response, and those two traps were what kept it at a third of runc's speed
-(bench/README.md). Here the kernel answers instead: two cgroup BPF programs (below, hand-assembled:
-no compiler on the node), `setsockopt` and `getsockopt`, take TCP_NODELAY/TCP_CORK on an AF_UNIX
-socket and keep their values in the socket's own BPF storage (freed with the socket: nothing to
-clean up), so a value set reads back as it does on TCP. The sandbox's seccomp filter then stops
-trapping get/setsockopt of those two options (qkernel/table.py, `sockopt_offload`).
+uncorks around every response, and those two traps were what kept it far below runc's speed
+(before and after: bench/README.md, "Socket options without a trap"). Here the kernel answers
+instead: two cgroup BPF programs (below, hand-assembled: no compiler on the node), `setsockopt` and
+`getsockopt`, take TCP_NODELAY/TCP_CORK on an AF_UNIX socket and keep their values in the socket's
+own BPF storage (freed with the socket: nothing to clean up), so a value set reads back as it does
+on TCP. The sandbox's seccomp filter then stops trapping get/setsockopt of those two options
+(qkernel/table.py, `sockopt_offload`).
 
 A cgroup sockopt program runs for the cgroup of the process that *created* the socket (its cgroup
 is fixed when it is made), not for the caller's. So the processes that make local-path ends — every

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from qlib import cgroupfs
 from qlib.errors import SetupError, Unsupported
 
-if TYPE_CHECKING:   # the spec model costs ~17 ms to import: `start`, `kill`, `delete` ... never need it
+# the spec model is slow to import (bench/README.md, "Start-up and supervisor memory"): `start`,
+# `kill`, `delete` ... never need it
+if TYPE_CHECKING:
     from ..spec import HugepageLimit, RdmaLimit
 
 CGROUP_ROOT = cgroupfs.CGROUP_ROOT

@@ -65,7 +65,7 @@ class CreateMixin:
             if self.caller_reaps:
                 self._watch_exit(child.pid)
             # the init builds its rootfs from here on: what we set up meanwhile (QKernel, the /proc
-            # view it will ask for) runs beside it, not before it (~5 ms of every create)
+            # view it will ask for) runs beside it, not before it, so create does not wait for it
             self._send_prepare(child)
             self._start_kernel(child.pid)
             self._make_procview(child)
@@ -84,7 +84,9 @@ class CreateMixin:
             self.store.save(self.state)
             self._open_control()
             # from here on the supervisor serves the container: hold only what that needs (before
-            # the report: if this fails, create fails and leaves nothing; it costs ~1.3 ms)
+            # the report: if this fails, create fails and leaves nothing; it costs create a
+            # little time, within "create: state saved, control socket, supervisor confined" of
+            # bench/README.md, "Start-up and supervisor memory")
             confine.confine_supervisor(self.platform, self.spec.process.capabilities,
                                        allow_chroot=not self.spec.linux.new_namespace("mount"),
                                        own_namespaces=self.spec.own_namespaces)

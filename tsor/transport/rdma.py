@@ -121,7 +121,7 @@ GREETING = b"\x01"
 
 @dataclass(frozen=True)
 class RingConfig:
-    ring: int = 256 * 1024    # bytes per ring: what one connection may have in flight (64 KiB: ~0.7x the rate)
+    ring: int = 256 * 1024    # bytes per ring: what one connection may have in flight (smaller: a lower rate)
     slots: int = 256          # channels per link, slot 0 included: 127 connections each way
     sq_depth: int = 256
     rq_depth: int = 512

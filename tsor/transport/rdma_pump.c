@@ -3,8 +3,8 @@
  * Same wire protocol, byte for byte (rdma.py's docstring is its description): rings of `ring` bytes
  * per slot, RDMA_WRITE_WITH_IMM (imm = slot, bit 31 = FIN), byte credits per channel and receive-WR /
  * control-ring credits per link, control records `!BHHIIH` + payload in slot 0. A link of this pump
- * talks to a link of rdma.py's engine (tests/integration/test_rdma_pump.py runs them against each
- * other on a real device).
+ * talks to a link of rdma.py's engine (tests/unit/test_rdma_ring.py's "compiled" case runs them
+ * against each other on a real device).
  *
  * One pthread (the engine) owns every link's QP, CQ and completion channel and the pump's ends of the
  * applications' socketpairs; it waits in epoll_wait on the channel fds (non-blocking, events taken
