@@ -1,7 +1,7 @@
 """Container start-up, quark vs runc, side by side in one run.
 
 N x (create, start, wait, delete) of /bin/true in one busybox bundle, interleaved, with: quark as
-installed on PATH (the C front end, qvisor/frontend.c, and the sandbox factory, qvisor/factory.py),
+installed on PATH (the C front end, qvisor/frontend.c, and the sandbox factory, qvisor/factory/),
 quark without the factory (the Python CLI for every verb, QUARK_FACTORY=0: how quark ran before the
 factory), and runc; median and p95 of each phase and the ratios to runc. The supervisors' resident
 (RSS) and proportional (PSS) memory per sandbox over --sandboxes running sandboxes, with and
@@ -281,8 +281,8 @@ def main() -> int:
                                                                                           "QUARK_FACTORY")})
             result["ctr_run_rm_no_factory"] = time_ctr(a.ctr_runs, work, {"QUARK_FACTORY": "0"})
     finally:
-        from qvisor import factory
-        factory.stop(with_factory["QUARK_FACTORY_DIR"])
+        from qvisor.factory import client
+        client.stop(with_factory["QUARK_FACTORY_DIR"])
         shutil.rmtree(work, ignore_errors=True)
         remove_empty_since(cgroups_before)
     RESULTS.mkdir(exist_ok=True)

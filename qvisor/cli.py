@@ -38,24 +38,35 @@ COMMANDS: dict[str, tuple[str, str]] = {
 DEFAULT_ROOT = "/run/quark"
 
 
-_VALUE_FLAGS = {"--root", "--log", "--log-format", "--platform", "--rootless"}
-_DETACH_FLAGS = {"-d", "--detach"}   # `run` with one of these is served by the sandbox factory
+# global flags that take a value (the C front end keeps the same list: qvisor/frontend.c)
+VALUE_FLAGS = frozenset({"--root", "--log", "--log-format", "--platform", "--rootless"})
+DETACH_FLAGS = frozenset({"-d", "--detach"})   # `run` with one of these is served by the sandbox factory
+# verbs the sandbox factory runs (qvisor/factory/): they end promptly and need no terminal or
+# signal forwarding; the others run in the client
+SERVED = frozenset({"create", "start", "state", "kill", "delete", "pause", "resume", "ps", "list", "snapshot"})
 
 
 def detached(argv: list[str]) -> bool:
-    return any(a in _DETACH_FLAGS for a in argv)
+    return any(a in DETACH_FLAGS for a in argv)
 
 
-def _verb_of(argv: list[str]) -> str | None:
+def verb_of(argv: list[str]) -> str | None:
     """The verb in argv, found without parsing, so only that verb's module is imported (every
     `quark` call is a new process: startup time is container start-up time)."""
     it = iter(argv)
     for a in it:
-        if a in _VALUE_FLAGS:
+        if a in VALUE_FLAGS:
             next(it, None)
         elif not a.startswith("-"):
             return a
     return None
+
+
+def served_by_factory(argv: list[str]) -> bool:
+    """Whether the factory runs this command line: the SERVED verbs, and `run -d` (a run in the
+    foreground waits for its container and forwards signals, which only the CLI can)."""
+    verb = verb_of(argv)
+    return verb in SERVED or (verb == "run" and detached(argv))
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,17 +115,18 @@ def main(argv: list[str] | None = None, in_factory: bool = False) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from qvisor import phases
     phases.verb_started = time.monotonic()
-    verb = _verb_of(argv)
+    verb = verb_of(argv)
     if verb in ("create", "run") and not in_factory:
-        # the sandbox factory (qvisor/factory.py) has the supervisor's imports loaded already and
-        # its forks share them; without one, this create runs here and starts one for the next
-        from qvisor import factory
-        if factory.enabled():
-            if factory.served(argv):   # create, and a detached run
-                code = factory.request(argv)
+        # the sandbox factory (qvisor/factory/) has the supervisor's imports loaded already and
+        # its forks share them; without one, this create runs here and starts one for the next.
+        # Imported here: every other verb's start would pay for it
+        from qvisor.factory import client, wire
+        if wire.enabled():
+            if served_by_factory(argv):   # create, and a detached run
+                code = client.request(argv)
                 if code is not None:
                     return code
-            factory.ensure_running()
+            client.ensure_running()
     parser = build_parser(verb if verb in COMMANDS else None)
     args = parser.parse_args(argv)
     if not args.verb:

@@ -20,6 +20,7 @@ from qlib import procfs
 from qlib.errors import InvalidArgument, InvalidState, NotFound, QuarkError, SupervisorGone, from_kind
 from qvisor import cgroups, channel
 from qvisor.client import Connection
+from qvisor.factory import caller, seeds
 from qvisor.state import (
     CREATED,
     CREATING,
@@ -86,7 +87,7 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
         r, w = os.pipe2(os.O_CLOEXEC)
         pid = 0
         args = (store, st, spec, platform, console_socket, preserve_fds, log_file, cgroup, merge_pages)
-        if in_factory and _hand_over(w, args):
+        if in_factory and hand_over(w, args):
             pass   # a seed of the factory's is the supervisor now: nothing is forked here
         elif (pid := os.fork()) == 0:
             try:
@@ -116,15 +117,15 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     return store.load(container_id)
 
 
-def _hand_over(ready_fd: int, args: tuple) -> bool:
-    """In a factory worker that was given a seed (factory._fork_seed): hand it what a fork of this
+def hand_over(ready_fd: int, args: tuple) -> bool:
+    """In a factory worker that was given a seed (qvisor/factory/seeds.py): hand it what a fork of this
     worker would give the supervisor (the arguments of _supervise; stdio, cwd, environment, umask,
     rlimits, oom score, scheduling attributes, cgroups and command line), and it becomes the
     supervisor. False when there is no seed, or it cannot take the hand-over: the caller forks the
     supervisor itself."""
     from qlib import sched
-    from qvisor import factory, phases
-    seed = factory.take_seed()
+    from qvisor import phases
+    seed = seeds.take_seed()
     if seed is None:
         return False
     import pickle
@@ -137,8 +138,8 @@ def _hand_over(ready_fd: int, args: tuple) -> bool:
             oom = f.read().strip()
         with open("/proc/self/cmdline", "rb") as f:
             cmdline = [os.fsdecode(a) for a in f.read().split(b"\0")[:-1]]
-        context = {"args": args, "umask": factory._umask(), "env": dict(os.environ), "cmdline": cmdline,
-                   "rlimits": {r: resource.getrlimit(r) for r in factory._RLIMITS}, "oom_score_adj": oom,
+        context = {"args": args, "umask": caller.current_umask(), "env": dict(os.environ), "cmdline": cmdline,
+                   "rlimits": {r: resource.getrlimit(r) for r in caller.RLIMITS}, "oom_score_adj": oom,
                    "cgroup": cgroup, "log_level": logging.getLogger().level, "verb_started": phases.verb_started,
                    "sched": sched.Scheduling.of(os.getpid())}
         cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -154,13 +155,13 @@ def _hand_over(ready_fd: int, args: tuple) -> bool:
 
 
 def supervise_handed_over(data: bytes, fds: list[int]) -> None:
-    """In a seed of the factory's: take on what the worker handed over (_hand_over), as a fork of
+    """In a seed of the factory's: take on what the worker handed over (hand_over), as a fork of
     that worker would have it, and supervise its container. Never returns."""
     ready_fd = fds[4] if len(fds) == 5 else -1
     try:
         import pickle
         import resource
-        from qvisor import factory, phases
+        from qvisor import phases
         if ready_fd < 0:
             raise ValueError(f"{len(fds)} fds handed over, not 5")
         os.set_inheritable(ready_fd, False)   # as the pipe the worker made (O_CLOEXEC)
@@ -178,7 +179,7 @@ def supervise_handed_over(data: bytes, fds: list[int]) -> None:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write(context["oom_score_adj"])
         context["sched"].apply()   # the worker's, which it took on from its caller
-        factory.join_cgroups(context["cgroup"])
+        caller.join_cgroups(context["cgroup"])
         try:
             L.set_cmdline(context["cmdline"], context["env"])
         except OSError:   # cosmetic (ps), as in the worker

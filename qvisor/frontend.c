@@ -3,7 +3,7 @@
  * Why it is C: a runc-compatible manager runs `quark create`, `start`, `state`, `kill` and
  * `delete` for every container, and CPython's start before it runs a line is on its own longer
  * than runc's whole `start` (both measured: bench/README.md, "Start-up and supervisor memory").
- * This program starts at once and hands the call to the sandbox factory (qvisor/factory.py), a
+ * This program starts at once and hands the call to the sandbox factory (qvisor/factory/), a
  * pre-imported quark that forks a worker to run it: argv, environment and umask in one
  * SOCK_SEQPACKET message, stdin, stdout, stderr and the working directory as fds. It holds no
  * logic of quark's own: the verbs the factory does not serve, and every call when no factory
@@ -22,7 +22,7 @@
  * container not in the created state) before it does anything, and this program then takes the
  * usual way.
  *
- * The wire format is qvisor/factory.py's encode_request/decode_request; keep the two in step.
+ * The wire format is qvisor/factory/wire.py's encode_request/decode_request; keep the two in step.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -41,12 +41,12 @@
 
 #define MAGIC "quark-factory/2"
 #define SHIM "containerd-shim-quark-v1"
-#define MAX_REQUEST (1 << 20)   /* factory.MAX_REQUEST */
+#define MAX_REQUEST (1 << 20)   /* factory/wire.py: MAX_REQUEST */
 
 extern char **environ;
 
 static const char *served[] = {"create", "start", "state", "kill", "delete", "pause", "resume", "ps",
-                               "list", "snapshot", NULL};                    /* factory.SERVED */
+                               "list", "snapshot", NULL};                    /* cli.SERVED */
 static const char *detach_flags[] = {"-d", "--detach", NULL};               /* cli._DETACH_FLAGS */
 static const char *value_flags[] = {"--root", "--log", "--log-format", "--platform", "--rootless",
                                     NULL};                                   /* cli._VALUE_FLAGS */
@@ -68,7 +68,7 @@ static int in(const char *s, const char **list)
     return 0;
 }
 
-/* the verb, found as cli._verb_of finds it: the first argument that is not a flag or a flag's value */
+/* the verb, found as cli.verb_of finds it: the first argument that is not a flag or a flag's value */
 static const char *verb_of(int argc, char **argv)
 {
     for (int i = 1; i < argc; i++) {
@@ -235,7 +235,7 @@ int main(int argc, char **argv)
                ? argv[argc - 1] : NULL;
     } else {
         verb = verb_of(argc, argv);
-        /* factory.served: `run -d` too (a foreground run waits and forwards signals: the CLI's) */
+        /* cli.served_by_factory: `run -d` too (a foreground run waits and forwards signals: the CLI's) */
         if (verb && !in(verb, served) && !(strcmp(verb, "run") == 0 && detached(argc, argv)))
             verb = NULL;
     }

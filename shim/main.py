@@ -61,7 +61,7 @@ def _served_by_factory(argv: list[str]) -> bool:
     return bool(argv) and argv[-1] in ("start", "delete")
 
 
-# The sandbox factory (qvisor/factory.py) runs containerd's `start` and `delete` in a pre-imported
+# The sandbox factory (qvisor/factory/) runs containerd's `start` and `delete` in a pre-imported
 # worker (the front end, qvisor/frontend.c, installed as this command, sends them there): the
 # shim's server is then forked with its modules loaded and shares their pages, and the clean-up
 # costs no Python start. Registered as an entry point of the "quark.factory" group

@@ -121,12 +121,12 @@ class Quark:
         argv = self._argv("--log", log_path, "--log-format", "json", *args)
         code = None
         if args[0] == "create" and stdio is not None:
-            # in the sandbox factory (qvisor/factory.py): no `quark` process per container, and a
+            # in the sandbox factory (qvisor/factory/): no `quark` process per container, and a
             # supervisor that shares the factory's pages; None: it declined or runs none, so the CLI
-            from qvisor import factory
-            if factory.enabled():
+            from qvisor.factory import client, wire
+            if wire.enabled():
                 with _quark_errors(args[0]):
-                    code = factory.request(argv[1:], (stdio.stdin, stdio.stdout, stdio.stderr))
+                    code = client.request(argv[1:], (stdio.stdin, stdio.stdout, stdio.stderr))
         if code is None:
             fds = (subprocess.DEVNULL,) * 3 if stdio is None else (stdio.stdin, stdio.stdout, stdio.stderr)
             code = subprocess.run(argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], close_fds=True).returncode

@@ -1,6 +1,6 @@
 """Session-wide clean-up: the parent cgroups made for the tests' containers are removed at the end
 of the session when they are empty and did not exist before it (tests/cleanup.py); the sandbox
-factory the tests' creates start (qvisor/factory.py) serves a directory of the session's own, never
+factory the tests' creates start (qvisor/factory/) serves a directory of the session's own, never
 the host's /run/quark, and is stopped at the end."""
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ def remove_parent_cgroups_made_by_the_session():
 
 @pytest.fixture(scope="session", autouse=True)
 def sandbox_factory_of_the_session():
-    from qvisor import factory
+    from qvisor.factory import client
     where = tempfile.mkdtemp(prefix="quark-factory-")
     old = os.environ.get("QUARK_FACTORY_DIR")
     os.environ["QUARK_FACTORY_DIR"] = where   # inherited by every quark, shim and containerd started
     yield where
-    factory.stop(where)
+    client.stop(where)
     if old is None:
         os.environ.pop("QUARK_FACTORY_DIR", None)
     else:

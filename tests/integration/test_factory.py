@@ -1,4 +1,4 @@
-"""The sandbox factory (qvisor/factory.py) and the C front end (qvisor/frontend.c): verbs run in a
+"""The sandbox factory (qvisor/factory/) and the C front end (qvisor/frontend.c): verbs run in a
 forked, pre-imported worker that takes on the caller's stdio, cwd, environment, rlimits and (for
 create) cgroups; supervisors share the factory's pages; anything the factory must not do for the
 caller falls back to the Python CLI, with the same result."""
@@ -20,7 +20,7 @@ import pytest
 
 from qlib import cgroupfs
 from qlib.procfs import parent_pid
-from qvisor import factory
+from qvisor.factory import client, programs, server, wire
 
 REPO = Path(__file__).resolve().parents[2]
 FRONT_END = str(REPO / "qvisor" / "_quark")
@@ -35,12 +35,12 @@ def served(tmp_path, quark):
     proc = subprocess.Popen([sys.executable, "-m", "qvisor.factory", "--dir", where, "--idle", "120"],
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "factory.log", "w"))
     deadline = time.monotonic() + 30
-    while not os.path.exists(os.path.join(where, factory.SOCK_NAME)) and time.monotonic() < deadline:
+    while not os.path.exists(os.path.join(where, wire.SOCK_NAME)) and time.monotonic() < deadline:
         assert proc.poll() is None, (tmp_path / "factory.log").read_text()
         time.sleep(0.05)
     env = dict(os.environ, QUARK_FACTORY_DIR=where, QUARK_FACTORY="1")
     yield where, proc, env
-    factory.stop(where)
+    client.stop(where)
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
@@ -121,8 +121,8 @@ def test_a_create_runs_in_a_worker_and_its_supervisor_shares_the_factorys_pages(
 
 def test_a_supervisor_is_forked_ahead_of_its_create_not_by_the_worker_that_ran_it(served, quark, bundle, tmp_path):
     """Each create's supervisor is a seed the factory had forked ahead of it through its zygote (a
-    process that only forks seeds, factory._zygote), and the worker that parsed the command line and
-    loaded the spec hands it the container (container._hand_over) instead of forking it: the pages
+    process that only forks seeds, qvisor/factory/seeds.py), and the worker that parsed the command line and
+    loaded the spec hands it the container (container.hand_over) instead of forking it: the pages
     that worker wrote do not stay in the supervisor for the container's life. Without a zygote the
     factory forks the seeds itself."""
     where, proc, env = served
@@ -255,7 +255,7 @@ def test_a_runc_style_manager_above_the_caller_is_declined_so_it_reaps_the_init(
 
 def test_only_root_may_connect(served):
     where, _, _ = served
-    path = os.path.join(where, factory.SOCK_NAME)
+    path = os.path.join(where, wire.SOCK_NAME)
     assert os.stat(path).st_mode & 0o777 == 0o600
     pid = os.fork()
     if pid == 0:
@@ -274,19 +274,19 @@ def test_only_root_may_connect(served):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     # and a request from a non-root uid (SO_PEERCRED) is declined, whatever the socket's mode
-    f = factory.Factory(where, 1)
-    assert f._refusal(os.getpid(), 1000, ["state", "x"], {}) == "the caller is not root"
+    f = server.Factory(where, 1)
+    assert f.refusal(os.getpid(), 1000, ["state", "x"], {}) == "the caller is not root"
     # and only the programs it knows (quark's, and the "quark.factory" entry points: the shim's)
-    factory._preload()
-    assert set(factory.PROGRAMS) == {"quark", "containerd-shim-quark-v1"}
-    assert f._refusal(os.getpid(), 0, ["state", "x"], {}, "sh").startswith("not a program the factory runs")
-    assert f._refusal(os.getpid(), 0, ["-id", "x"], {}, "containerd-shim-quark-v1") == \
+    programs.load()
+    assert set(programs.PROGRAMS) == {"quark", "containerd-shim-quark-v1"}
+    assert f.refusal(os.getpid(), 0, ["state", "x"], {}, "sh").startswith("not a program the factory runs")
+    assert f.refusal(os.getpid(), 0, ["-id", "x"], {}, "containerd-shim-quark-v1") == \
         "not a verb the factory serves"
 
 
 def test_a_factory_whose_code_changed_declines_and_exits(served, quark, bundle, tmp_path):
     where, proc, env = served
-    module = REPO / "qvisor" / "factory.py"
+    module = REPO / "qvisor" / "factory" / "server.py"
     st = module.stat()
     os.utime(module, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     try:
@@ -297,7 +297,7 @@ def test_a_factory_whose_code_changed_declines_and_exits(served, quark, bundle, 
     finally:
         os.utime(module, ns=(st.st_atime_ns, st.st_mtime_ns))
     quark("delete", "--force", "s1")
-    factory.stop(where)
+    client.stop(where)
 
 
 def test_an_idle_factory_exits_and_removes_its_socket(tmp_path):
@@ -306,8 +306,8 @@ def test_an_idle_factory_exits_and_removes_its_socket(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert "idle for" in p.stderr
-    assert not os.path.exists(os.path.join(where, factory.SOCK_NAME))
-    assert not os.path.exists(os.path.join(where, factory.PID_NAME))
+    assert not os.path.exists(os.path.join(where, wire.SOCK_NAME))
+    assert not os.path.exists(os.path.join(where, wire.PID_NAME))
 
 
 def test_the_first_create_starts_a_factory_and_the_next_one_uses_it(quark, bundle, tmp_path):
@@ -317,9 +317,9 @@ def test_the_first_create_starts_a_factory_and_the_next_one_uses_it(quark, bundl
     try:
         assert _run(env, "--root", quark.root, "create", "--bundle", b, "d1").returncode == 0
         deadline = time.monotonic() + 30
-        while not os.path.exists(os.path.join(where, factory.SOCK_NAME)) and time.monotonic() < deadline:
+        while not os.path.exists(os.path.join(where, wire.SOCK_NAME)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert factory.request(["--root", quark.root, "state", "d1"],
+        assert client.request(["--root", quark.root, "state", "d1"],
                                stdio=(0, os.open(os.devnull, os.O_WRONLY), 2), env=env, where=where) == 0
         assert _run(env, "--root", quark.root, "create", "--bundle", b, "d2").returncode == 0
         with open(f"/proc/{_supervisor(quark.root, 'd2')}/cmdline", "rb") as f:
@@ -328,7 +328,7 @@ def test_the_first_create_starts_a_factory_and_the_next_one_uses_it(quark, bundl
     finally:
         quark("delete", "--force", "d1", check=False)
         quark("delete", "--force", "d2", check=False)
-        assert factory.stop(where) > 0
+        assert client.stop(where) > 0
 
 
 def test_quark_factory_0_never_starts_one(quark, bundle, tmp_path):
@@ -336,20 +336,20 @@ def test_quark_factory_0_never_starts_one(quark, bundle, tmp_path):
     env = dict(os.environ, QUARK_FACTORY_DIR=where, QUARK_FACTORY="0")
     assert _run(env, "--root", quark.root, "run", "-d", "--bundle", bundle(["true"]), "o1").returncode == 0
     time.sleep(0.5)
-    assert not os.path.exists(os.path.join(where, factory.SOCK_NAME))
+    assert not os.path.exists(os.path.join(where, wire.SOCK_NAME))
     quark("delete", "--force", "o1")
 
 
 def test_the_wire_format_round_trips_and_rejects_garbage():
     argv, env = ["--root", "/r", "state", "a=b"], {"A": "1", "EMPTY": "", "EQ": "x=y"}
-    data = factory.encode_request(argv, env, 0o027)
-    assert factory.decode_request(data) == (argv, env, 0o027, "quark")
-    shim = factory.encode_request(["-id", "x", "start"], {}, 0o022, "containerd-shim-quark-v1")
-    assert factory.decode_request(shim) == (["-id", "x", "start"], {}, 0o022, "containerd-shim-quark-v1")
-    for bad in (b"", b"nope\0" + data, data[:-6], data + b"\0extra", factory.MAGIC + b"\0quark\0999",
-                factory.MAGIC + b"\0quark\0-1\0x\00\0022"):
+    data = wire.encode_request(argv, env, 0o027)
+    assert wire.decode_request(data) == (argv, env, 0o027, "quark")
+    shim = wire.encode_request(["-id", "x", "start"], {}, 0o022, "containerd-shim-quark-v1")
+    assert wire.decode_request(shim) == (["-id", "x", "start"], {}, 0o022, "containerd-shim-quark-v1")
+    for bad in (b"", b"nope\0" + data, data[:-6], data + b"\0extra", wire.MAGIC + b"\0quark\0999",
+                wire.MAGIC + b"\0quark\0-1\0x\00\0022"):
         with pytest.raises(ValueError):
-            factory.decode_request(bad)
+            wire.decode_request(bad)
 
 
 def test_the_shim_creates_through_the_factory_without_a_cli_process(served, quark, bundle, tmp_path, monkeypatch):

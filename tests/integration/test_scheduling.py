@@ -13,7 +13,7 @@ import time
 import pytest
 
 from qlib import sched
-from qvisor import factory
+from qvisor.factory import client, wire
 from qvisor.spec import IOPRIO_CLASSES
 from tests.integration.conftest import edit_config
 from tests.integration.test_lifecycle import wait_status
@@ -63,7 +63,7 @@ def test_the_container_gets_the_callers_nice_policy_and_io_priority_not_its_cpus
     finally:
         quark("delete", "--force", "s1", check=False, env=env)
         if factory_on == "1":
-            factory.stop(str(tmp_path / "factory"))
+            client.stop(str(tmp_path / "factory"))
 
 
 def test_a_factory_started_by_a_niced_pinned_caller_serves_the_next_caller_with_its_own(quark, bundle, tmp_path):
@@ -76,7 +76,7 @@ def test_a_factory_started_by_a_niced_pinned_caller_serves_the_next_caller_with_
                                preexec_fn=as_caller(10, {1}, os.SCHED_IDLE))
     try:
         deadline = time.monotonic() + 30
-        while not os.path.exists(os.path.join(where, factory.SOCK_NAME)) and time.monotonic() < deadline:
+        while not os.path.exists(os.path.join(where, wire.SOCK_NAME)) and time.monotonic() < deadline:
             assert starter.poll() is None
             time.sleep(0.05)
         assert attrs(starter.pid) == (os.SCHED_OTHER, 0, 0, ALL)   # the kernel's defaults
@@ -86,7 +86,7 @@ def test_a_factory_started_by_a_niced_pinned_caller_serves_the_next_caller_with_
         assert attrs(init) == (os.SCHED_OTHER, 2, 0, ALL)
     finally:
         quark("delete", "--force", "s2", check=False)
-        factory.stop(where)
+        client.stop(where)
         starter.wait(timeout=10)
 
 

@@ -1,4 +1,4 @@
-"""The seeds' zygote fills pymalloc's free blocks before it forks (qvisor/factory.py
+"""The seeds' zygote fills pymalloc's free blocks before it forks (qvisor/factory/seeds.py
 _fill_free_blocks): what a supervisor allocates then lands side by side in fresh pools, not one
 object per page it shares with the zygote (each such page is a private 4 KiB copy for life)."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ import sys
 # A heap as a long-running process leaves it: full pools with one free block here and there.
 _PROBE = """
 import json, sys
-from qvisor import factory
+from qvisor.factory import seeds
 keep = [bytes(31) for _ in range(40000)]          # 64-byte blocks, 256 to a 16 KiB pool
 for i in range(0, len(keep), 200):
     keep[i] = None                                # one free block every 200: ~one per pool
 if sys.argv[1] == "fill":
-    factory._fill_free_blocks()
+    seeds.fill_free_blocks()
 new = [bytes(31) for _ in range(150)]             # what a supervisor allocates after the fork
 print(json.dumps(len({id(b) // 4096 for b in new})))
 """
@@ -35,8 +35,8 @@ def test_without_the_fill_they_land_one_per_shared_page():
 
 
 def test_free_blocks_are_read_per_block_size():
-    sizes = subprocess.run([sys.executable, "-c", "import json; from qvisor import factory; "
-                            "print(json.dumps(factory._free_blocks()))"],
+    sizes = subprocess.run([sys.executable, "-c", "import json; from qvisor.factory import seeds; "
+                            "print(json.dumps(seeds.free_blocks()))"],
                            check=True, capture_output=True, text=True)
     free = json.loads(sizes.stdout)
     assert {"32", "64", "512"} <= set(free) and all(v >= 0 for v in free.values())

@@ -1,0 +1,5 @@
+import sys
+
+from qvisor.factory.server import main
+
+sys.exit(main())

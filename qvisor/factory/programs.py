@@ -1,0 +1,34 @@
+"""The programs the factory runs: the entry points of the "quark.factory" group (pyproject.toml):
+quark's own CLI (qvisor/factory/verbs.py) and containerd-shim-quark-v1 (shim/main.py). The
+factory imports them through the group, so it depends on no program and none on it.
+
+A program is a dict: "main" (argv -> exit status), "serves" (argv -> whether the factory runs this
+call), "adopts_cgroups" (argv -> whether the worker joins the caller's cgroups: what it forks lives
+there), "preload" (modules to import in the factory) and, optionally, "warm" (a callable that
+loads and compiles the rest ahead of the first request).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from importlib.metadata import entry_points
+
+log = logging.getLogger("quark.factory")
+
+PROGRAM_GROUP = "quark.factory"
+# name -> program, filled by load() in the factory
+PROGRAMS: dict[str, dict] = {}
+
+
+def load() -> None:
+    """Import every program and what it asks to have loaded, so forks start with it."""
+    for ep in entry_points(group=PROGRAM_GROUP):
+        try:
+            program = ep.load()
+            for name in program.get("preload", ()):
+                importlib.import_module(name)
+            if "warm" in program:
+                program["warm"]()
+            PROGRAMS[ep.name] = program
+        except Exception as e:   # noqa: BLE001 — a broken plugin: its program runs without the factory
+            log.warning("program %s not served: %s", ep.name, e)

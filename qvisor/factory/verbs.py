@@ -1,0 +1,52 @@
+"""quark's own program in the factory: its served verbs, run as the CLI runs them, and what a
+verb and a supervisor use, loaded ahead so every fork starts with it."""
+from __future__ import annotations
+
+import importlib
+import logging
+
+from qvisor import cli
+
+log = logging.getLogger("quark.factory")
+
+# a supervisor's modules besides the served verbs' own: the factory imports them once, its forks share them
+_SUPERVISOR_MODULES = (
+    "qvisor.container", "qvisor.validate", "qvisor.spec", "qvisor.supervisor", "qvisor.hooks", "qvisor.procview",
+    "qvisor.fuse", "qvisor.security", "qvisor.hibernate", "qvisor.readiness", "qvisor.swap", "qkernel.fastpath",
+    "qkernel", "qkernel.seccomp_platform", "qkernel.policy", "tsor.intercept", "tsor.sandbox",
+    "qvisor.cgroups.v1", "qvisor.cgroups.v2", "yaml", "seccomp",
+    "pickle")   # the hand-over to a supervisor seed (container.hand_over)
+
+
+def main(argv: list[str]) -> int:
+    return cli.main(argv, in_factory=True)
+
+
+def adopts_cgroups(argv: list[str]) -> bool:
+    return cli.verb_of(argv) in ("create", "run")   # their supervisor lives where the caller's processes do
+
+
+def warm() -> None:
+    for verb in cli.SERVED | {"run"}:
+        importlib.import_module(f"qvisor.commands.{cli.COMMANDS[verb][0]}")
+    for name in _SUPERVISOR_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:   # optional parts (libseccomp's bindings): the worker imports on use
+            log.info("not preloaded: %s (%s)", name, e)
+    for verb in cli.SERVED | {"run"}:
+        cli.build_parser(verb)   # cached: a worker only parses
+    # a supervisor's first filter build pays libseccomp's and the table's set-up: pay it here once
+    try:
+        from qkernel import policy
+        from qvisor import confine
+        policy.build_base_filter("seccomp", False)
+        policy.build_base_filter("seccomp", True)
+        confine.warm()   # the supervisor's own filter, compiled to BPF: a supervisor only loads it
+    except Exception as e:   # noqa: BLE001 — only a warm-up: the supervisor builds (and reports) for real
+        log.info("seccomp filter warm-up skipped: %s", e)
+
+
+# the entry point "quark" of the "quark.factory" group (pyproject.toml)
+FACTORY_PROGRAM = {"main": main, "serves": cli.served_by_factory, "adopts_cgroups": adopts_cgroups,
+                   "preload": (), "warm": warm}
