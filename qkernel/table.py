@@ -16,8 +16,7 @@ from typing import Callable
 
 import seccomp
 
-import tsor
-from qlib import linux
+from qlib import linux, sockopts
 
 from qkernel.syscalls import sys_personality, sys_socket, sys_sysinfo
 
@@ -160,12 +159,12 @@ _MOUNTS_OWN = Grant("CAP_SYS_ADMIN", "mount", (), "CAP_SYS_ADMIN and its own mou
                     "mounts are locked")
 _UTS_OWN = Grant("CAP_SYS_ADMIN", "uts", (), "CAP_SYS_ADMIN and its own UTS namespace")
 _HOSTNAME = "sets the host's name unless the container has its own UTS namespace"
-# The socket options TSoR answers for a redirected socket (tsor/__init__.py says which). Every other
+# The socket options TSoR answers for a redirected socket (qlib/sockopts.py says which). Every other
 # option (SO_SNDBUF, SO_RCVTIMEO, SO_ERROR, ...) runs natively on every socket, without a trap.
 _SOL_SOCKET = 1
 _SOCKOPTS = ArgMatch(
-    tuple(((1, level),) for level in tsor.EMULATED_LEVELS)
-    + tuple(((1, _SOL_SOCKET), (2, opt)) for opt in tsor.RECORDED_SOCKET_OPTS + tsor.UNIX_REFUSED_SOCKET_OPTS),
+    tuple(((1, level),) for level in sockopts.EMULATED_LEVELS)
+    + tuple(((1, _SOL_SOCKET), (2, opt)) for opt in sockopts.RECORDED_SOCKET_OPTS + sockopts.UNIX_REFUSED_SOCKET_OPTS),
     "level is IPPROTO_IP/TCP/IPV6, or SOL_SOCKET with SO_TYPE/PROTOCOL/DOMAIN/REUSEPORT/ZEROCOPY/TXTIME "
     "or a credential option (SO_PASSCRED, SO_PEERCRED, SO_PEERSEC, SO_PASSSEC, SO_PASSPIDFD, SO_PEERPIDFD, "
     "SO_PASSRIGHTS)")

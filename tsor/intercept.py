@@ -41,7 +41,8 @@ from collections.abc import Callable
 from typing import Any
 
 from qlib.linux import accept4, pidfd_getfd, pidfd_open_thread
-from tsor import EMULATED_LEVELS, RECORDED_SOCKET_OPTS, UNIX_REFUSED_SOCKET_OPTS, _sys, protocol, sockmap
+from qlib.sockopts import EMULATED_LEVELS, RECORDED_SOCKET_OPTS, UNIX_REFUSED_SOCKET_OPTS
+from tsor import _sys, protocol, sockmap
 from tsor.addr import is_loopback, is_unspecified, parse_sockaddr, sockaddr, unmapped
 from tsor.sandbox import Listener, Queued, Redirected, SandboxNet
 
