@@ -299,10 +299,10 @@ def main() -> int:
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/snapshot.py needs root (containers, swapon, drop_caches)")
-    from qkernel.config import host_config_path
+    from qlib import hostconfig
     from qvisor import swap
-    if swap.configured_swapfile(host_config_path()):
-        sys.exit(f"{host_config_path()} configures snapshot.swapfile: quark would switch that on and leave it; "
+    if swap.configured_swapfile(hostconfig.path()):
+        sys.exit(f"{hostconfig.path()} configures snapshot.swapfile: quark would switch that on and leave it; "
                  "run the bench with QUARK_CONFIG pointing at a config without it")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # through the finally blocks: swap off, containers gone
     L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)   # runc's orphaned inits come to us
@@ -329,8 +329,8 @@ def main() -> int:
     finally:
         if os.path.exists(swap_path) and swap_path not in swap.active_swaps():
             os.unlink(swap_path)   # swapon itself failed: swapfile() leaves the file then
-        from qvisor import factory
-        factory.stop(env["QUARK_FACTORY_DIR"])
+        from qvisor.factory import client
+        client.stop(env["QUARK_FACTORY_DIR"])
         shutil.rmtree(work, ignore_errors=True)
         remove_empty_since(cgroups_before)
     result["took_s"] = round(time.monotonic() - t_start, 1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 
+from qlib import hostconfig
 from qlib import linux as L
 from qlib.errors import ConfigError
 
@@ -33,9 +34,8 @@ _offered = False   # this process marked itself (its forked children take the ma
 def load_setting(config_path: str | None = None) -> bool:
     """supervisor.memory_merge from quark's host config (False when absent). A setting this kernel
     cannot honour is refused, naming the field."""
-    from qkernel.config import config_entry, host_config_path
-    path = config_path or host_config_path()
-    section = config_entry(path, "supervisor")
+    path = config_path or hostconfig.path()
+    section = hostconfig.entry(path, "supervisor")
     if section is None:
         return False
     if not isinstance(section, dict):

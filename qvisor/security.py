@@ -16,6 +16,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from qlib import hostconfig
 from qlib import linux as L
 from qlib import procfs
 from qlib.errors import ConfigError
@@ -41,9 +42,8 @@ class Settings:
 
 def load_settings(config_path: str | None = None) -> Settings:
     """The `security` section of quark's host config; defaults where absent."""
-    from qkernel.config import config_entry, host_config_path
-    path = config_path or host_config_path()
-    section = config_entry(path, "security")
+    path = config_path or hostconfig.path()
+    section = hostconfig.entry(path, "security")
     if section is None:
         return Settings()
     if not isinstance(section, dict):

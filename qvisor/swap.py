@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 
+from qlib import hostconfig
 from qlib import linux as L
 from qlib.errors import ConfigError, QuarkError
 
@@ -38,8 +39,7 @@ def parse_size(text: object, path: str, field: str) -> int:
 
 def configured_swapfile(config: str) -> tuple[str, int] | None:
     """(path, size) of snapshot.swapfile in the config file; None when not configured."""
-    from qkernel.config import config_entry
-    snap = config_entry(config, "snapshot")
+    snap = hostconfig.entry(config, "snapshot")
     if snap is None:
         return None
     if not isinstance(snap, dict):
@@ -60,8 +60,7 @@ def active_swaps() -> list[str]:
 def ensure_swap(config: str | None = None) -> str:
     """Make sure some swap is active; returns where it comes from ("host", the swap file's path,
     or "" when there is none)."""
-    from qkernel.config import host_config_path
-    config = config or host_config_path()
+    config = config or hostconfig.path()
     want = configured_swapfile(config)
     active = active_swaps()
     if want is None:

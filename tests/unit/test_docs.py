@@ -145,3 +145,10 @@ def test_measured_figures_live_in_bench_readme_only(page: Path):
     text = _LINK.sub("", _FENCE.sub("", page.read_text()))
     found = [f"line {text[:m.start()].count(chr(10)) + 1}: {m.group(0)!r}" for m in _FIGURE.finditer(text)]
     assert not found, f"{page.relative_to(ROOT)} states figures; link bench/README.md instead: {found}"
+
+
+def test_every_section_of_the_host_config_is_in_the_cli_page():
+    from qlib import hostconfig
+    page = CLI_PAGE.read_text()
+    missing = [s for s in hostconfig.SECTIONS if f"| `{s}" not in page]
+    assert not missing, f"docs/cli.md's /etc/quark/config.yaml table misses: {missing}"

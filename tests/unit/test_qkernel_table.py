@@ -136,7 +136,7 @@ def test_bundle_filter_rejects_unknown_operator():
 def test_load_platform(tmp_path):
     cfg = tmp_path / "config.yaml"
     assert config.load_platform(None, str(cfg)) == "seccomp"
-    cfg.write_text("# quark\nlog: debug\nplatform: 'ptrace'   # fallback\nnested:\n  platform: seccomp\n")
+    cfg.write_text("# quark\nplatform: 'ptrace'   # fallback\nsupervisor:\n  platform: seccomp\n")
     assert config.load_platform(None, str(cfg)) == "ptrace"
     assert config.load_platform("seccomp", str(cfg)) == "seccomp"
     with pytest.raises(UnknownPlatform, match="--platform: unknown platform 'kvm'"):
