@@ -10,18 +10,16 @@ from __future__ import annotations
 import ctypes
 import os
 
+from qlib.libc import check, libc
+
 CGROUP_ROOT = "/sys/fs/cgroup"
 CGROUP2_SUPER_MAGIC = 0x63677270
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def fs_type(path: str) -> int:
     """statfs(2)'s f_type of the filesystem holding `path`; OSError if it cannot be read."""
     buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes; f_type (a long) comes first
-    if _libc.statfs(os.fsencode(path), buf) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"statfs {path}: {os.strerror(err)}", path)
+    check(libc.statfs(os.fsencode(path), buf), f"statfs {path}", path)
     return ctypes.c_long.from_buffer(buf).value
 
 

@@ -2,8 +2,8 @@
 the one MS_* table), the new mount API, openat2, pidfds (and PIDFD_GET_INFO), close_range, prctl,
 capabilities, sysinfo.
 
-Every package (qvisor, qkernel, tsor, shim) makes these calls through here, with one libc handle
-and syscall numbers from qlib.syscalls (resolved at import: some calls run after a pivot into a
+Every package (qvisor, qkernel, tsor, shim) makes these calls through here, with qlib/libc.py's libc
+handle and errno check and syscall numbers from qlib.syscalls (resolved at import: some calls run after a pivot into a
 container's root, where libseccomp's module could no longer be loaded). Each function raises
 OSError with errno on failure.
 """
@@ -18,9 +18,8 @@ import socket
 import struct
 
 from qlib import procfs, syscalls
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
+from qlib.libc import check, errno_error
+from qlib.libc import libc as _libc
 
 # namespaces (linux/sched.h)
 CLONE_NEWNS = 0x00020000
@@ -118,11 +117,8 @@ PIDFD_THREAD = os.O_EXCL   # pidfd of a thread, not only of a thread-group leade
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
-def _check(ret: int, what: str, *paths: str) -> int:
-    if ret < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}", *paths[:1])
-    return ret
+def _check(ret: int, what: str, path: str | None = None) -> int:
+    return check(ret, what, path)
 
 
 def _b(s: str | None) -> bytes | None:
@@ -204,10 +200,7 @@ def openat2(dir_fd: int, path: str, flags: int, mode: int, resolve: int) -> int:
     how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
     fd = _libc.syscall(_SYS_OPENAT2, ctypes.c_int(dir_fd), os.fsencode(path), ctypes.byref(how),
                        ctypes.c_size_t(ctypes.sizeof(how)))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return fd
+    return check(fd, None, path)
 
 
 # --- pidfds ---
@@ -532,8 +525,5 @@ def accept4(fd: int) -> tuple[int, bytes]:
     size = ctypes.c_uint32(128)
     res = _libc.accept4(fd, buf, ctypes.byref(size), socket.SOCK_CLOEXEC)
     if res < 0:
-        err = ctypes.get_errno()
-        if err in (errno.EAGAIN, errno.EWOULDBLOCK):
-            raise BlockingIOError(err, os.strerror(err))
-        raise OSError(err, os.strerror(err))
+        raise errno_error()   # (EAGAIN comes out as BlockingIOError: OSError picks the subclass by errno)
     return res, buf.raw[:min(size.value, 128)]

@@ -3,7 +3,7 @@ value, I/O priority and CPU affinity; read from any process, applied to the call
 (sched_setattr(2) and ioprio_set(2) through ctypes, the rest through os).
 
 The sandbox factory uses this so that a worker, and the supervisor and container it makes, carry
-the caller's attributes and not the factory's (qvisor/factory.py); the OCI `process.scheduler`,
+the caller's attributes and not the factory's (qvisor/factory/); the OCI `process.scheduler`,
 `process.ioPriority`, `process.execCPUAffinity` and `linux.memoryPolicy` fields are applied with it
 (qvisor/process.py, qvisor/sandbox.py).
 """
@@ -15,7 +15,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from qlib import syscalls
-from qlib.linux import _libc   # (the one libc handle)
+from qlib.libc import check
+from qlib.libc import libc as _libc
 
 # resolved at import, as in qlib/linux.py: the calls may run after a pivot into a container's root
 _SYS_SCHED_SETATTR = syscalls.number("sched_setattr")
@@ -38,10 +39,7 @@ class _SchedAttr(ctypes.Structure):
 
 
 def _check(ret: int, what: str) -> int:
-    if ret < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e), what)   # (the call's name as the filename: callers name the field)
-    return ret
+    return check(ret, None, what)   # (the call's name as the filename: callers name the field)
 
 
 def sched_setattr(policy: int, nice: int = 0, priority: int = 0, flags: int = 0, runtime: int = 0,

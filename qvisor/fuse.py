@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 
 from qlib import syscalls
+from qlib.libc import check
+from qlib.libc import libc as _libc
 
 # opcodes
 LOOKUP, FORGET, GETATTR, OPEN, READ, STATFS, RELEASE = 1, 2, 3, 14, 15, 17, 18
@@ -242,18 +244,10 @@ _SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT = (syscalls.number(n) for n in ("fsopen
 _FSOPEN_CLOEXEC = _FSMOUNT_CLOEXEC = 1
 _FSCONFIG_SET_FLAG, _FSCONFIG_SET_STRING, _FSCONFIG_CMD_CREATE = 0, 1, 6
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC = 0x1, 0x2, 0x4, 0x8
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _check(ret: int, what: str) -> int:
-    if ret < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-    return ret
 
 
 def _fsconfig(fs: int, cmd: int, key: str | None = None, value: str | None = None) -> None:
-    _check(_libc.syscall(_SYS_FSCONFIG, ctypes.c_int(fs), ctypes.c_uint(cmd), key and key.encode(),
+    check(_libc.syscall(_SYS_FSCONFIG, ctypes.c_int(fs), ctypes.c_uint(cmd), key and key.encode(),
                          value and value.encode(), ctypes.c_int(0)), f"fsconfig {key or 'create'}")
 
 
@@ -271,7 +265,7 @@ def mount_detached(dev: int, source: str) -> int:
     user of the container may read it, default_permissions so the kernel checks the modes.
     The kernel's INIT request waits on `dev`: nothing that looks up a name in the filesystem can
     finish until the server answers it."""
-    fs = _check(_libc.syscall(_SYS_FSOPEN, b"fuse", ctypes.c_uint(_FSOPEN_CLOEXEC)), "fsopen fuse")
+    fs = check(_libc.syscall(_SYS_FSOPEN, b"fuse", ctypes.c_uint(_FSOPEN_CLOEXEC)), "fsopen fuse")
     try:
         for key, value in (("source", source), ("fd", str(dev)), ("rootmode", "40555"), ("user_id", "0"),
                            ("group_id", "0")):
@@ -280,7 +274,7 @@ def mount_detached(dev: int, source: str) -> int:
             _fsconfig(fs, _FSCONFIG_SET_FLAG, flag)
         _fsconfig(fs, _FSCONFIG_CMD_CREATE)
         attrs = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC
-        return _check(_libc.syscall(_SYS_FSMOUNT, ctypes.c_int(fs), ctypes.c_uint(_FSMOUNT_CLOEXEC),
+        return check(_libc.syscall(_SYS_FSMOUNT, ctypes.c_int(fs), ctypes.c_uint(_FSMOUNT_CLOEXEC),
                                     ctypes.c_uint(attrs)), "fsmount")
     finally:
         os.close(fs)
