@@ -1,6 +1,7 @@
 """Container start-up, quark vs runc, side by side in one run.
 
-N x (create, start, wait, delete) of /bin/true in one busybox bundle, interleaved, with: quark as
+N x (create, start, wait, delete), and N x a foreground `run` (create, start, wait, delete in one
+call, as a user types it), of /bin/true in one busybox bundle, interleaved, with: quark as
 installed on PATH (the C front end, qvisor/frontend.c, and the sandbox factory, qvisor/factory/),
 quark without the factory (the Python CLI for every verb, QUARK_FACTORY=0: how quark ran before the
 factory), and runc; median and p95 of each phase and the ratios to runc. The supervisors' resident
@@ -9,7 +10,7 @@ without the factory, and with the factory and supervisor.memory_merge after the 
 merged what the supervisors offer (only on a host whose KSM is off: the bench runs ksmd from then
 until the sandboxes are gone, then unmerges and stops it; tests/support/ksm.py). `ctr run --rm` of a busybox image through containerd with quark's shim vs
 io.containerd.runc.v2. JSON to bench/results/startup.json.
-Usage: python bench/startup.py [--runs 50] [--ctr-runs 20] [--sandboxes 50] [--no-containerd]
+Usage: python bench/startup.py [--runs 50] [--ctr-runs 20] [--sandboxes 50] [--no-containerd] [--lifecycle-only]
 """
 from __future__ import annotations
 
@@ -76,6 +77,17 @@ def lifecycle(argv: list[str], bundle: str, cid: str, env: dict | None = None,
     return t
 
 
+def time_run(argv: list[str], bundle: str, cid: str, env: dict | None = None) -> float:
+    """A foreground `run` of the bundle (its process /bin/true): seconds until the call returns,
+    the container deleted (runc's run deletes too, without --keep)."""
+    t0 = time.perf_counter()
+    subprocess.run(argv + ["run", "--bundle", bundle, cid], check=True, stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, env=env)
+    took = time.perf_counter() - t0
+    L.reap_exited()
+    return took
+
+
 # (name, from, to): the steps of create and start, from the supervisor's QUARK_PHASES record
 # (qvisor/phases.py) and the times the benchmark called and got back from `quark create`/`start`
 BREAKDOWN = [
@@ -113,7 +125,7 @@ def _phases(where: str, cid: str, marks: dict) -> dict:
 
 def phase_rows(q: list[dict], nf: list[dict], r: list[dict]) -> list[dict]:
     rows = []
-    for phase in ("create", "start", "wait", "delete", "total"):
+    for phase in ("create", "start", "wait", "delete", "total", "run"):
         qs, ns, rs = [x[phase] for x in q], [x[phase] for x in nf], [x[phase] for x in r]
         rows.append({"phase": phase, "runs": len(qs),
                      "quark_median_ms": round(statistics.median(qs) * 1000, 1),
@@ -224,6 +236,8 @@ def main() -> int:
     ap.add_argument("--ctr-runs", type=int, default=20)
     ap.add_argument("--sandboxes", type=int, default=50, help="for the supervisor memory figure")
     ap.add_argument("--no-containerd", action="store_true")
+    ap.add_argument("--lifecycle-only", action="store_true",
+                    help="only the lifecycle and run rows (no imports, memory or containerd figures)")
     a = ap.parse_args()
     L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)   # runc's orphaned inits come to us
     work = tempfile.mkdtemp(prefix="quark-bench-")
@@ -247,6 +261,8 @@ def main() -> int:
         lifecycle(quark, bundle, "warm", with_factory)
         lifecycle(slow, bundle, "warm", no_factory)
         lifecycle(runc, bundle, "warm")
+        for argv, env in ((quark, with_factory), (slow, no_factory), (runc, None)):
+            time_run(argv, bundle, "warm-run", env)
         q, nf, r = [], [], []
         qp, nfp = [], []
         for i in range(a.runs):   # interleaved, so drift hits all alike
@@ -257,7 +273,12 @@ def main() -> int:
             nf.append(lifecycle(slow, bundle, f"nf{i}", no_factory, marks))
             nfp.append(_phases(phases_dir, f"nf{i}", marks))
             r.append(lifecycle(runc, bundle, f"b{i}"))
+            q[-1]["run"] = time_run(quark, bundle, f"r{i}", with_factory)
+            nf[-1]["run"] = time_run(slow, bundle, f"nfr{i}", no_factory)
+            r[-1]["run"] = time_run(runc, bundle, f"r{i}")
         result["lifecycle"] = phase_rows(q, nf, r)
+        if a.lifecycle_only:
+            return _report(result)
         result["imports"] = import_times()
         result["breakdown"] = breakdown(qp)
         result["breakdown_no_factory"] = breakdown(nfp)
@@ -285,8 +306,13 @@ def main() -> int:
         client.stop(with_factory["QUARK_FACTORY_DIR"])
         shutil.rmtree(work, ignore_errors=True)
         remove_empty_since(cgroups_before)
+    return _report(result)
+
+
+def _report(result: dict) -> int:
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "startup.json").write_text(json.dumps(result, indent=2) + "\n")
+    name = "startup_lifecycle.json" if "imports" not in result else "startup.json"
+    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
     print(f"`{result['command']}`\n")
     print("| phase | runs | quark median | quark p95 | no factory median | runc median | runc p95 "
           "| ratio (median) | no factory ratio |")
@@ -300,6 +326,8 @@ def main() -> int:
         print(f"| ctr run --rm (quark shim vs io.containerd.runc.v2) | {c['runs']} | {c['quark_median_ms']} ms "
               f"| {c['quark_p95_ms']} ms | {n['quark_median_ms']} ms | {c['runc_median_ms']} ms "
               f"| {c['runc_p95_ms']} ms | {c['ratio']:.2f}x | {n['ratio']:.2f}x |")
+    if "imports" not in result:
+        return 0
     print("\n| step (quark with the factory) | median | p95 | without the factory: median |")
     print("|---|---|---|---|")
     slow_steps = {x["phase"]: x for x in result["breakdown_no_factory"]}

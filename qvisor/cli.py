@@ -40,10 +40,12 @@ DEFAULT_ROOT = "/run/quark"
 
 # global flags that take a value (the C front end keeps the same list: qvisor/frontend.c)
 VALUE_FLAGS = frozenset({"--root", "--log", "--log-format", "--platform", "--rootless"})
-DETACH_FLAGS = frozenset({"-d", "--detach"})   # `run` with one of these is served by the sandbox factory
-# verbs the sandbox factory runs (qvisor/factory/): they end promptly and need no terminal or
-# signal forwarding; the others run in the client
-SERVED = frozenset({"create", "start", "state", "kill", "delete", "pause", "resume", "ps", "list", "snapshot"})
+DETACH_FLAGS = frozenset({"-d", "--detach"})
+# verbs the sandbox factory runs (qvisor/factory/), sent there by the C front end; the others run
+# in the Python CLI. A foreground `run` waits for its container: the front end forwards its signals
+# to the worker, which forwards them to the container as the CLI's `run` does.
+SERVED = frozenset({"create", "start", "state", "kill", "delete", "pause", "resume", "ps", "list", "snapshot",
+                    "run"})
 
 
 def detached(argv: list[str]) -> bool:
@@ -63,10 +65,20 @@ def verb_of(argv: list[str]) -> str | None:
 
 
 def served_by_factory(argv: list[str]) -> bool:
-    """Whether the factory runs this command line: the SERVED verbs, and `run -d` (a run in the
-    foreground waits for its container and forwards signals, which only the CLI can)."""
-    verb = verb_of(argv)
-    return verb in SERVED or (verb == "run" and detached(argv))
+    """Whether the factory runs this command line."""
+    return verb_of(argv) in SERVED
+
+
+def forwards_signals(argv: list[str]) -> bool:
+    """Whether the factory's client forwards its signals to the worker running this command line
+    (`run`, which forwards them to the container)."""
+    return verb_of(argv) == "run"
+
+
+def _delegated(verb: str | None, argv: list[str]) -> bool:
+    # what the Python CLI itself hands to the factory: a create, and a detached run (a foreground
+    # run would need this process to forward its signals; it runs here, having paid its start)
+    return verb == "create" or (verb == "run" and detached(argv))
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,7 +134,7 @@ def main(argv: list[str] | None = None, in_factory: bool = False) -> int:
         # Imported here: every other verb's start would pay for it
         from qvisor.factory import client, wire
         if wire.enabled():
-            if served_by_factory(argv):   # create, and a detached run
+            if _delegated(verb, argv):
                 code = client.request(argv)
                 if code is not None:
                     return code

@@ -10,6 +10,11 @@
  * answers or it declines, exec the Python CLI (QUARK_PY, fixed at build time) with the same argv,
  * which behaves exactly as before (and starts a factory on its first create).
  *
+ * A foreground `run` waits for its container: the worker tells this program its pid first (a "P"
+ * message), and this program forwards the signals `quark run` forwards (SIGHUP, SIGINT, SIGQUIT,
+ * SIGTERM, SIGUSR1, SIGUSR2) to it through a pidfd; the worker's `run` sends them on to the
+ * container, proxies its terminal and deletes it when it exits, as the CLI's does.
+ *
  * Run as containerd-shim-quark-v1 (a link to this program), it hands containerd's `... start` and
  * `... delete` to the factory the same way (the shim's server is then forked from a pre-imported
  * worker), and execs the Python shim (QUARK_SHIM_PY) for everything else.
@@ -29,8 +34,10 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -46,10 +53,11 @@
 extern char **environ;
 
 static const char *served[] = {"create", "start", "state", "kill", "delete", "pause", "resume", "ps",
-                               "list", "snapshot", NULL};                    /* cli.SERVED */
-static const char *detach_flags[] = {"-d", "--detach", NULL};               /* cli._DETACH_FLAGS */
+                               "list", "snapshot", "run", NULL};             /* cli.SERVED */
 static const char *value_flags[] = {"--root", "--log", "--log-format", "--platform", "--rootless",
-                                    NULL};                                   /* cli._VALUE_FLAGS */
+                                    NULL};                                   /* cli.VALUE_FLAGS */
+/* what `quark run` forwards to its container (qvisor/commands/run.py: FORWARDED) */
+static const int forwarded[] = {SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2, 0};
 
 static const char *python_program = QUARK_PY;
 
@@ -100,12 +108,41 @@ static int put_count(long n)
     return put(tmp);
 }
 
-static int detached(int argc, char **argv)
+/* Signal forwarding for `run` (cli.forwards_signals): until the worker's pid is known, the signals
+ * wait in `pending`; then each goes to the worker through its pidfd (no reused pid can get one). */
+static volatile sig_atomic_t worker_pidfd = -1;
+static volatile sig_atomic_t pending;   /* bit N: signal N came before the worker's pid */
+
+static void forward(int sig)
 {
-    for (int i = 1; i < argc; i++)
-        if (in(argv[i], detach_flags))
-            return 1;
-    return 0;
+    int saved = errno;
+    if (worker_pidfd >= 0)
+        syscall(SYS_pidfd_send_signal, (int)worker_pidfd, sig, NULL, 0);
+    else
+        pending |= 1 << sig;
+    errno = saved;
+}
+
+static void forward_signals(void)
+{
+    struct sigaction sa = {.sa_handler = forward};
+    sigemptyset(&sa.sa_mask);
+    for (const int *s = forwarded; *s; s++)
+        sigaction(*s, &sa, NULL);
+}
+
+/* the worker's pid came ("P<pid>"): forward to it from now on, the signals that waited first */
+static void forward_to(pid_t pid)
+{
+    sigset_t all, old;
+    sigfillset(&all);
+    sigprocmask(SIG_BLOCK, &all, &old);
+    worker_pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    for (const int *s = forwarded; *s; s++)
+        if (pending & (1 << *s) && worker_pidfd >= 0)
+            syscall(SYS_pidfd_send_signal, (int)worker_pidfd, *s, NULL, 0);
+    pending = 0;
+    sigprocmask(SIG_SETMASK, &old, NULL);
 }
 
 /* the control socket's protocol (qvisor/channel.py): one JSON object a line */
@@ -235,8 +272,7 @@ int main(int argc, char **argv)
                ? argv[argc - 1] : NULL;
     } else {
         verb = verb_of(argc, argv);
-        /* cli.served_by_factory: `run -d` too (a foreground run waits and forwards signals: the CLI's) */
-        if (verb && !in(verb, served) && !(strcmp(verb, "run") == 0 && detached(argc, argv)))
+        if (verb && !in(verb, served))   /* cli.served_by_factory */
             verb = NULL;
     }
     if ((off && strcmp(off, "0") == 0) || !verb)
@@ -278,6 +314,9 @@ int main(int argc, char **argv)
     int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (s < 0 || connect(s, (struct sockaddr *)&addr, sizeof addr) < 0)
         run_python(argv);   /* no factory: the Python CLI runs the verb (and a create starts one) */
+    int forwarding = !is_shim && strcmp(verb, "run") == 0;   /* cli.forwards_signals */
+    if (forwarding)
+        forward_signals();
     int cwd = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (cwd < 0)
         run_python(argv);
@@ -302,11 +341,26 @@ int main(int argc, char **argv)
 
     char reply[4096];
     ssize_t n;
-    do
-        n = recv(s, reply, sizeof reply - 1, 0);
-    while (n < 0 && errno == EINTR);
+    for (;;) {
+        do
+            n = recv(s, reply, sizeof reply - 1, 0);
+        while (n < 0 && errno == EINTR);
+        if (!(n > 1 && reply[0] == 'P'))
+            break;
+        reply[n] = 0;
+        if (forwarding)
+            forward_to((pid_t)atoi(reply + 1));
+    }
     if ((n > 0 && reply[0] == 'F') || (n < 0 && errno == ECONNRESET)) {
         close(s);
+        if (forwarding) {   /* the CLI forwards for itself: back to the defaults, and what waited */
+            struct sigaction dfl = {.sa_handler = SIG_DFL};
+            for (const int *sig = forwarded; *sig; sig++)
+                sigaction(*sig, &dfl, NULL);
+            for (const int *sig = forwarded; *sig; sig++)
+                if (pending & (1 << *sig))
+                    raise(*sig);
+        }
         run_python(argv);   /* declined, or the factory exited with the request still queued */
     }
     if (n > 1 && reply[0] == 'X') {

@@ -43,6 +43,8 @@ def request(argv: list[str], stdio: tuple[int, int, int] = (0, 1, 2), env: dict[
             os.close(cwd)
     try:
         reply = s.recv(4096)
+        while reply[:1] == b"P":   # the worker's pid: for a client that forwards signals (not this one)
+            reply = s.recv(4096)
     except ConnectionResetError:
         return None   # the factory exited with our request still queued: nothing of it ran
     except OSError:

@@ -49,4 +49,4 @@ def warm() -> None:
 
 # the entry point "quark" of the "quark.factory" group (pyproject.toml)
 FACTORY_PROGRAM = {"main": main, "serves": cli.served_by_factory, "adopts_cgroups": adopts_cgroups,
-                   "preload": (), "warm": warm}
+                   "forwards_signals": cli.forwards_signals, "preload": (), "warm": warm}

@@ -3,7 +3,8 @@
 Request: MAGIC, program ("quark", or an entry point of the "quark.factory" group), argc, argv...,
 envc, env..., umask (octal), NUL-separated; SCM_RIGHTS carries stdin, stdout, stderr and an O_PATH
 fd of the working directory. Reply: b"F" + reason (declined: the client runs the verb itself), or
-b"X" + the exit status once the verb is done. The C front end (qvisor/frontend.c) writes the same
+b"X" + the exit status once the verb is done; before it, for a call whose signals the client
+forwards (a foreground `run`), b"P" + the worker's pid, as soon as the worker has the call. The C front end (qvisor/frontend.c) writes the same
 bytes; tests/unit/test_frontend_lists.py holds the two to each other.
 """
 from __future__ import annotations
@@ -69,6 +70,11 @@ def decline(conn: socket.socket, reason: str) -> None:
         conn.send(b"F" + reason.encode())
     except OSError:
         pass
+
+
+def worker_pid(conn: socket.socket, pid: int) -> None:
+    """Tell the client where to forward its signals."""
+    conn.send(b"P%d" % pid)
 
 
 def done(conn: socket.socket, code: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -13,7 +14,7 @@ import traceback
 from qlib import linux as L
 from qvisor.factory import caller, seeds
 from qvisor.factory.programs import PROGRAMS
-from qvisor.factory.wire import MAX_REQUEST, decline, decode_request, done
+from qvisor.factory.wire import MAX_REQUEST, decline, decode_request, done, worker_pid
 
 log = logging.getLogger("quark.factory")
 
@@ -50,16 +51,21 @@ def work(conn: socket.socket, fds: list[int], argv: list[str], env: dict[str, st
     os.register_at_fork(after_in_child=conn.close)
     try:
         conn.settimeout(None)
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a fresh Python process
         program = PROGRAMS[prog]
         try:
             caller.adopt(caller_pid, fds, env, umask, [prog, *argv], program["adopts_cgroups"](argv))
         except OSError as e:
             decline(conn, f"cannot take on the caller's context: {e}")
             os._exit(0)
+        if program.get("forwards_signals", _never)(argv):
+            worker_pid(conn, os.getpid())   # the client's signals come here from now on
         try:
             code = program["main"](argv)
         except SystemExit as e:   # argparse's usage errors, --help, --version
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except KeyboardInterrupt:   # a SIGINT the client forwarded before the verb took it over
+            code = 128 + signal.SIGINT
         except BaseException:
             traceback.print_exc()
             code = 1
@@ -75,6 +81,10 @@ def work(conn: socket.socket, fds: list[int], argv: list[str], env: dict[str, st
         # nothing else to do, not beside the caller's next step (a create's supervisor, or start)
         background()
         os._exit(code & 0xFF)
+
+
+def _never(argv: list[str]) -> bool:
+    return False
 
 
 def background() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import shutil
 import signal
 import socket
@@ -452,9 +453,9 @@ def _children(pid: int) -> list[int]:
         return sorted(int(x) for x in f.read().split())
 
 
-def test_a_detached_run_is_served_and_a_foreground_run_is_not(served, quark, bundle, tmp_path):
+def test_a_detached_run_is_served(served, quark, bundle, tmp_path):
     """`run -d` is create + start in one worker (its supervisor forked from the factory, in the
-    caller's place); a foreground run waits and forwards signals, so the CLI keeps it."""
+    caller's place)."""
     where, proc, env = served
     b = bundle(["sleep", "100"])
     r = _run(env, "--root", quark.root, "run", "-d", "--bundle", b, "rd")
@@ -463,7 +464,77 @@ def test_a_detached_run_is_served_and_a_foreground_run_is_not(served, quark, bun
     assert _smaps(_supervisor(quark.root, "rd"))["Shared_Dirty"] > 2048   # forked from the factory
     with open(f"/proc/{_supervisor(quark.root, 'rd')}/cmdline", "rb") as f:
         assert f.read().split(b"\0")[:4] == [b"quark", b"--root", quark.root.encode(), b"run"]
-    r = _run(env, "--root", quark.root, "run", "--bundle", bundle(["sh", "-c", "exit 3"]), "fg")
-    assert r.returncode == 3
+    assert "declined" not in _log(tmp_path)
+
+
+def _front_end_run(env, root: str, b: str, cid: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([FRONT_END, "--root", root, "run", "--bundle", b, cid], env=env, **kw)
+
+
+def _until(what, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not (value := what()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
+
+
+def test_a_foreground_run_is_served_with_its_stdio_and_exit_status_and_removed(served, quark, bundle, tmp_path):
+    """A foreground `run` through the front end runs in a factory worker (its supervisor forked
+    from the factory), with the caller's stdin, stdout and stderr, exits with the container's
+    status and deletes the container, as the CLI's run does; --keep leaves it stopped."""
+    where, proc, env = served
+    b = bundle(["sh", "-c", "read line; echo out:$line; echo err >&2; exit 3"])
+    p = _front_end_run(env, quark.root, b, "fg", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE)
+    assert _until(lambda: "fg" in quark.ids() and quark.state("fg")["status"] == "running"), _log(tmp_path)
+    assert _smaps(_supervisor(quark.root, "fg"))["Shared_Dirty"] > 2048   # the factory's, not a CLI's
+    assert os.readlink(f"/proc/{p.pid}/exe") == os.path.realpath(FRONT_END)   # no Python in the caller's place
+    out, err = p.communicate(b"hello\n", timeout=30)
+    assert (p.returncode, out, err) == (3, b"out:hello\n", b"err\n")
     assert "fg" not in quark.ids()
+    r = _run(env, "--root", quark.root, "run", "--keep", "--bundle", bundle(["sh", "-c", "exit 4"]), "kept")
+    assert r.returncode == 4, r.stderr
+    assert quark.state("kept")["status"] == "stopped"
+    quark("delete", "kept")
+    assert "declined" not in _log(tmp_path)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
+def test_a_foreground_run_in_the_factory_forwards_the_callers_signals(served, quark, bundle, tmp_path, sig):
+    """The signals `quark run` forwards reach the container's process from the front end (through
+    the worker, whose pid the front end learns first), and its exit status comes back."""
+    where, proc, env = served
+    name = signal.Signals(sig).name[3:]
+    b = bundle(["sh", "-c", f"trap 'echo got-{name}; exit 42' {name}; echo ready; while :; do sleep 0.05; done"])
+    p = _front_end_run(env, quark.root, b, "sig", stdout=subprocess.PIPE)
+    assert p.stdout.readline() == b"ready\n", _log(tmp_path)   # its trap is set
+    p.send_signal(sig)
+    out, _ = p.communicate(timeout=10)
+    assert (p.returncode, out) == (42, f"got-{name}\n".encode())
+    assert "sig" not in quark.ids()
+    assert "declined" not in _log(tmp_path)
+
+
+def test_a_foreground_run_in_the_factory_proxies_its_terminal(served, quark, bundle, tmp_path):
+    """With process.terminal and no console socket, the worker takes the pty master and copies it
+    to and from the caller's terminal (here a pty of the test's own), as the CLI's run does."""
+    where, proc, env = served
+    b = bundle(["sh", "-c", "tty; read line; echo got:$line; exit 5"], terminal=True)
+    master, slave = pty.openpty()
+    p = _front_end_run(env, quark.root, b, "tty", stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    seen = b""
+    deadline = time.monotonic() + 20
+    while b"/dev/pts/" not in seen and time.monotonic() < deadline:
+        seen += os.read(master, 4096)
+    os.write(master, b"typed\r")
+    while b"got:typed" not in seen and time.monotonic() < deadline:
+        try:
+            seen += os.read(master, 4096)
+        except OSError:   # EIO: the caller's side closed
+            break
+    assert p.wait(timeout=10) == 5
+    os.close(master)
+    assert b"/dev/pts/0" in seen and b"got:typed" in seen, seen
+    assert "tty" not in quark.ids()
     assert "declined" not in _log(tmp_path)
