@@ -6,10 +6,10 @@ PY := $(VENV)/bin/python
 # and python3-pyverbs import into the venv because it is made with --system-site-packages.
 APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf3 \
 	redis-server redis-tools python3-venv python3-dev python3-seccomp python3-pyverbs \
-	iproute2 gcc libc6-dev procps util-linux wrk libibverbs-dev
+	iproute2 gcc libc6-dev procps util-linux wrk libibverbs-dev clang libbpf-dev libbpf1
 
-.PHONY: install apt venv links bytecode fastpath rdma-pump frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
-install: apt venv links fastpath rdma-pump
+.PHONY: install apt venv links bytecode fastpath rdma-pump bpf frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
+install: apt venv links fastpath rdma-pump bpf
 
 apt:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
@@ -31,6 +31,15 @@ qkernel/_fastpath.so: qkernel/fastpath.c
 rdma-pump: tsor/transport/_rdma_pump.so
 tsor/transport/_rdma_pump.so: tsor/transport/rdma_pump.c
 	gcc -O2 -Wall -Wextra -shared -fPIC -o $@ $< -libverbs -lpthread
+
+# TSoR's BPF programs in C (tsor/bpf/*.bpf.c: the sockmap local path, the socket-option offload),
+# compiled for the kernel's BPF target against its UAPI headers (asm/ is under the multiarch include
+# directory) and libbpf's (libbpf-dev); tsor/sockmap.py and tsor/sockopt_offload.py load them with
+# libbpf (qlib/libbpf.py) and refuse a stale one
+BPF_OBJECTS := $(patsubst %.c,%.o,$(wildcard tsor/bpf/*.bpf.c))
+bpf: $(BPF_OBJECTS)
+tsor/bpf/%.bpf.o: tsor/bpf/%.bpf.c
+	clang -O2 -g -Wall -Wextra -target bpf -I/usr/include/$$(gcc -print-multiarch) -c $< -o $@
 
 # The `quark` and `containerd-shim-quark-v1` on PATH (qvisor/frontend.c, one program; build/bin has
 # both names): hands the hot verbs and the shim's start to the sandbox factory in well under a
@@ -120,4 +129,4 @@ proto: install
 	$(PY) -m tests.support.cri.generate
 
 clean:
-	rm -rf $(VENV) *.egg-info build qkernel/_fastpath.so tsor/transport/_rdma_pump.so
+	rm -rf $(VENV) *.egg-info build qkernel/_fastpath.so tsor/transport/_rdma_pump.so $(BPF_OBJECTS)

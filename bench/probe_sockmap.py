@@ -4,13 +4,16 @@ established connection between two pods moved socket to socket by sockmap (Ciliu
 Merbridge's trick) — meet the goals that trapping connect/accept cannot (set-up <= 4x, nginx
 `Connection: close` >= 1.0x, keep-alive >= 1.3x)?
 
-Two hand-assembled programs (no compiler): a BPF_PROG_TYPE_SOCK_OPS program on a scratch cgroup of
-the unified hierarchy puts every IPv4 TCP socket of that cgroup into a SOCKHASH when it becomes
-established (key: local address, remote address, local port, remote port); a BPF_PROG_TYPE_SK_MSG
-program on the map redirects each sendmsg to the peer socket's receive queue when the peer is in the
-map (the reversed key), else lets it take the stack. Connection set-up, and with it the node's
-packet filters (NetworkPolicy), stays the kernel's: only an established connection's bytes skip
-the stack.
+The programs are the ones the answer became, tsor's sockmap local path (tsor/bpf/sockmap.bpf.c,
+built by `make install`; tsor/sockmap.py), attached to a scratch cgroup of the unified hierarchy
+instead of its root, with every pod the run makes registered as tsord registers quark pods: a
+SOCK_OPS program puts both ends of a TCP connection between two registered pods into a SOCKHASH
+when it becomes established, and an SK_MSG program on the map redirects each sendmsg to the peer
+socket's receive queue (the first message of each direction decides, and the choice sticks).
+Connection set-up, and with it the node's packet filters (NetworkPolicy), stays the kernel's: only
+an established connection's bytes skip the stack. (The figures in bench/README.md, "A local path
+with no trap", were taken with the probe's first programs, assembled in Python, which carried every
+IPv4 connection of the cgroup.)
 
 It runs bench/tsor.py's one-node measurements with runc containers (their cgroups put under the
 scratch cgroup, so the programs see their sockets) three ways, in turn, per round: runc + bridge
@@ -32,52 +35,11 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from qlib import bpf  # noqa: E402
-from qlib.bpf import ADD64_K, CALL, EXIT, JEQ_K, JNE_K, LDX_W, MOV64_K, MOV64_X, STX_W, Asm  # noqa: E402
 from tests.cleanup import quark_cgroup_dirs, remove_empty_since  # noqa: E402
 from tests.support import testbed  # noqa: E402
+from tsor import _sys, sockmap  # noqa: E402
 
-PROG_TYPE_SOCK_OPS, PROG_TYPE_SK_MSG = 13, 16
-CGROUP_SOCK_OPS, SK_MSG_VERDICT = 3, 7                  # enum bpf_attach_type
-MAP_TYPE_SOCKHASH = 18
-FUNC_SOCK_HASH_UPDATE, FUNC_MSG_REDIRECT_HASH = 70, 71
-ACTIVE_ESTABLISHED_CB, PASSIVE_ESTABLISHED_CB = 4, 5
-F_INGRESS, SK_PASS, AF_INET = 1, 1, 2
-RSH64_K, LSH64_K, TO_BE = 0x77, 0x67, 0xDC
-# struct bpf_sock_ops: op @0, family @20, remote_ip4 @24, local_ip4 @28, remote_port @64 (network
-# order in the high 16 bits), local_port @68 (host order); struct sk_msg_md: family @16,
-# remote_ip4 @20, local_ip4 @24, remote_port @60, local_port @64, the same encodings
 SCRATCH = "quark-probe-sockmap"   # quark*: tests/cleanup.py removes it in every hierarchy
-
-
-def sock_ops_program(map_fd: int) -> bytes:
-    a = Asm()
-    a(MOV64_X, 6, 1)
-    a(LDX_W, 2, 6, 0)
-    a.j(JEQ_K, 2, ACTIVE_ESTABLISHED_CB, "established").j(JEQ_K, 2, PASSIVE_ESTABLISHED_CB, "established")
-    a.j(0x05, 0, 0, "out")
-    a.label("established")
-    a(LDX_W, 2, 6, 20).j(JNE_K, 2, AF_INET, "out")
-    for off, slot in ((28, -16), (24, -12), (68, -8), (64, -4)):   # this socket's own key
-        a(LDX_W, 2, 6, off)(STX_W, 10, 2, slot)
-    a(MOV64_X, 1, 6).map_fd(2, map_fd)(MOV64_X, 3, 10)(ADD64_K, 3, 0, 0, -16)(MOV64_K, 4, 0, 0, 0)
-    a(CALL, 0, 0, 0, FUNC_SOCK_HASH_UPDATE)
-    a.label("out")
-    return a(MOV64_K, 0, 0, 0, 1)(EXIT).code()
-
-
-def sk_msg_program(map_fd: int) -> bytes:
-    a = Asm()
-    a(MOV64_X, 6, 1)
-    a(LDX_W, 2, 6, 16).j(JNE_K, 2, AF_INET, "pass")
-    a(LDX_W, 2, 6, 20)(STX_W, 10, 2, -16)                      # the peer's local address: our remote
-    a(LDX_W, 2, 6, 24)(STX_W, 10, 2, -12)
-    a(LDX_W, 2, 6, 60)(RSH64_K, 2, 0, 0, 16)(TO_BE, 2, 0, 0, 16)(STX_W, 10, 2, -8)        # its port, host order
-    a(LDX_W, 2, 6, 64)(TO_BE, 2, 0, 0, 16)(LSH64_K, 2, 0, 0, 16)(STX_W, 10, 2, -4)        # ours, network << 16
-    a(MOV64_X, 1, 6).map_fd(2, map_fd)(MOV64_X, 3, 10)(ADD64_K, 3, 0, 0, -16)(MOV64_K, 4, 0, 0, F_INGRESS)
-    a(CALL, 0, 0, 0, FUNC_MSG_REDIRECT_HASH)   # peer not in the map: no redirect, and PASS below
-    a.label("pass")
-    return a(MOV64_K, 0, 0, 0, SK_PASS)(EXIT).code()
 
 
 def unified_root() -> str:
@@ -88,33 +50,22 @@ def unified_root() -> str:
 
 
 @contextlib.contextmanager
-def sockmap_cgroup():
-    """The scratch cgroup with the two programs loaded (yielded: a function that attaches or detaches
-    the sock_ops program, so one set-up serves both the with and the without runs)."""
-    path = os.path.join(unified_root(), SCRATCH)
-    os.makedirs(path, exist_ok=True)
-    cg = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    fds = [cg]
-    try:
-        smap = bpf.map_create(MAP_TYPE_SOCKHASH, 16, 4, 65535, "qprobe_pairs")
-        fds.append(smap)
-        ops = bpf.load(PROG_TYPE_SOCK_OPS, sock_ops_program(smap), "qprobe_ops")
-        msg = bpf.load(PROG_TYPE_SK_MSG, sk_msg_program(smap), "qprobe_msg")
-        fds += [ops, msg]
-        bpf.attach(smap, msg, SK_MSG_VERDICT, what="attaching the sk_msg program to the map")
-        state = {"on": False}
+def carried(cgroup: str):
+    """tsor's sockmap programs on `cgroup` while the block runs, and every pod made meanwhile
+    registered (its network namespace's cookie with its address, as tsord registers a quark pod's)."""
+    path = sockmap.SockmapPath.open(cgroup)
+    plain_pod = testbed.Node.pod
 
-        def switch(on: bool) -> None:
-            if on != state["on"]:
-                (bpf.attach if on else bpf.detach)(cg, ops, CGROUP_SOCK_OPS)
-                state["on"] = on
-        try:
-            yield switch
-        finally:
-            switch(False)
+    def registered_pod(self, name):
+        pod = plain_pod(self, name)
+        path.register(pod.ip, _sys.netns_cookie(pod.netns_path, os.stat(pod.netns_path).st_ino))
+        return pod
+    testbed.Node.pod = registered_pod
+    try:
+        yield
     finally:
-        for fd in reversed(fds):
-            os.close(fd)
+        testbed.Node.pod = plain_pod
+        path.remove()
 
 
 def main() -> int:
@@ -148,18 +99,18 @@ def main() -> int:
     testbed.Testbed.bundle = scratch_bundle
     before = quark_cgroup_dirs()
     rounds: list[dict] = []
+    scratch = os.path.join(unified_root(), SCRATCH)
+    os.makedirs(scratch, exist_ok=True)
     try:
-        with sockmap_cgroup() as switch:
-            for r in range(a.rounds):
-                done = {}
-                for config in ("runc", "runc_sockmap", "quark"):
-                    switch(config == "runc_sockmap")
+        for r in range(a.rounds):
+            done = {}
+            for config in ("runc", "runc_sockmap", "quark"):
+                with carried(scratch) if config == "runc_sockmap" else contextlib.nullcontext():
                     done[config] = bt.one_node("quark" if config == "quark" else "runc", "/repo/bench/.pingpong",
                                                f"s{config[0]}{config[-1]}", parts)
-                    switch(False)
-                rounds.append(done)
-                print(f"round {r}: " + json.dumps({c: {k: round(v, 1) for k, v in d.items()
-                                                       if isinstance(v, float)} for c, d in done.items()}), flush=True)
+            rounds.append(done)
+            print(f"round {r}: " + json.dumps({c: {k: round(v, 1) for k, v in d.items()
+                                                   if isinstance(v, float)} for c, d in done.items()}), flush=True)
     finally:
         testbed.Testbed.bundle = plain_bundle
         remove_empty_since(before)

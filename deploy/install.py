@@ -74,7 +74,7 @@ class Installer:
             for dirpath, dirnames, filenames in os.walk(os.path.join(self.source, d)):
                 dirnames[:] = [n for n in dirnames if n != "__pycache__"]
                 for name in filenames:
-                    if name.endswith((".pyc", ".so")) or name == "_quark":
+                    if name.endswith((".pyc", ".so", ".o")) or name == "_quark":
                         continue   # built on the host by make install
                     rel = os.path.relpath(os.path.join(dirpath, name), self.source)
                     self._copy(os.path.join(self.source, rel), os.path.join(dest, rel))

@@ -1,43 +1,45 @@
-"""The thin layer over bpf(2) quark needs: load a program, make maps and read and write their
-entries, attach programs to a cgroup or a map and find what is attached there.
+"""The thin layer over bpf(2) quark needs: load an assembled program, read and write map entries,
+attach programs to a cgroup or a map and find what is attached there; and the one eBPF instruction
+encoder, `insn`.
 
-No compiler is involved: quark's programs are a few dozen instructions, assembled in Python (the
-cgroup v2 device filter, qvisor/cgroups/devicefilter.py; TSoR's socket-option programs with `Asm`,
-tsor/sockopt_offload.py). Each function raises OSError whose message says which step failed; `load`
-adds the verifier's complaint, the only way to know why a program was refused.
+Two kinds of program reach the kernel. The cgroup v2 device filter is assembled in Python from the
+bundle's rules (qvisor/cgroups/devicefilter.py, with `insn`, as crun assembles its own in C) and
+loaded by `load`. TSoR's programs are C (tsor/bpf/*.bpf.c), compiled by `make install` and loaded
+with libbpf (qlib/libbpf.py); they are attached and their maps read here. Each function raises
+OSError whose message says which step failed; `load` adds the verifier's complaint, the only way to
+know why a program was refused.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
-import os
 import platform
 import struct
 
 from qlib import syscalls
+from qlib.libc import check, libc
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
 _ATTR_SIZE = 128   # sizeof(union bpf_attr) is larger; the kernel zero-checks the tail we pass
 
 # commands (linux/bpf.h)
-MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 0, 1, 2, 3, 4
+MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 1, 2, 3, 4
 PROG_LOAD, PROG_ATTACH, PROG_DETACH = 5, 8, 9
-PROG_GET_FD_BY_ID, MAP_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD, PROG_QUERY, BTF_LOAD = 13, 14, 15, 16, 18
-MAP_TYPE_SK_STORAGE = 24
-F_NO_PREALLOC = 1
-SK_STORAGE_GET_F_CREATE = 1
-PROG_TYPE_CGROUP_DEVICE, PROG_TYPE_CGROUP_SOCKOPT = 15, 25
+PROG_GET_FD_BY_ID, MAP_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD, PROG_QUERY = 13, 14, 15, 16
+PROG_TYPE_CGROUP_DEVICE = 15
 CGROUP_DEVICE, CGROUP_GETSOCKOPT, CGROUP_SETSOCKOPT = 6, 21, 22   # enum bpf_attach_type
-F_ALLOW_OVERRIDE, F_ALLOW_MULTI = 1, 2
+F_ALLOW_MULTI = 2
 
-# instruction classes and modes, as the kernel's filter.h composes them
-LDX_W, LDX_DW, STX_W, ST_W = 0x61, 0x79, 0x63, 0x62
-MOV64_X, MOV64_K, ADD64_K, AND64_X, OR64_X, XOR64_K = 0xBF, 0xB7, 0x07, 0x5F, 0x4F, 0xA7
-JEQ_K, JNE_K, JSLT_K, JGT_X, JA = 0x15, 0x55, 0xC5, 0x2D, 0x05
-CALL, EXIT, LD_IMM64 = 0x85, 0x95, 0x18
-PSEUDO_MAP_FD = 1
-FUNC_SK_STORAGE_GET = 107
+# eBPF opcodes: class | operation | source (include/uapi/linux/bpf_common.h, bpf.h)
+LDX_MEM_W = 0x01 | 0x60 | 0x00     # BPF_LDX | BPF_MEM | BPF_W
+ALU32_AND_K = 0x04 | 0x50 | 0x00   # BPF_ALU | BPF_AND | BPF_K
+ALU32_RSH_K = 0x04 | 0x70 | 0x00
+ALU32_MOV_X = 0x04 | 0xb0 | 0x08   # BPF_X: the source is a register
+ALU64_MOV_K = 0x07 | 0xb0 | 0x00
+JEQ_K = 0x05 | 0x10 | 0x00         # BPF_JMP | BPF_JEQ | BPF_K
+JNE_K = 0x05 | 0x50 | 0x00
+JSET_K = 0x05 | 0x40 | 0x00
+EXIT = 0x05 | 0x90
+R0, R1, R2, R3, R4, R5 = range(6)
 
 
 def _bpf(cmd: int, attr: bytes | ctypes.Array, what: str) -> int:
@@ -46,11 +48,7 @@ def _bpf(cmd: int, attr: bytes | ctypes.Array, what: str) -> int:
         nr = syscalls.number("bpf")
     except LookupError:
         raise OSError(errno.ENOSYS, f"{what}: bpf(2) is not known on {platform.machine()}") from None
-    ret = _libc.syscall(ctypes.c_long(nr), ctypes.c_int(cmd), buf, ctypes.c_uint(len(buf)))
-    if ret < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-    return ret
+    return check(libc.syscall(ctypes.c_long(nr), ctypes.c_int(cmd), buf, ctypes.c_uint(len(buf))), what)
 
 
 def _attr(fmt: str, *values: object) -> ctypes.Array:
@@ -60,51 +58,27 @@ def _attr(fmt: str, *values: object) -> ctypes.Array:
     return attr
 
 
-class Asm:
-    """eBPF instructions with named jump targets: `j(op, dst, imm, label)` jumps to where
-    `label(name)` was placed (resolved by `code()`)."""
-
-    def __init__(self) -> None:
-        self._insns: list[list] = []      # [code, dst, src, off or label, imm]
-        self._labels: dict[str, int] = {}
-
-    def __call__(self, code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> Asm:
-        self._insns.append([code, dst, src, off, imm])
-        return self
-
-    def j(self, code: int, dst: int, imm: int, target: str, src: int = 0) -> Asm:
-        return self(code, dst, src, target, imm)
-
-    def label(self, name: str) -> Asm:
-        self._labels[name] = len(self._insns)
-        return self
-
-    def map_fd(self, dst: int, fd: int) -> Asm:
-        """dst = the map whose fd is `fd` (a two-slot load the kernel rewrites to the map's address)."""
-        self(LD_IMM64, dst, PSEUDO_MAP_FD, 0, fd)
-        return self(0, 0, 0, 0, 0)
-
-    def code(self) -> bytes:
-        out = []
-        for pc, (code, dst, src, off, imm) in enumerate(self._insns):
-            if isinstance(off, str):
-                off = self._labels[off] - pc - 1
-            out.append(struct.pack("<BBhi", code, (src << 4) | dst, off, imm))
-        return b"".join(out)
+def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
+    """One struct bpf_insn: u8 code, u8 dst_reg:4 (low nibble) src_reg:4, s16 off, s32 imm.
+    An imm of 2**31 or more is stored as its 32-bit two's complement: a 64-bit jump then sees
+    it sign-extended and never equal to a u32 register, as no real device number (12 bits of
+    major, 20 of minor) equals it either."""
+    if imm > 0x7fffffff:
+        imm -= 1 << 32
+    return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
 
 
-def load(prog_type: int, insns: bytes, name: str, attach_type: int = 0, license: str = "GPL") -> int:
+def load(prog_type: int, insns: bytes, name: str, license: str = "GPL") -> int:
     """Load a program; its fd. A program the verifier rejects is loaded again with the verifier's
     log, so that the error says why."""
     code = ctypes.create_string_buffer(insns, len(insns))
     lic = ctypes.create_string_buffer(license.encode())
 
     def attempt(log: ctypes.Array | None) -> int:
-        # prog_type, insn_cnt, insns, license, log_level, log_size, log_buf, kern_version, prog_flags,
-        # prog_name, prog_ifindex, expected_attach_type
-        attr = _attr("<IIQQIIQII16sII", prog_type, len(insns) // 8, ctypes.addressof(code), ctypes.addressof(lic),
+        # prog_type, insn_cnt, insns, license, log_level, log_size, log_buf, kern_version, prog_flags, prog_name
+        attr = _attr("<IIQQIIQII16s", prog_type, len(insns) // 8, ctypes.addressof(code), ctypes.addressof(lic),
                      1 if log else 0, len(log) if log else 0, ctypes.addressof(log) if log else 0, 0, 0,
-                     name.encode()[:15], 0, attach_type)
+                     name.encode()[:15])
         return _bpf(PROG_LOAD, attr, f"loading the eBPF program {name}")
 
     try:
@@ -118,28 +92,6 @@ def load(prog_type: int, insns: bytes, name: str, attach_type: int = 0, license:
         except OSError as again:
             said = log.value.decode(errors="replace").strip().splitlines()[-4:]
             raise OSError(again.errno, f"{again.strerror}: the verifier said: {' / '.join(said)}") from None
-
-
-def _int_btf() -> bytes:
-    """A BTF blob of one type, [1] = a signed 32-bit int: what a socket storage map must name for
-    its key and value (the kernel insists on BTF there; nothing else of BTF is needed)."""
-    types = struct.pack("<III", 1, 1 << 24, 4) + struct.pack("<I", (1 << 24) | 32)   # "int", KIND_INT, signed 32
-    strings = b"\0int\0"
-    return struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(types), len(types), len(strings)) + types + strings
-
-
-def sk_storage_map(name: str) -> int:
-    """A socket-local storage map of one int per socket (freed with the socket); its fd."""
-    blob = _int_btf()
-    buf = ctypes.create_string_buffer(blob, len(blob))
-    btf = _bpf(BTF_LOAD, _attr("<QQIII", ctypes.addressof(buf), 0, len(blob), 0, 0), "loading BTF")
-    try:
-        # map_type, key_size, value_size, max_entries, map_flags, inner_map_fd, numa_node, map_name,
-        # map_ifindex, btf_fd, btf_key_type_id, btf_value_type_id
-        return _bpf(MAP_CREATE, _attr("<IIIIIII16sIIII", MAP_TYPE_SK_STORAGE, 4, 4, 0, F_NO_PREALLOC, 0, 0,
-                                      name.encode()[:15], 0, btf, 1, 1), f"making the map {name}")
-    finally:
-        os.close(btf)
 
 
 def attach(cgroup_fd: int, prog_fd: int, attach_type: int, flags: int = 0, what: str = "attaching a program") -> None:
@@ -184,12 +136,6 @@ def prog_info(prog_fd: int) -> tuple[str, list[int]]:
     nr = struct.unpack_from("<I", info.raw, 52)[0]
     name = info.raw[64:80].split(b"\0", 1)[0].decode(errors="replace")
     return name, list(map_ids[:min(nr, len(map_ids))])
-
-
-def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, name: str, flags: int = 0) -> int:
-    """A map without BTF (hash, array, sockhash, ...); its fd."""
-    return _bpf(MAP_CREATE, _attr("<IIIIIII16s", map_type, key_size, value_size, max_entries, flags, 0, 0,
-                                  name.encode()[:15]), f"making the map {name}")
 
 
 def map_info(map_fd: int) -> tuple[int, int, str]:

@@ -6,8 +6,8 @@ as the containerd shim acts on the kind and never on the wording of a message.
 """
 from __future__ import annotations
 
-__all__ = ["AlreadyExists", "ConfigError", "ContainerExists", "ContainerNotFound", "InvalidArgument", "InvalidState",
-           "NotFound", "QuarkError", "SetupError", "SupervisorGone", "Unsupported", "from_kind"]
+__all__ = ["AlreadyExists", "BpfError", "ConfigError", "ContainerExists", "ContainerNotFound", "InvalidArgument",
+           "InvalidState", "NotFound", "QuarkError", "SetupError", "SupervisorGone", "Unsupported", "from_kind"]
 
 
 class QuarkError(Exception):
@@ -68,6 +68,13 @@ class SupervisorGone(InvalidState):
 
 class SetupError(QuarkError):
     """A step of sandbox creation failed; carries the step that failed."""
+
+
+class BpfError(SetupError, OSError):
+    """A compiled BPF object that could not be loaded (missing, stale, refused by the kernel): names the
+    object file and the program or map, with the verifier's or libbpf's reason. An OSError too, as
+    the bpf(2) calls' errors are: callers that fall back when the kernel cannot (no BPF, a helper
+    missing) treat both alike."""
 
 
 _BY_KIND = {cls.kind: cls for cls in (QuarkError, NotFound, AlreadyExists, InvalidArgument, InvalidState,

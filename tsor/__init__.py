@@ -10,7 +10,8 @@ counters), check.py (`quark tsor check`). Supervisors and quark-cni talk to it o
 The sandbox's side, in its supervisor: sandbox.py (SandboxNet: the connection to tsord and the
 state of redirected sockets), intercept.py (SocketIntercept: what QKernel's trapped socket calls
 do, qkernel/sockets.py's SocketHooks), peers.py (direct channels between the supervisors of one
-node), sockopt_offload.py (TCP_NODELAY/TCP_CORK answered by cgroup BPF programs, not a trap).
+node), sockopt_offload.py (TCP_NODELAY/TCP_CORK answered by cgroup BPF programs, not a trap). Its
+BPF programs and sockmap.py's are C in bpf/ (*.bpf.c), built by `make install`.
 
 The paths a connection takes (tsord picks one per connect; the sockmap path replaces the socketpair
 for a whole node):

@@ -8,7 +8,9 @@ SOCKHASH when they become established, and an SK_MSG program on that map hands e
 the peer's receive queue. The sandboxes trap none of the socket family (qvisor's `_socket_filter`):
 set-up, close, every option and TCP_INFO are the kernel's. What it costs and gives, measured against
 the socketpair local path, is in bench/README.md ("The sockmap local path, built", and the probe
-before it, "A local path with no trap").
+before it, "A local path with no trap"). The programs are C, tsor/bpf/sockmap.bpf.c, compiled by
+`make install` and loaded with libbpf (qlib/libbpf.py); this module attaches them and keeps their
+maps.
 
 Three rules keep it safe (bench/README.md, "A local path with no trap", says how each was found):
 - Only quark pods, keyed so that keys cannot collide: the programs sit on the unified hierarchy's
@@ -22,8 +24,10 @@ Three rules keep it safe (bench/README.md, "A local path with no trap", says how
   a later, redirected one. An end that received bytes before it was established (TCP Fast Open
   data in the SYN) is not inserted, for the same reason.
 - Outliving tsord: the programs stay attached, and the maps alive, when tsord exits; sockets stay in
-  the map and their bytes in flight are not lost. The next tsord finds them by name and takes them
-  over (a newer version replaces older programs; connections made under the old ones keep them).
+  the map and their bytes in flight are not lost. The next tsord finds them by name among the root's
+  sock_ops programs (bpf(2)'s query: the attached program holds its maps, so nothing is pinned) and
+  takes them over (a newer version replaces older programs; connections made under the old ones
+  keep them).
   Each end keeps the SK_MSG program (and so the storage map with its way) that was attached when it
   entered the sockhash: the kernel copies the map's programs into the socket's psock then. A tsord
   taking over attaches a new program and storage map for the ends to come; the ways of the ends
@@ -53,99 +57,23 @@ import socket
 import struct
 import threading
 
-from qlib import bpf
+from qlib import bpf, libbpf
 from tsor import _sys
 from tsor.addr import unmapped
-from qlib.bpf import ADD64_K, CALL, EXIT, JEQ_K, JNE_K, LDX_DW, LDX_W, MOV64_K, MOV64_X, STX_W, Asm
 
 log = logging.getLogger("tsor.sockmap")
 
+# The programs are tsor/bpf/sockmap.bpf.c, compiled by `make install`; their names there carry the
+# version (bump both when a program changes: a newer version replaces older programs).
 VERSION = 2          # 2: IPv4-mapped ends of AF_INET6 sockets (dual-stack listeners) carried too
 PREFIX = "quark_smap"
 OPS_NAME, MSG_NAME = f"{PREFIX}{VERSION}_ops", f"{PREFIX}{VERSION}_msg"
-PROG_TYPE_SOCK_OPS, PROG_TYPE_SK_MSG = 13, 16
+ADDRS_MAP, PAIRS_MAP, WAYS_MAP = "quark_smap_addrs", "quark_smap_pairs", "quark_smap_ways"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bpf", "sockmap.bpf.c")
+OBJECT = SOURCE[:-1] + "o"
 CGROUP_SOCK_OPS, SK_MSG_VERDICT = 3, 7                  # enum bpf_attach_type
-MAP_TYPE_HASH, MAP_TYPE_SOCKHASH = 1, 18
-FUNC_MAP_LOOKUP, FUNC_SOCK_HASH_UPDATE, FUNC_MSG_REDIRECT_HASH, FUNC_GET_NETNS_COOKIE = 1, 70, 71, 122
-ACTIVE_ESTABLISHED_CB, PASSIVE_ESTABLISHED_CB = 4, 5
-NOEXIST, F_INGRESS, SK_PASS = 1, 1, 1
-JNE_X, RSH64_K, LSH64_K, TO_BE = 0x5D, 0x77, 0x67, 0xDC
-WAY_STACK, WAY_REDIRECT = 1, 2
-MAX_PAIRS, MAX_ADDRS = 65536, 16384
-# struct bpf_sock_ops: op @0, family @20, remote_ip4 @24, local_ip4 @28, remote_ip6 @32, local_ip6 @48,
-# remote_port @64 (network order in the high 16 bits), local_port @68 (host order), bytes_received
-# @168 (u64). remote_ip4/local_ip4 read the socket's IPv4 addresses, which an AF_INET6 socket has when
-# its addresses are IPv4-mapped (::ffff:a.b.c.d: a dual-stack listener's connection from an IPv4
-# peer, as Go's and Java's servers make by default); a truly IPv6 one holds a placeholder there.
-# struct sk_msg_md: family @16, remote_ip4 @20, local_ip4 @24, remote_port @60, local_port @64, sk @72
-_OPS_FAMILY, _OPS_RIP, _OPS_LIP, _OPS_RPORT, _OPS_LPORT, _OPS_BYTES_RECEIVED = 20, 24, 28, 64, 68, 168
-_OPS_RIP6, _OPS_LIP6 = 32, 48
-MAPPED_WORD = 0xFFFF0000     # the third 32-bit word of ::ffff:a.b.c.d, as a little-endian load reads it
-_MSG_FAMILY, _MSG_RIP, _MSG_LIP, _MSG_RPORT, _MSG_LPORT, _MSG_SK = 16, 20, 24, 60, 64, 72
-
-
-def sock_ops_program(addrs_fd: int, pairs_fd: int) -> bytes:
-    """On an end becoming established: into `pairs` (key: local address, remote address, local port,
-    remote port, as the socket has them) when both addresses are registered quark pods' and the local
-    one is registered for this socket's network namespace."""
-    a = Asm()
-    a(MOV64_X, 6, 1)
-    a(LDX_W, 2, 6, 0)
-    a.j(JEQ_K, 2, ACTIVE_ESTABLISHED_CB, "established").j(JNE_K, 2, PASSIVE_ESTABLISHED_CB, "out")
-    a(LDX_DW, 2, 6, _OPS_BYTES_RECEIVED).j(JNE_K, 2, 0, "out")   # Fast Open data already queued
-    a.label("established")
-    a(LDX_W, 2, 6, _OPS_FAMILY).j(JEQ_K, 2, socket.AF_INET, "ipv4").j(JNE_K, 2, socket.AF_INET6, "out")
-    a(MOV64_K, 3, 0, 0, MAPPED_WORD >> 16)(LSH64_K, 3, 0, 0, 16)   # (as an imm it would be sign-extended)
-    for base in (_OPS_LIP6, _OPS_RIP6):                        # AF_INET6: both ends IPv4-mapped, or out
-        a(LDX_W, 2, 6, base).j(JNE_K, 2, 0, "out")(LDX_W, 2, 6, base + 4).j(JNE_K, 2, 0, "out")
-        a(LDX_W, 2, 6, base + 8).j(JNE_X, 2, 0, "out", src=3)
-    a.label("ipv4")
-    a(MOV64_X, 1, 6)(CALL, 0, 0, 0, FUNC_GET_NETNS_COOKIE)(MOV64_X, 7, 0)          # r7 = this netns
-    a(LDX_W, 2, 6, _OPS_LIP)(STX_W, 10, 2, -4)
-    a.map_fd(1, addrs_fd)(MOV64_X, 2, 10)(ADD64_K, 2, 0, 0, -4)(CALL, 0, 0, 0, FUNC_MAP_LOOKUP)
-    a.j(JEQ_K, 0, 0, "out")
-    a(LDX_DW, 2, 0, 0).j(JNE_X, 2, 0, "out", src=7)                                  # another netns's
-    a(LDX_W, 2, 6, _OPS_RIP)(STX_W, 10, 2, -8)
-    a.map_fd(1, addrs_fd)(MOV64_X, 2, 10)(ADD64_K, 2, 0, 0, -8)(CALL, 0, 0, 0, FUNC_MAP_LOOKUP)
-    a.j(JEQ_K, 0, 0, "out")
-    for off, slot in ((_OPS_LIP, -24), (_OPS_RIP, -20), (_OPS_LPORT, -16), (_OPS_RPORT, -12)):
-        a(LDX_W, 2, 6, off)(STX_W, 10, 2, slot)
-    a(MOV64_X, 1, 6).map_fd(2, pairs_fd)(MOV64_X, 3, 10)(ADD64_K, 3, 0, 0, -24)(MOV64_K, 4, 0, 0, NOEXIST)
-    a(CALL, 0, 0, 0, FUNC_SOCK_HASH_UPDATE)
-    a.label("out")
-    return a(MOV64_K, 0, 0, 0, 1)(EXIT).code()
-
-
-def sk_msg_program(pairs_fd: int, ways_fd: int) -> bytes:
-    """Each sendmsg of an end in `pairs`: to the peer end's receive queue (the key reversed) if the
-    end's first message went there, through the stack if its first message did."""
-    a = Asm()
-    a(MOV64_X, 6, 1)
-    # only ends the sock_ops program put in the map come here: IPv4, or IPv4-mapped AF_INET6
-    a(LDX_W, 2, 6, _MSG_FAMILY).j(JEQ_K, 2, socket.AF_INET, "ipv4").j(JNE_K, 2, socket.AF_INET6, "pass")
-    a.label("ipv4")
-    a(LDX_DW, 2, 6, _MSG_SK).j(JEQ_K, 2, 0, "pass")
-    a.map_fd(1, ways_fd)(MOV64_K, 3, 0, 0, 0)(MOV64_K, 4, 0, 0, bpf.SK_STORAGE_GET_F_CREATE)
-    a(CALL, 0, 0, 0, bpf.FUNC_SK_STORAGE_GET).j(JEQ_K, 0, 0, "pass")                # no memory: the stack
-    a(MOV64_X, 7, 0)(LDX_W, 8, 7, 0).j(JEQ_K, 8, WAY_STACK, "pass")
-    a(LDX_W, 2, 6, _MSG_RIP)(STX_W, 10, 2, -16)                  # the peer's local address: our remote
-    a(LDX_W, 2, 6, _MSG_LIP)(STX_W, 10, 2, -12)
-    a(LDX_W, 2, 6, _MSG_RPORT)(RSH64_K, 2, 0, 0, 16)(TO_BE, 2, 0, 0, 16)(STX_W, 10, 2, -8)   # its port, host order
-    a(LDX_W, 2, 6, _MSG_LPORT)(TO_BE, 2, 0, 0, 16)(LSH64_K, 2, 0, 0, 16)(STX_W, 10, 2, -4)   # ours, network << 16
-    a(MOV64_X, 1, 6).map_fd(2, pairs_fd)(MOV64_X, 3, 10)(ADD64_K, 3, 0, 0, -16)(MOV64_K, 4, 0, 0, F_INGRESS)
-    a(CALL, 0, 0, 0, FUNC_MSG_REDIRECT_HASH)
-    a.j(JNE_K, 0, SK_PASS, "not_found")
-    a.j(JEQ_K, 8, WAY_REDIRECT, "redirect")
-    a(MOV64_K, 2, 0, 0, WAY_REDIRECT)(STX_W, 7, 2, 0)
-    a.label("redirect")
-    a(MOV64_K, 0, 0, 0, SK_PASS)(EXIT)
-    a.label("not_found")
-    # undecided: the stack from now on; decided for redirect and the peer gone from the map (it
-    # closed): the stack too, where its kernel answers with a reset as it would have
-    a.j(JNE_K, 8, 0, "pass")
-    a(MOV64_K, 2, 0, 0, WAY_STACK)(STX_W, 7, 2, 0)
-    a.label("pass")
-    return a(MOV64_K, 0, 0, 0, SK_PASS)(EXIT).code()
+# how a tsord taking over tells the maps of an attached sock_ops program apart: (type, key size)
+ADDRS_KIND, PAIRS_KIND = (1, 4), (18, 16)               # BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_SOCKHASH
 
 
 def _addr_key(ip: str) -> bytes:
@@ -200,34 +128,29 @@ class SockmapPath:
         root_fd = os.open(cgroup_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         fds: list[int] = []
         found: dict[str, tuple[int, list[int]]] = {}
+        live: dict[tuple[int, int], int] = {}
         try:
             found = _attached(root_fd)
+            reuse = None
             if OPS_NAME in found:
                 ops, map_ids = found.pop(OPS_NAME)
                 fds.append(ops)
-                maps = {}
-                for map_id in map_ids:
-                    fd = bpf.map_by_id(map_id)
-                    fds.append(fd)
-                    maps[bpf.map_info(fd)[:2]] = fd
-                addrs, pairs = maps[(MAP_TYPE_HASH, 4)], maps[(MAP_TYPE_SOCKHASH, 16)]
+                live = _maps(map_ids)
+                reuse = {ADDRS_MAP: live[ADDRS_KIND], PAIRS_MAP: live[PAIRS_KIND]}
                 log.info("sockmap: took over the programs already attached")
-            else:
-                addrs = bpf.map_create(MAP_TYPE_HASH, 4, 8, MAX_ADDRS, "quark_smap_addrs", bpf.F_NO_PREALLOC)
-                fds.append(addrs)
-                pairs = bpf.map_create(MAP_TYPE_SOCKHASH, 16, 8, MAX_PAIRS, "quark_smap_pairs")
-                fds.append(pairs)
-                ops = bpf.load(PROG_TYPE_SOCK_OPS, sock_ops_program(addrs, pairs), OPS_NAME)
-                fds.append(ops)
-            ways = bpf.sk_storage_map("quark_smap_ways")
-            fds.append(ways)
-            msg = bpf.load(PROG_TYPE_SK_MSG, sk_msg_program(pairs, ways), MSG_NAME)
-            fds.append(msg)
+            # Taking over, the attached sock_ops program stays and with it its maps: only a new SK_MSG
+            # program and storage map are loaded, for the ends to come (each end in the map keeps its own)
+            loaded = libbpf.load(OBJECT, SOURCE, [MSG_NAME] if reuse else [OPS_NAME, MSG_NAME], reuse)
+            fds += [*loaded.programs.values(), *loaded.maps.values()]
+            if reuse is None:
+                ops = loaded.programs[OPS_NAME]
+            msg = loaded.programs[MSG_NAME]
+            addrs, pairs, ways = (loaded.maps[name] for name in (ADDRS_MAP, PAIRS_MAP, WAYS_MAP))
             # to the map (replacing the verdict program a tsord before us attached), then to the root
-            bpf.attach(pairs, msg, SK_MSG_VERDICT, what="attaching the sk_msg program to the sockhash")
+            bpf.attach(pairs, msg, SK_MSG_VERDICT, what=f"attaching {MSG_NAME} to the sockhash")
             if OPS_NAME not in _attached_names(root_fd):
                 bpf.attach(root_fd, ops, CGROUP_SOCK_OPS, bpf.F_ALLOW_MULTI,
-                           what=f"attaching the sock_ops program to {cgroup_root}")
+                           what=f"attaching {OPS_NAME} to {cgroup_root}")
             for name, (old, _) in found.items():   # an older version's: no new connections under it
                 bpf.detach(root_fd, old, CGROUP_SOCK_OPS)
                 log.info("sockmap: replaced %s", name)
@@ -236,8 +159,8 @@ class SockmapPath:
                 os.close(fd)
             raise
         finally:
-            for old, _ in found.values():
-                os.close(old)
+            for fd in [old for old, _ in found.values()] + list(live.values()):
+                os.close(fd)
         return cls(root_fd, ops, msg, addrs, pairs, ways)
 
     def register(self, ip: str, cookie: int) -> None:
@@ -326,6 +249,20 @@ def _attached(root_fd: int) -> dict[str, tuple[int, list[int]]]:
     return out
 
 
+def _maps(map_ids: list[int]) -> dict[tuple[int, int], int]:
+    """fds of the maps with these ids (an attached program's), by (type, key size)."""
+    out: dict[tuple[int, int], int] = {}
+    try:
+        for map_id in map_ids:
+            fd = bpf.map_by_id(map_id)
+            out[bpf.map_info(fd)[:2]] = fd
+    except BaseException:
+        for fd in out.values():
+            os.close(fd)
+        raise
+    return out
+
+
 def _attached_names(root_fd: int) -> set[str]:
     found = _attached(root_fd)
     for fd, _ in found.values():
@@ -351,12 +288,10 @@ def retire(cgroup_root: str) -> str | None:
         found = _attached(root_fd)
         said = []
         for name, (fd, map_ids) in found.items():
-            maps = {}
+            maps: dict[tuple[int, int], int] = {}
             try:
-                for map_id in map_ids:
-                    mfd = bpf.map_by_id(map_id)
-                    maps[bpf.map_info(mfd)[:2]] = mfd
-                addrs, pairs = maps.get((MAP_TYPE_HASH, 4)), maps.get((MAP_TYPE_SOCKHASH, 16))
+                maps = _maps(map_ids)
+                addrs, pairs = maps.get(ADDRS_KIND), maps.get(PAIRS_KIND)
                 ends = len(bpf.map_keys(pairs, 16)) if pairs is not None else 0
                 if ends == 0:
                     bpf.detach(root_fd, fd, CGROUP_SOCK_OPS)

@@ -4,11 +4,11 @@ A local-path end is an AF_UNIX socket, which has no TCP options: setsockopt(SOL_
 is EOPNOTSUPP, so QKernel has had to trap the call and answer it. nginx as Debian ships it corks and
 uncorks around every response, and those two traps were what kept it far below runc's speed
 (before and after: bench/README.md, "Socket options without a trap"). Here the kernel answers
-instead: two cgroup BPF programs (below, hand-assembled: no compiler on the node), `setsockopt` and
-`getsockopt`, take TCP_NODELAY/TCP_CORK on an AF_UNIX socket and keep their values in the socket's
-own BPF storage (freed with the socket: nothing to clean up), so a value set reads back as it does
-on TCP. The sandbox's seccomp filter then stops trapping get/setsockopt of those two options
-(qkernel/table.py, `sockopt_offload`).
+instead: two cgroup BPF programs (tsor/bpf/sockopt.bpf.c, compiled by `make install`, loaded with
+libbpf), `setsockopt` and `getsockopt`, take TCP_NODELAY/TCP_CORK on an AF_UNIX socket and keep
+their values in the socket's own BPF storage (freed with the socket: nothing to clean up), so a
+value set reads back as it does on TCP. The sandbox's seccomp filter then stops trapping
+get/setsockopt of those two options (qkernel/table.py, `sockopt_offload`).
 
 A cgroup sockopt program runs for the cgroup of the process that *created* the socket (its cgroup
 is fixed when it is made), not for the caller's. So the processes that make local-path ends — every
@@ -19,8 +19,9 @@ it they never call bpf(2): carried option values are set with setsockopt on the 
 program records. On a unified host the supervisors are accounted in `quark-tsor` rather than in
 their caller's cgroup (they never were in the pod's).
 
-Anything that does not work here (no cgroup2 mount, no BPF, a program of someone else's attached)
-means `join()` answers None and the sandbox traps the two options as before: slower, never wrong.
+Anything that does not work here (no cgroup2 mount, no BPF, the object not built or stale, a
+program of someone else's attached) means `join()` answers None and the sandbox traps the two
+options as before: slower, never wrong.
 Upgrades: the programs' names carry a version; a newer quark replaces older programs.
 """
 from __future__ import annotations
@@ -30,88 +31,20 @@ import logging
 import os
 import socket
 
-from qlib import bpf, cgroupfs
-from qlib.bpf import (AND64_X, CALL, EXIT, JEQ_K, JGT_X, JNE_K, JSLT_K, LDX_DW, LDX_W, MOV64_K, MOV64_X, OR64_X,
-                      STX_W, XOR64_K, ADD64_K)
+from qlib import bpf, cgroupfs, libbpf
 
 log = logging.getLogger("tsor.sockopt")
 
 CGROUP_NAME = "quark-tsor"
 PROG_PREFIX = "quark_sko"
-VERSION = 2                      # bump when a program changes: a newer one replaces it
+VERSION = 2                      # the programs' names in the C source: bump both when a program changes
 PROG_NAMES = {bpf.CGROUP_SETSOCKOPT: f"{PROG_PREFIX}{VERSION}_set",
               bpf.CGROUP_GETSOCKOPT: f"{PROG_PREFIX}{VERSION}_get"}
-MAP_NAME = "quark_sko"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bpf", "sockopt.bpf.c")
+OBJECT = SOURCE[:-1] + "o"
 LOCK_PATH = "/run/quark/tsor-sockopt.lock"
 ANNOTATION = "io.quark.tsor.sockopt-offload"   # "false": this sandbox traps the options as before
 TCP_NODELAY, TCP_CORK = socket.TCP_NODELAY, socket.TCP_CORK
-BITS = {TCP_NODELAY: 1, TCP_CORK: 2}
-# struct bpf_sockopt: sk @0, optval @8, optval_end @16, level @24, optname @28, optlen @32, retval @36;
-# struct bpf_sock: family @4
-_SK, _OPTVAL, _OPTVAL_END, _LEVEL, _OPTNAME, _OPTLEN, _RETVAL, _FAMILY = 0, 8, 16, 24, 28, 32, 36, 4
-
-
-def _prologue(a: bpf.Asm, done: str) -> None:
-    """r6 = ctx, r7 = the socket, r8 = the option's bit; to `done` unless this is TCP_NODELAY or
-    TCP_CORK on an AF_UNIX socket with room for an int."""
-    a(MOV64_X, 6, 1)
-    a(LDX_W, 2, 6, _LEVEL).j(JNE_K, 2, socket.SOL_TCP, done)
-    a(LDX_W, 2, 6, _OPTNAME)
-    a(MOV64_K, 8, 0, 0, BITS[TCP_NODELAY]).j(JEQ_K, 2, TCP_NODELAY, "option")
-    a(MOV64_K, 8, 0, 0, BITS[TCP_CORK]).j(JNE_K, 2, TCP_CORK, done)
-    a.label("option")
-    a(LDX_DW, 7, 6, _SK)
-    a(LDX_W, 2, 7, _FAMILY).j(JNE_K, 2, socket.AF_UNIX, done)
-    a(LDX_W, 2, 6, _OPTLEN).j(JSLT_K, 2, 4, done)                # short: the trap's EINVAL (set)
-
-
-def _storage(a: bpf.Asm, map_fd: int, create: bool) -> None:
-    """r0 = the socket's storage (NULL: none, or no memory to make it)."""
-    a.map_fd(1, map_fd)(MOV64_X, 2, 7)(MOV64_K, 3, 0, 0, 0)
-    a(MOV64_K, 4, 0, 0, bpf.SK_STORAGE_GET_F_CREATE if create else 0)(CALL, 0, 0, 0, bpf.FUNC_SK_STORAGE_GET)
-
-
-def set_program(map_fd: int) -> bytes:
-    """setsockopt: record the value in the socket's storage and set optlen to -1 ("answered:
-    return 0 without the kernel's handler"). Anything else: return 1 and the kernel runs."""
-    a = bpf.Asm()
-    _prologue(a, "kernel")
-    a(LDX_DW, 3, 6, _OPTVAL)(LDX_DW, 4, 6, _OPTVAL_END)
-    a(MOV64_X, 5, 3)(ADD64_K, 5, 0, 0, 4).j(JGT_X, 5, 0, "kernel", src=4)
-    a(LDX_W, 9, 3, 0)                                                  # r9 = the value
-    _storage(a, map_fd, create=True)
-    a.j(JEQ_K, 0, 0, "kernel")
-    a(LDX_W, 5, 0, 0)(MOV64_X, 4, 8)(XOR64_K, 4, 0, 0, -1)(AND64_X, 5, 4)
-    a.j(JEQ_K, 9, 0, "store")
-    a(OR64_X, 5, 8)
-    a.label("store")
-    a(STX_W, 0, 5, 0)
-    a(MOV64_K, 2, 0, 0, -1)(STX_W, 6, 2, _OPTLEN)
-    a.label("kernel")
-    a(MOV64_K, 0, 0, 0, 1)(EXIT)
-    return a.code()
-
-
-def get_program(map_fd: int) -> bytes:
-    """getsockopt (runs after the kernel's handler refused with EOPNOTSUPP): the recorded value as
-    an int, optlen 4, no error."""
-    a = bpf.Asm()
-    _prologue(a, "out")
-    _storage(a, map_fd, create=False)
-    a(MOV64_K, 5, 0, 0, 0).j(JEQ_K, 0, 0, "have")
-    a(LDX_W, 5, 0, 0)
-    a.label("have")
-    a(AND64_X, 5, 8)(MOV64_K, 9, 0, 0, 0).j(JEQ_K, 5, 0, "write")
-    a(MOV64_K, 9, 0, 0, 1)
-    a.label("write")
-    a(LDX_DW, 3, 6, _OPTVAL)(LDX_DW, 4, 6, _OPTVAL_END)
-    a(MOV64_X, 2, 3)(ADD64_K, 2, 0, 0, 4).j(JGT_X, 2, 0, "out", src=4)
-    a(STX_W, 3, 9, 0)
-    a(MOV64_K, 2, 0, 0, 4)(STX_W, 6, 2, _OPTLEN)
-    a(MOV64_K, 2, 0, 0, 0)(STX_W, 6, 2, _RETVAL)
-    a.label("out")
-    a(MOV64_K, 0, 0, 0, 1)(EXIT)
-    return a.code()
 
 
 class Offload:
@@ -213,16 +146,13 @@ def _attached(cgfd: int) -> bool:
 
 
 def _attach(cgfd: int) -> None:
-    map_fd = bpf.sk_storage_map(MAP_NAME)
+    loaded = libbpf.load(OBJECT, SOURCE, PROG_NAMES.values())
     try:
-        for attach_type, make in ((bpf.CGROUP_GETSOCKOPT, get_program), (bpf.CGROUP_SETSOCKOPT, set_program)):
-            prog = bpf.load(bpf.PROG_TYPE_CGROUP_SOCKOPT, make(map_fd), PROG_NAMES[attach_type], attach_type)
-            try:
-                bpf.attach(cgfd, prog, attach_type, what="attaching TSoR's socket-option program")  # replaces older
-            finally:
-                os.close(prog)
+        for attach_type in (bpf.CGROUP_GETSOCKOPT, bpf.CGROUP_SETSOCKOPT):
+            bpf.attach(cgfd, loaded.programs[PROG_NAMES[attach_type]], attach_type,   # replaces an older one
+                       what=f"attaching TSoR's socket-option program {PROG_NAMES[attach_type]}")
     finally:
-        os.close(map_fd)   # the programs hold it
+        loaded.close()   # the attached programs hold their storage map
 
 
 def remove_if_unused(root: str | None = None, name: str = CGROUP_NAME) -> bool:

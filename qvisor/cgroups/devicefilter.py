@@ -13,14 +13,15 @@ subset of the rule's); with an allow-all default any overlap with a deny excepti
 """
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from qlib.bpf import (ALU32_AND_K, ALU32_MOV_X, ALU32_RSH_K, ALU64_MOV_K, EXIT, JEQ_K, JNE_K, JSET_K, LDX_MEM_W, R0, R1,
+                      R2, R3, R4, R5, insn)
 from qlib.errors import SetupError
 
 from ..spec import DeviceRule
-from . import RESOURCES
+from .base import RESOURCES
 
 # struct bpf_cgroup_dev_ctx { u32 access_type; u32 major; u32 minor; }, access_type = access << 16 | type
 DEV_BLOCK, DEV_CHAR = 1, 2
@@ -29,29 +30,6 @@ ACC_ALL = ACC_MKNOD | ACC_READ | ACC_WRITE
 TYPES = {"b": DEV_BLOCK, "c": DEV_CHAR}
 ACCESS = {"m": ACC_MKNOD, "r": ACC_READ, "w": ACC_WRITE}
 U32_MAX = (1 << 32) - 1
-
-# eBPF opcodes: class | operation | source (include/uapi/linux/bpf_common.h, bpf.h)
-LDX_MEM_W = 0x01 | 0x60 | 0x00     # BPF_LDX | BPF_MEM | BPF_W
-ALU32_AND_K = 0x04 | 0x50 | 0x00   # BPF_ALU | BPF_AND | BPF_K
-ALU32_RSH_K = 0x04 | 0x70 | 0x00
-ALU32_MOV_X = 0x04 | 0xb0 | 0x08   # BPF_X: the source is a register
-ALU64_MOV_K = 0x07 | 0xb0 | 0x00
-JEQ_K = 0x05 | 0x10 | 0x00         # BPF_JMP | BPF_JEQ | BPF_K
-JNE_K = 0x05 | 0x50 | 0x00
-JSET_K = 0x05 | 0x40 | 0x00
-EXIT = 0x05 | 0x90
-R0, R1, R2, R3, R4, R5 = range(6)
-
-
-def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
-    """One struct bpf_insn: u8 code, u8 dst_reg:4 (low nibble) src_reg:4, s16 off, s32 imm.
-    An imm of 2**31 or more is stored as its 32-bit two's complement: a 64-bit jump then sees
-    it sign-extended and never equal to a u32 register, as no real device number (12 bits of
-    major, 20 of minor) equals it either."""
-    if imm > 0x7fffffff:
-        imm -= 1 << 32
-    return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
-
 
 Meta = tuple[str, int | None, int | None]  # (type 'b'/'c', major, minor); None = any
 

@@ -1,5 +1,6 @@
-"""TSoR's socket-option offload (tsor/sockopt_offload.py): the hand-assembled cgroup BPF programs
-answer TCP_NODELAY/TCP_CORK on AF_UNIX sockets made in quark's cgroup, and nothing else.
+"""TSoR's socket-option offload (tsor/sockopt_offload.py): the cgroup BPF programs of
+tsor/bpf/sockopt.bpf.c answer TCP_NODELAY/TCP_CORK on AF_UNIX sockets made in quark's cgroup, and
+nothing else.
 
 Each check runs in a forked child that joins a scratch cgroup of its own (the test process never
 moves); the cgroup, and with it the programs, is removed at the end. Needs root and a cgroup2

@@ -44,7 +44,7 @@ _FACTORY = "tests/integration/test_factory.py::"
 DEFAULT_TESTS = ["tests/cgroup2", "tests/integration/test_cgroups.py", "tests/integration/test_cgroup2_devices.py",
                  "tests/integration/test_events.py", "tests/integration/test_caller_reaps.py",
                  "tests/integration/test_procview.py", "tests/unit/test_seccomp_platform.py",
-                 "tests/unit/test_sockopt_offload.py", "tests/unit/test_linux_pidfd.py",
+                 "tests/unit/test_sockopt_offload.py", "tests/unit/test_libbpf.py", "tests/unit/test_linux_pidfd.py",
                  _FACTORY + "test_the_worker_takes_on_the_callers_cwd_env_umask_rlimits_and_cgroup",
                  _FACTORY + "test_a_create_runs_in_a_worker_and_its_supervisor_shares_the_factorys_pages",
                  "tests/integration/test_config.py::test_cgroup_resources_and_path"]
