@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from . import read, read_int, read_kv
+from .base import read, read_int, read_kv
 
 MAX_U64 = (1 << 64) - 1
 _USER_HZ_NS = 10_000_000  # cpuacct.stat counts USER_HZ (100 Hz) ticks

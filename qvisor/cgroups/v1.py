@@ -14,7 +14,8 @@ from qlib.errors import SetupError, Unsupported
 
 if TYPE_CHECKING:   # the spec model is imported where resources are applied, not by every verb
     from ..spec import BlockIO, CpuResources, MemoryResources, NetworkResources, Resources
-from . import (
+from . import stats
+from .base import (
     KERNEL_MEMORY,
     RESOURCES,
     UNLIMITED,
@@ -27,7 +28,6 @@ from . import (
     read,
     read_int,
     read_kv,
-    stats,
     warn_ignored,
     write,
 )

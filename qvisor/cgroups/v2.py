@@ -15,20 +15,18 @@ from qlib.errors import SetupError, Unsupported
 
 if TYPE_CHECKING:   # the spec model is imported where resources are applied, not by every verb
     from ..spec import BlockIO, CpuResources, MemoryResources, Resources
-from . import (
+from . import bpf, devicefilter, stats
+from .base import (
     CGROUP_ROOT,
     KERNEL_MEMORY,
     RESOURCES,
     Cgroup,
-    bpf,
     cpu_list,
-    devicefilter,
     hugetlb_writes,
     rdma_line,
     read,
     read_int,
     read_kv,
-    stats,
     warn_ignored,
     write,
 )

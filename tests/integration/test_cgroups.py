@@ -141,7 +141,7 @@ def test_kill_steps_never_sleep(sandbox, monkeypatch) -> None:
 
     def no_sleep(_):
         raise AssertionError("a kill step slept")
-    monkeypatch.setattr(cgroups.time, "sleep", no_sleep)   # the module's: kill_all's run_steps would call it
+    monkeypatch.setattr(cgroups.base.time, "sleep", no_sleep)   # the module's: kill_all's run_steps would call it
     for pause in cg.kill_steps(signal.SIGKILL):
         assert 0 < pause <= 0.1   # the caller's loop waits this long on a timer
     monkeypatch.undo()
@@ -596,7 +596,7 @@ def test_update_takes_runc_flags(quark, running) -> None:
     # runc's spelling --cpu-share; -1 is unlimited; 0 leaves a setting as it is
     quark("update", "--cpu-share", "400", "--memory-swap", "-1", "--memory", "-1", "--pids-limit", "0", running)
     assert _container_file(running, "cpu", "cpu.shares") == "400"
-    assert int(_container_file(running, "memory", "memory.limit_in_bytes")) >= cgroups.UNLIMITED
+    assert int(_container_file(running, "memory", "memory.limit_in_bytes")) >= cgroups.base.UNLIMITED
     assert _container_file(running, "pids", "pids.max") == "50"
     r = quark("update", "--kernel-memory", "64M", running)
     assert "linux.resources.memory.kernel is ignored" in r.stderr
