@@ -64,6 +64,7 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     from qvisor import page_merge, security, validate
     from qvisor.spec import load_spec
     preserved_fds(preserve_fds)   # first: loading the spec must not take one of those numbers
+    grace = cgroups.start_move_grace_period()   # the supervisor's move of stage 1 then waits less
     store = StateStore(root)
     bundle = os.path.abspath(bundle)
     spec = load_spec(bundle)
@@ -87,19 +88,20 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
         r, w = os.pipe2(os.O_CLOEXEC)
         pid = 0
         args = (store, st, spec, platform, console_socket, preserve_fds, log_file, cgroup, merge_pages)
-        if in_factory and hand_over(w, args):
-            pass   # a seed of the factory's is the supervisor now: nothing is forked here
-        elif (pid := os.fork()) == 0:
-            try:
-                os.close(r)
-                os.setsid()   # detach: a new session
-                if in_factory:
-                    _supervise(w, 0, *args)
-                launcher = os.getpid()
-                if os.fork() == 0:   # the supervisor is the grandchild
-                    _supervise(w, launcher, *args)
-            finally:
-                os._exit(0)
+        if not (in_factory and hand_over(w, args)):   # (handed over: a seed of the factory's is the supervisor)
+            grace.join()   # a fork while it writes would give the supervisor its open cgroup.procs
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.close(r)
+                    os.setsid()   # detach: a new session
+                    if in_factory:
+                        _supervise(w, 0, *args)
+                    launcher = os.getpid()
+                    if os.fork() == 0:   # the supervisor is the grandchild
+                        _supervise(w, launcher, *args)
+                finally:
+                    os._exit(0)
         os.close(w)
         if not in_factory:
             os.waitpid(pid, 0)   # (in a factory worker the supervisor is our child: it outlives us)

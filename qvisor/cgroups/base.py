@@ -9,11 +9,12 @@ import logging
 import os
 import posixpath
 import signal
+import threading
 import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from qlib import cgroupfs
+from qlib import cgroupfs, procfs
 from qlib.errors import SetupError, Unsupported
 
 # the spec model is slow to import (bench/README.md, "Start-up and supervisor memory"): `start`,
@@ -104,6 +105,39 @@ def read_kv(d: str, name: str) -> dict[str, int]:
     return {k: int(v) for k, v, *_ in (line.split() for line in lines)}
 
 
+def start_move_grace_period() -> threading.Thread:
+    """Start now, beside the caller's work, the RCU grace period its next cgroup move waits for.
+
+    Writing a pid to cgroup.procs takes the kernel's cgroup_threadgroup_rwsem for writing, and
+    when no move happened lately percpu_down_write's rcu_sync_enter first waits out a whole RCU
+    grace period (milliseconds: bench/README.md, "Start-up and supervisor memory"); a move that
+    comes while such a wait is under way, or within a grace period after it, waits only for what
+    is left of it (kernel/rcu/sync.c). A create moves its stage 1 into the container's cgroup
+    only after loading the spec, making the cgroup and starting the supervisor; so at its start a
+    thread writes this process's own pid into the cgroup it is in (a move that changes nothing),
+    and the grace period passes during that work instead of after it. Best effort: any failure
+    only means the move pays the wait itself. Join the thread before forking: a fork meanwhile
+    would give the child its open cgroup.procs."""
+    thread = threading.Thread(target=_move_to_where_i_am, name="cgroup-grace-period", daemon=True)
+    thread.start()
+    return thread
+
+
+def _move_to_where_i_am() -> None:
+    try:
+        with open("/proc/self/cgroup") as f:
+            hid, ctrls, path = f.readline().rstrip("\n").split(":", 2)
+        want = {""} if not ctrls else set(ctrls.split(","))
+        for m in procfs.mountinfo():
+            opts = {""} if m.fstype == "cgroup2" else set(m.super_options.split(","))
+            if m.fstype in ("cgroup", "cgroup2") and m.root == "/" and want <= opts:
+                with open(os.path.join(m.mount_point + path, "cgroup.procs"), "w") as f:
+                    f.write(str(os.getpid()))
+                return
+    except (OSError, ValueError):
+        pass
+
+
 def settle(done: Callable[[], bool], what: str, timeout: float = 5.0) -> Iterator[float]:
     """Retry `done` until it holds, yielding the pause wanted before each retry: freezing and
     removal settle asynchronously. A caller with an event loop waits on a timer, not a sleep."""
@@ -192,8 +226,9 @@ class Cgroup(ABC):
     def kill_steps(self, sig: int = signal.SIGKILL) -> Iterator[float]:
         """kill_all as steps, each yield the pause before the next: the supervisor runs them on
         its event loop's timers, so a freeze that takes seconds to settle holds nothing."""
-        if not any(os.path.isdir(d) for d in self.dirs()):
-            return
+        if not any(os.path.isdir(d) for d in self.dirs()) or not self.pids():
+            return   # nothing to signal, and nothing in it to fork: no freeze needed (the common
+                     # case once an init that kept no other process has exited)
         try:
             yield from settle(self.try_freeze, f"freezing {self.path}")
             frozen = True

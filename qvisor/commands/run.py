@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
     if args.snapshot_when:
         from qvisor import readiness
         ready_when = readiness.parse(args.snapshot_when)   # a bad COND creates nothing
-    terminal = bool(load_spec(os.path.abspath(args.bundle)).process and
-                    load_spec(os.path.abspath(args.bundle)).process.terminal)
+    process = load_spec(os.path.abspath(args.bundle)).process
+    terminal = bool(process and process.terminal)
     own_console = terminal and not args.console_socket and not args.detach
     with (console.console_socket() if own_console else contextlib.nullcontext((args.console_socket, None))) as (path, listener):
         st = container.create(args.root, args.id, args.bundle, pid_file=args.pid_file, console_socket=path,

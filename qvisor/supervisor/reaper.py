@@ -187,6 +187,8 @@ class ReaperMixin:
             self._hibernation_over()
             if self.pending_start is not None:
                 self._start_done(QuarkError(f"container process exited with status {code} before it started"))
+            for conn in self.waiters.pop(pid, []):   # first: `run` deletes the container next, which
+                self._reply(conn, _exit_reply(pid, code, at))   # kills what is left anyway
             # processes left in a container that shares the host pid namespace die with its init
             self._kill_rest()
         elif pid in self.execs and self.execs[pid].pid == pid:
