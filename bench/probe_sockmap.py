@@ -37,7 +37,7 @@ sys.path.insert(0, REPO)
 
 from tests.cleanup import quark_cgroup_dirs, remove_empty_since  # noqa: E402
 from tests.support import testbed  # noqa: E402
-from tsor import _sys, sockmap  # noqa: E402
+from tsor import kernel_sockets, sockmap  # noqa: E402
 
 SCRATCH = "quark-probe-sockmap"   # quark*: tests/cleanup.py removes it in every hierarchy
 
@@ -58,7 +58,7 @@ def carried(cgroup: str):
 
     def registered_pod(self, name):
         pod = plain_pod(self, name)
-        path.register(pod.ip, _sys.netns_cookie(pod.netns_path, os.stat(pod.netns_path).st_ino))
+        path.register(pod.ip, kernel_sockets.netns_cookie(pod.netns_path, os.stat(pod.netns_path).st_ino))
         return pod
     testbed.Node.pod = registered_pod
     try:

@@ -81,7 +81,7 @@ class FastPath:
         return self._lib.qfp_set(inode, opt, int(value)) == 0
 
     def held_elsewhere(self, pid: int, fd: int, ino: int) -> bool:
-        """tsor/_sys.py's held_elsewhere, compiled: is the socket at the task's fd also another fd
+        """tsor/kernel_sockets.py's held_elsewhere, compiled: is the socket at the task's fd also another fd
         of the task, or in one of its epoll sets (or are its fds unreadable)?"""
         return self._lib.qfp_held_elsewhere(pid, fd, ino) != 0
 

@@ -24,7 +24,7 @@ for a whole node):
   transport/rdma_pump.c with rdma_pump.py move the bytes; tsor/verbs/ is the verbs interface, with
   pyverbs_provider.py over a real device);
 - fallback: no path; the application's own socket connects natively.
-_sys.py holds TSoR's kernel-facing helpers; addr.py, errors.py the shared types.
+kernel_sockets.py holds TSoR's kernel-facing helpers; addr.py, errors.py the shared types.
 """
 DEFAULT_SOCKET = "/run/quark/tsord.sock"
 DEFAULT_CONFIG = "/etc/quark/tsor.yaml"

@@ -32,7 +32,7 @@ import threading
 import time
 
 from tsor import DEFAULT_CONFIG, config as configmod, protocol, routes as routesmod
-from tsor import _sys, local_path_marker, sockmap, sockopt_offload
+from tsor import kernel_sockets, local_path_marker, sockmap, sockopt_offload
 from tsor.addr import Endpoint, family_of, is_unspecified, unmapped
 from tsor.bytecount import TcpByteCounter
 from tsor.errors import ConfigError, NotAllowed, ProtocolError
@@ -307,7 +307,7 @@ class Daemon:
         # non-blocking while at the gate: a peer that does not read our replies is dropped, never
         # waited for (the gate thread serves every new connection)
         p.conn.setblocking(False)
-        p.state = Session(self, p.conn, _sys.peer_pid(p.conn))
+        p.state = Session(self, p.conn, kernel_sockets.peer_pid(p.conn))
         return True
 
     def _greeting(self, p: Pending) -> bool | None:

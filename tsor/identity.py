@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from qlib.procfs import RUNC_MANAGERS, exe_name, parent_pid
-from tsor import _sys
+from tsor import kernel_sockets
 from tsor.addr import unmapped
 from tsor.errors import NotAllowed
 from tsor.protocol import Hello
@@ -50,12 +50,12 @@ class ProcVerifier:
         if pid != peer_pid and not _adopted_by_one_manager(hello.pid, peer_pid):
             raise NotAllowed(f"pid {hello.pid} is not a process of the sandbox connected (pid {peer_pid})")
         try:
-            netns = _sys.netns_inode(hello.pid)
+            netns = kernel_sockets.netns_inode(hello.pid)
         except OSError:
             raise NotAllowed(f"pid {hello.pid} is gone") from None
         if netns == self.own_netns:
             raise NotAllowed("the sandbox shares the node's network namespace")
-        owned = _sys.netns_addresses(hello.pid)
+        owned = kernel_sockets.netns_addresses(hello.pid)
         claimed = {unmapped(a) for a in hello.addrs}
         foreign = claimed - {unmapped(a) for a in owned}
         if foreign:

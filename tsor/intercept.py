@@ -42,7 +42,7 @@ from typing import Any
 
 from qlib.linux import accept4, pidfd_getfd, pidfd_open_thread
 from qlib.sockopts import EMULATED_LEVELS, RECORDED_SOCKET_OPTS, UNIX_REFUSED_SOCKET_OPTS
-from tsor import _sys, protocol, sockmap
+from tsor import kernel_sockets, protocol, sockmap
 from tsor.addr import is_loopback, is_unspecified, parse_sockaddr, sockaddr, unmapped
 from tsor.sandbox import Listener, Queued, Redirected, SandboxNet
 
@@ -165,7 +165,7 @@ class SocketIntercept:
     # ---- sendmsg (qkernel/syscalls/sys_sendmsg.py) ----------------------------------------------
     @property
     def ends_refuse_rights(self) -> bool:
-        return _sys.passrights_supported()
+        return kernel_sockets.passrights_supported()
 
     def local_end(self, call: Call, fd: int) -> socket.socket | None:
         ino, st = self._redirected(call, fd)
@@ -238,7 +238,7 @@ class SocketIntercept:
             if s.family == socket.AF_INET6 and ":" not in ip and s.getsockopt(SOL_IPV6, socket.IPV6_V6ONLY):
                 raise _Native
             if (self.fast.held_elsewhere(call.pid, fd, ino) if self.fast is not None
-                    else _sys.held_elsewhere(call.pid, fd, ino)):
+                    else kernel_sockets.held_elsewhere(call.pid, fd, ino)):
                 # dup'ed or already in an epoll set (nginx registers before connect): swapping the
                 # socket would leave those references on the old one, so this connection stays native
                 raise _Native
@@ -267,7 +267,7 @@ class SocketIntercept:
             if d.done:   # the task was interrupted or died meanwhile
                 return False
             if (not reply or reply.get("path") not in ("local", "tcp", "rdma") or new is None
-                    or _sys.socket_inode(call.pid, fd) != ino):   # fd closed or reused meanwhile
+                    or kernel_sockets.socket_inode(call.pid, fd) != ino):   # fd closed or reused meanwhile
                 d.native()
                 return False
             os.set_blocking(new, not nonblock)
@@ -388,7 +388,7 @@ class SocketIntercept:
     def _template(self, family: int) -> socket.socket:
         """A pristine TCP socket of `family` in the pod's network namespace: the defaults to answer."""
         if family not in self._templates:
-            self._templates[family] = _sys.socket_in_netns(self.net.netns_fd, family)
+            self._templates[family] = kernel_sockets.socket_in_netns(self.net.netns_fd, family)
         return self._templates[family]
 
     def getsockopt(self, call: Call, fd: int, level: int, opt: int) -> bytes | int | None:
@@ -590,7 +590,7 @@ class _FinAcked:
 # ---- the task's sockets -----------------------------------------------------------------------
 
 def _inode(call: Call, fd: int) -> int | None:
-    return _sys.socket_inode(call.pid, fd) if fd >= 0 else None
+    return kernel_sockets.socket_inode(call.pid, fd) if fd >= 0 else None
 
 
 def _dup(call: Call, fd: int, family: int | None = None) -> socket.socket | None:

@@ -48,7 +48,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tsor import _sys, protocol
+from tsor import kernel_sockets, protocol
 from tsor.addr import Endpoint, family_of, unmapped
 
 # What a listening sandbox answers an offer when its listener's backlog is full (tsor/sandbox.py):
@@ -314,7 +314,7 @@ class PeerLinks:
             del self.routes[key]
             return False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        _sys.refuse_rights(ours, theirs)   # no fd crosses between the pods, as none does over TCP
+        kernel_sockets.refuse_rights(ours, theirs)   # no fd crosses between the pods, as none does over TCP
         src = (route.src_ip, src_port)
         # The application's end first, the offer after: sent first, the offer woke the listening
         # supervisor onto this CPU (a unix socket's wake-up is a "sync" one), which then ran its part

@@ -15,7 +15,7 @@ import os
 import threading
 from dataclasses import asdict, dataclass
 
-from tsor import _sys
+from tsor import kernel_sockets
 from tsor.addr import unmapped
 from tsor.errors import NotAllowed
 
@@ -47,7 +47,7 @@ def check_claim(netns: str, ips: list[str], own_netns: int) -> tuple[int, tuple[
     """The namespace's inode and the claimed addresses, once the kernel confirms them; NotAllowed
     naming what is wrong otherwise."""
     try:
-        inode, owned = _sys.netns_file(netns)
+        inode, owned = kernel_sockets.netns_file(netns)
     except FileNotFoundError:
         raise NotAllowed(f"netns {netns}: no such file") from None
     except (ValueError, OSError) as e:

@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tsor import DEFAULT_SOCKET, SOCKET_ANNOTATION, _sys, local_path_marker, protocol, sockopt_offload
+from tsor import DEFAULT_SOCKET, SOCKET_ANNOTATION, kernel_sockets, local_path_marker, protocol, sockopt_offload
 from tsor.addr import Endpoint, family_of, unmapped
 from tsor.errors import ProtocolError
 from tsor.peers import FULL, OVER, PeerLinks
@@ -278,7 +278,7 @@ class SandboxNet:
         # the kernel answers TCP_NODELAY/TCP_CORK of our local-path ends (tsor/sockopt_offload.py);
         # tsord is told, so that it gives us only ends made where the program covers them
         self.offload = offload
-        self.addrs = sorted(_sys.netns_addresses(init_pid))
+        self.addrs = sorted(kernel_sockets.netns_addresses(init_pid))
         self.netns_fd = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         self.sockets: dict[int, Redirected] = {}
         self.listeners: dict[int, Listener] = {}
@@ -301,7 +301,7 @@ class SandboxNet:
         if not os.path.exists(path):
             return None
         try:
-            if _sys.netns_inode(init_pid) == _sys.netns_inode(os.getpid()):
+            if kernel_sockets.netns_inode(init_pid) == kernel_sockets.netns_inode(os.getpid()):
                 return None   # host network: nothing to redirect, and no identity to claim
             local_path = _local_path(path)
             offload = (sockopt_offload.join() if local_path == "socketpair" and sockopt_offload.wanted(annotations)
@@ -388,9 +388,9 @@ class SandboxNet:
             self._announce(lst)
 
     def _alive(self, lst: Listener) -> bool:
-        if _sys.socket_inode(lst.pid, lst.fd) == lst.token:
+        if kernel_sockets.socket_inode(lst.pid, lst.fd) == lst.token:
             return True
-        return lst.token in _sys.socket_inodes(self.pids())
+        return lst.token in kernel_sockets.socket_inodes(self.pids())
 
     def _incoming(self, msg: protocol.Incoming, fd: int, direct: bool = False) -> bool | str:
         """Take an offered connection for a listener: True; False: not (the listener is gone, the
@@ -451,7 +451,7 @@ class SandboxNet:
         setns into the pod and one back (two per connection before)."""
         spare = self._spare_bells.setdefault(family, [])
         if not spare:
-            spare.extend(_sys.sockets_in_netns(self.netns_fd, family, BELL_BATCH))
+            spare.extend(kernel_sockets.sockets_in_netns(self.netns_fd, family, BELL_BATCH))
         bell = spare.pop()
         # closed with a reset once accepted (take_bell): one packet instead of TCP's four-way
         # close, and no TIME_WAIT entry holding a port of the pod's for a minute per connection
@@ -497,7 +497,7 @@ class SandboxNet:
         if not self.sockets and not self.listeners:
             self._sweeping = False
             return
-        self._sweep_step(_sys.held_sockets(self.pids()), set(self.sockets), set(self.listeners), set())
+        self._sweep_step(kernel_sockets.held_sockets(self.pids()), set(self.sockets), set(self.listeners), set())
 
     def _sweep_step(self, scan, sockets: set[int], listeners: set[int], live: set[int | None]) -> None:
         batch = list(itertools.islice(scan, SWEEP_BATCH))

@@ -58,7 +58,7 @@ import struct
 import threading
 
 from qlib import bpf, libbpf
-from tsor import _sys
+from tsor import kernel_sockets
 from tsor.addr import unmapped
 
 log = logging.getLogger("tsor.sockmap")
@@ -98,7 +98,7 @@ class Registrar:
             for ip, (ns_path, inode) in want.items():
                 if ":" in ip:
                     continue
-                cookie = self._cookies.get(inode) or cookies.get(inode) or _sys.netns_cookie(ns_path, inode)
+                cookie = self._cookies.get(inode) or cookies.get(inode) or kernel_sockets.netns_cookie(ns_path, inode)
                 if cookie is None:
                     log.debug("sockmap: %s not carried: its network namespace %s is gone", ip, ns_path)
                     continue   # the namespace is gone (or the path names another one now)

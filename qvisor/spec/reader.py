@@ -1,4 +1,4 @@
-"""The building blocks of config.json validation: `_Reader` (which file is being read) and the small
+"""The building blocks of config.json validation: `Reader` (which file is being read) and the small
 checks that every field goes through (strings, booleans, integer ranges, lists, absolute paths,
 one-of choices).
 
@@ -16,11 +16,11 @@ from qlib.errors import ConfigError
 
 # ---- validation: every check is (reader, field path, value) -> parsed value ----
 
-_MISSING: Any = object()
-Check = Callable[["_Reader", str, Any], Any]
+MISSING: Any = object()
+Check = Callable[["Reader", str, Any], Any]
 
 
-class _Reader:
+class Reader:
     """Knows which file is being read, so a check only has to know its field path."""
 
     def __init__(self, path: str) -> None:
@@ -29,17 +29,17 @@ class _Reader:
     def fail(self, where: str, message: str) -> NoReturn:
         raise ConfigError(self.path, where, message)
 
-    def get(self, obj: dict, prefix: str, key: str, check: Check, default: Any = _MISSING) -> Any:
+    def get(self, obj: dict, prefix: str, key: str, check: Check, default: Any = MISSING) -> Any:
         where = f"{prefix}.{key}" if prefix else key
         value = obj.get(key)
         if value is None:
-            if default is _MISSING:
+            if default is MISSING:
                 self.fail(where, "is required")
             return default
         return check(self, where, value)
 
 
-def _str(r: _Reader, f: str, v: Any) -> str:
+def string(r: Reader, f: str, v: Any) -> str:
     if not isinstance(v, str):
         r.fail(f, "must be a string")
     # the kernel takes C strings: a NUL would cut a path or a name short, or fail half-way through
@@ -49,20 +49,20 @@ def _str(r: _Reader, f: str, v: Any) -> str:
     return v
 
 
-def _bool(r: _Reader, f: str, v: Any) -> bool:
+def boolean(r: Reader, f: str, v: Any) -> bool:
     if not isinstance(v, bool):
         r.fail(f, "must be a boolean")
     return v
 
 
-def _obj(r: _Reader, f: str, v: Any) -> dict:
+def mapping(r: Reader, f: str, v: Any) -> dict:
     if not isinstance(v, dict):
         r.fail(f, "must be an object")
     return v
 
 
-def _int(lo: int, hi: int) -> Check:
-    def check(r: _Reader, f: str, v: Any) -> int:
+def integer(lo: int, hi: int) -> Check:
+    def check(r: Reader, f: str, v: Any) -> int:
         # bool is an int subclass in Python, but JSON true is never a valid number.
         if isinstance(v, bool) or not isinstance(v, int):
             r.fail(f, "must be an integer")
@@ -74,46 +74,46 @@ def _int(lo: int, hi: int) -> Check:
     return check
 
 
-_U32, _U64, _I64 = _int(0, 2**32 - 1), _int(0, 2**64 - 1), _int(-2**63, 2**63 - 1)
+U32, U64, I64 = integer(0, 2**32 - 1), integer(0, 2**64 - 1), integer(-2**63, 2**63 - 1)
 
 
-def _list(item: Check) -> Check:
-    def check(r: _Reader, f: str, v: Any) -> list:
+def list_of(item: Check) -> Check:
+    def check(r: Reader, f: str, v: Any) -> list:
         if not isinstance(v, list):
             r.fail(f, "must be a list")
         return [item(r, f"{f}[{i}]", x) for i, x in enumerate(v)]
     return check
 
 
-def _nonempty_strs(r: _Reader, f: str, v: Any) -> list[str]:
+def nonempty_strings(r: Reader, f: str, v: Any) -> list[str]:
     if not isinstance(v, list) or not v:
         r.fail(f, "must be a non-empty list of strings")
-    return [_str(r, f"{f}[{i}]", x) for i, x in enumerate(v)]
+    return [string(r, f"{f}[{i}]", x) for i, x in enumerate(v)]
 
 
-def _str_map(r: _Reader, f: str, v: Any) -> dict[str, str]:
-    return {_str(r, f, k): _str(r, f"{f}.{k}", x) for k, x in _obj(r, f, v).items()}
+def string_map(r: Reader, f: str, v: Any) -> dict[str, str]:
+    return {string(r, f, k): string(r, f"{f}.{k}", x) for k, x in mapping(r, f, v).items()}
 
 
-def _abs(r: _Reader, f: str, v: Any) -> str:
-    if not _str(r, f, v).startswith("/"):
+def absolute_path(r: Reader, f: str, v: Any) -> str:
+    if not string(r, f, v).startswith("/"):
         r.fail(f, f"must be an absolute path, got {json.dumps(v)}")
     return v
 
 
-def _opt_abs(r: _Reader, f: str, v: Any) -> str:
-    return _abs(r, f, v) if _str(r, f, v) else v  # "" means "not set" in Go-written configs
+def optional_absolute_path(r: Reader, f: str, v: Any) -> str:
+    return absolute_path(r, f, v) if string(r, f, v) else v  # "" means "not set" in Go-written configs
 
 
-def _one_of(choices: Any, what: str) -> Check:
-    def check(r: _Reader, f: str, v: Any) -> str:
-        if _str(r, f, v) not in choices:
+def one_of(choices: Any, what: str) -> Check:
+    def check(r: Reader, f: str, v: Any) -> str:
+        if string(r, f, v) not in choices:
             r.fail(f, f"unknown {what} {json.dumps(v)}")
         return v
     return check
 
 
-def _no_duplicates(r: _Reader, f: str, types: list[str], what: str) -> None:
+def no_duplicates(r: Reader, f: str, types: list[str], what: str) -> None:
     for i, t in enumerate(types):
         if t in types[:i]:
             r.fail(f"{f}[{i}].type", f"duplicate {what} {json.dumps(t)}")

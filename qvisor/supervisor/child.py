@@ -1,5 +1,5 @@
 """The processes the supervisor forks (the container's init, exec'd processes) while they are
-being created: each is a _Child, first stage 1 (namespaces) then the process itself, with the
+being created: each is a Child, first stage 1 (namespaces) then the process itself, with the
 channel the supervisor reads its set-up messages on; the part's mixin dispatches those messages.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from qvisor import channel
 
 
 @dataclasses.dataclass
-class _Child:
+class Child:
     """A process being created: stage 1 (namespaces) then the process itself."""
     sock: socket.socket
     on_msg: Any
@@ -25,7 +25,7 @@ class _Child:
     pidfd: int = -1  # exec: the process, held until it is reaped; signals go through it, never the pid
 
 
-def _numbered_from(sock: socket.socket, lowest: int) -> socket.socket:
+def numbered_from(sock: socket.socket, lowest: int) -> socket.socket:
     """`sock`, moved to an fd number >= lowest if it has a lower one."""
     if sock.fileno() >= lowest:
         return sock
@@ -34,7 +34,7 @@ def _numbered_from(sock: socket.socket, lowest: int) -> socket.socket:
     return moved
 
 
-def _child_log(msg: dict) -> None:
+def child_log(msg: dict) -> None:
     """A forked child's log record (it has no fd of our log file): into our log."""
     level = msg.get("level")
     logging.getLogger(str(msg.get("logger", "quark"))).log(
@@ -44,7 +44,7 @@ def _child_log(msg: dict) -> None:
 class ChildMixin:
     """Reading a child's channel (part of Supervisor, core.py)."""
 
-    def _on_child_readable(self, child: _Child) -> bool:
+    def _on_child_readable(self, child: Child) -> bool:
         """Dispatch one message; False if there was none (an exit's _drain_child read it first)."""
         try:
             msg, fds = channel.recv_packet(child.sock)
@@ -57,7 +57,7 @@ class ChildMixin:
         child.on_msg(child, msg, fds)
         return True
 
-    def _drain_child(self, child: _Child) -> None:
+    def _drain_child(self, child: Child) -> None:
         """Dispatch what a child has left in its channel (a dead one's, up to its EOF)."""
         if child.sock.fileno() < 0:
             return

@@ -15,7 +15,7 @@ from qlib.eventloop import Loop
 from qvisor import cgroups, channel, phases
 from qvisor.spec import Spec
 from qvisor.state import SOCK_NAME, STOPPED, ContainerState, StateStore
-from qvisor.supervisor.child import ChildMixin, _Child
+from qvisor.supervisor.child import Child, ChildMixin
 from qvisor.supervisor.control import ControlMixin
 from qvisor.supervisor.create import CreateMixin
 from qvisor.supervisor.exec import ExecMixin
@@ -37,11 +37,11 @@ class Supervisor(CreateMixin, ControlMixin, ExecMixin, ReaperMixin, SnapshotMixi
         self.cgroup = cgroup if cgroup is not None else cgroups.open_cgroup(state.cgroup_path)
         self.kernel: Any = None
         self.procview_mnt: int | None = None   # the /proc view made for the init (-1: could not be)
-        self.init: _Child | None = None
+        self.init: Child | None = None
         self.pending_start: socket.socket | None = None
         self.waiters: dict[int, list[socket.socket]] = {}
         self.exits: dict[int, tuple[int, str]] = {}   # exec pid -> exit no wait has collected yet
-        self.execs: dict[int, _Child] = {}
+        self.execs: dict[int, Child] = {}
         self.control: socket.socket | None = None
         self.clients: dict[int, tuple[socket.socket, channel.LineReader]] = {}
         self.launcher_pid = launcher_pid       # the process that forked us and exits at once

@@ -17,8 +17,8 @@ from qvisor import channel, confine, hooks, rootfs, sandbox
 from qlib import procfs
 from qvisor.devices import cgroup_resources
 from qvisor.state import CREATED
-from qvisor.supervisor.child import _Child, _child_log
-from qvisor.supervisor.reaper import _WALL
+from qvisor.supervisor.child import Child, child_log
+from qvisor.supervisor.reaper import WAIT_ALL
 
 log = logging.getLogger("quark.supervisor")
 
@@ -36,7 +36,7 @@ class CreateMixin:
             sandbox.run_child(child, lambda: sandbox.stage1(child, self.spec, self.preserve_fds))
         child.close()
         os.closerange(3, 3 + self.preserve_fds)   # stage 1 has them for the init: none are ours to keep
-        self.init = _Child(parent, self._on_init_msg, stage1_pid=pid)
+        self.init = Child(parent, self._on_init_msg, stage1_pid=pid)
         # the container's stdio now live in stage 1 and the init; ours go to /dev/null so that
         # a caller reading them sees EOF when the container, not the runtime, closes them
         null = os.open(os.devnull, os.O_RDWR)
@@ -50,10 +50,10 @@ class CreateMixin:
     def _hook_state(self) -> dict:
         return self.state.oci() | {"status": self.state.status, "pid": self.state.pid}
 
-    def _on_init_msg(self, child: _Child, msg: dict, fds: list[int]) -> None:
+    def _on_init_msg(self, child: Child, msg: dict, fds: list[int]) -> None:
         kind = msg.get("type")
         if kind == "log":
-            return _child_log(msg)
+            return child_log(msg)
         if kind == "userns":
             self._write_id_maps(child.stage1_pid)
             channel.send(child.sock, {"type": "userns-ok"})
@@ -108,7 +108,7 @@ class CreateMixin:
                 self.phases.write()
                 self._start_done(None)
 
-    def _send_prepare(self, child: _Child) -> None:
+    def _send_prepare(self, child: Child) -> None:
         # in a user namespace the init is a mapped uid: bind sources are opened here, as host root
         fds = rootfs.bind_sources(self.spec) if self.spec.linux.namespace("user") else {}
         try:
@@ -121,7 +121,7 @@ class CreateMixin:
             for fd in fds.values():
                 os.close(fd)
 
-    def _make_procview(self, child: _Child) -> None:
+    def _make_procview(self, child: Child) -> None:
         """Make the container's /proc view (qvisor/procview.py) before the init asks for it, when it
         will (the init's own test: rootfs.procview_wanted in a new mount namespace)."""
         if not (self.spec.linux.new_namespace("mount") and rootfs.procview_wanted(self.spec)):
@@ -134,7 +134,7 @@ class CreateMixin:
                         "annotation %s=false skips the view)", e, procview.ANNOTATION)
             self.procview_mnt = -1   # tried and failed: the init's request gets nothing
 
-    def _serve_procview(self, child: _Child) -> None:
+    def _serve_procview(self, child: Child) -> None:
         """The init asks for the container's /proc view: send the filesystem made for it (served on
         our loop) for the init to bind in, or nothing, and the container goes without."""
         if self.procview_mnt is None:   # not made ahead (cannot be: our test is the init's)
@@ -211,7 +211,7 @@ class CreateMixin:
             pass
         while True:
             try:
-                os.waitpid(-1, _WALL)
+                os.waitpid(-1, WAIT_ALL)
             except ChildProcessError:
                 break
         try:

@@ -14,7 +14,7 @@ from qlib.errors import ConfigError, InvalidArgument, InvalidState, NotFound, Qu
 from qvisor import channel, sandbox, validate
 from qvisor.spec import parse_process
 from qvisor.state import RUNNING
-from qvisor.supervisor.child import _Child, _child_log, _numbered_from
+from qvisor.supervisor.child import Child, child_log, numbered_from
 
 log = logging.getLogger("quark.supervisor")
 
@@ -41,7 +41,7 @@ class ExecMixin:
             return self._fail(conn, InvalidArgument(f"exec: preserve_fds: {n!r} does not fit the {len(fds)} fds sent"))
         stdio, preserved = fds[:len(fds) - n], fds[len(fds) - n:]
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        child = _numbered_from(child, 3 + n)   # the preserved fds take 3.. in the child
+        child = numbered_from(child, 3 + n)   # the preserved fds take 3.. in the child
         pid = os.fork()
         if pid == 0:
             parent.close()
@@ -49,7 +49,7 @@ class ExecMixin:
                 os.dup2(fd, i, inheritable=True)
             sandbox.run_child(child, lambda: sandbox.exec_stage1(child, self.state.pid, self.spec, proc, preserved))
         child.close()
-        ex = _Child(parent, self._on_exec_msg, stage1_pid=pid, client=conn)
+        ex = Child(parent, self._on_exec_msg, stage1_pid=pid, client=conn)
         self.execs[pid] = ex
         go = {"type": "go"}
         affinity = proc.exec_cpu_affinity or (self.spec.process.exec_cpu_affinity if self.spec.process else None)
@@ -74,10 +74,10 @@ class ExecMixin:
         except OSError as e:
             log.warning("exec'd pid %d stays in %s: %s", pid, tsor.offload.cgroup, e)
 
-    def _on_exec_msg(self, ex: _Child, msg: dict, fds: list[int]) -> None:
+    def _on_exec_msg(self, ex: Child, msg: dict, fds: list[int]) -> None:
         kind = msg.get("type")
         if kind == "log":
-            return _child_log(msg)
+            return child_log(msg)
         if kind == "pid":
             ex.pid = msg["pid"]
             self.execs[ex.pid] = self.execs.pop(ex.stage1_pid)

@@ -17,7 +17,7 @@ from qlib.errors import NotFound, QuarkError
 from qvisor.state import STOPPED, now_rfc3339
 
 log = logging.getLogger("quark.supervisor")
-_WALL = 0x40000000  # __WALL: also wait for tasks the ptrace platform traces
+WAIT_ALL = 0x40000000  # __WALL: also wait for tasks the ptrace platform traces
 REAP_WAIT_S = 10
 UNKNOWN_EXIT = 255   # the exit status of a process reaped by the caller on a kernel without PIDFD_GET_INFO
 # exits of exec'd processes kept for a wait that has not come yet (`quark exec -d` whose caller
@@ -143,7 +143,7 @@ class ReaperMixin:
     def _reap(self) -> None:
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG | _WALL)
+                pid, status = os.waitpid(-1, os.WNOHANG | WAIT_ALL)
             except ChildProcessError:
                 return
             if pid == 0:

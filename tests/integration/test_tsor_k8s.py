@@ -48,7 +48,7 @@ def bed():
     needs_root()
     needs_tsor_in_qkernel()
     from tests.support.testbed import Testbed
-    from tsor._sys import socket_in_netns
+    from tsor.kernel_sockets import socket_in_netns
     b = Testbed(prefix="qk15c", octet=OCTET)
     api = None
     try:

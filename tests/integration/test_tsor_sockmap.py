@@ -17,7 +17,7 @@ import pytest
 
 from qlib import procfs
 from tests.support import testbed
-from tsor import _sys, sockmap
+from tsor import kernel_sockets, sockmap
 from tsor.sockopt_offload import cgroup2_root
 
 pytestmark = [
@@ -57,7 +57,7 @@ def _netns_fd(pod: testbed.Pod) -> int:
 def _socket_in(pod: testbed.Pod, family: int = socket.AF_INET) -> socket.socket:
     fd = _netns_fd(pod)
     try:
-        s = _sys.socket_in_netns(fd, family)
+        s = kernel_sockets.socket_in_netns(fd, family)
     finally:
         os.close(fd)
     s.setblocking(True)
@@ -65,7 +65,7 @@ def _socket_in(pod: testbed.Pod, family: int = socket.AF_INET) -> socket.socket:
 
 
 def _cookie(pod: testbed.Pod) -> int:
-    return _sys.netns_cookie(pod.netns_path, os.stat(pod.netns_path).st_ino)
+    return kernel_sockets.netns_cookie(pod.netns_path, os.stat(pod.netns_path).st_ino)
 
 
 def _opened(root: str, *carried: testbed.Pod) -> sockmap.SockmapPath:

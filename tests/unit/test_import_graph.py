@@ -133,3 +133,34 @@ def test_no_cycle_between_modules() -> None:
     assert "qvisor.factory.client" in graph["qvisor.cli"]   # the walk sees function-level imports
     cycle = _cycle(graph)
     assert cycle is None, f"modules import each other: {' -> '.join(cycle or [])}"
+
+
+def test_no_private_name_is_used_across_modules() -> None:
+    """A name with a leading underscore belongs to its module: no other module imports it or
+    reaches it through the module (`from x import _y`, `x._y`), so a module's private parts can
+    change without a search through the others."""
+    known = _modules()
+    found = []
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        module = _module_of(path)
+        package = module if path.name == "__init__.py" else module[:-1]
+        aliases = set()   # names in this file bound to one of the project's modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                base = ".".join(package[:len(package) - (node.level - 1)] + ([node.module] if node.module else [])) \
+                    if node.level else node.module or ""
+                if base.split(".")[0] not in PACKAGES:
+                    continue
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        found.append(f"{path.relative_to(ROOT)}: from {base} import {a.name}")
+                    if f"{base}.{a.name}" in known:
+                        aliases.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                aliases.update(a.asname for a in node.names if a.asname and a.name.split(".")[0] in PACKAGES)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert not found, "private names used outside their module:\n" + "\n".join(found)

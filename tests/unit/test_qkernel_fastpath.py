@@ -163,10 +163,10 @@ def test_the_table_keeps_what_was_set_and_forgets_removed_sockets(fast):
 @pytest.mark.parametrize("how", ["alone", "dup", "epoll", "epoll of another socket", "many fds and epolls"])
 def test_held_elsewhere_compiled_agrees_with_python(fast, how):
     """TSoR's check before it swaps a connecting socket: a socket also reachable by another fd or
-    from an epoll set must not be swapped. The compiled check answers as tsor/_sys.py's does."""
+    from an epoll set must not be swapped. The compiled check answers as tsor/kernel_sockets.py's does."""
     import select
 
-    from tsor import _sys
+    from tsor import kernel_sockets
     keep = []
     s = socket.socket()
     other = socket.socket()
@@ -189,7 +189,7 @@ def test_held_elsewhere_compiled_agrees_with_python(fast, how):
     ino = os.fstat(s.fileno()).st_ino
     try:
         expected = how in ("dup", "epoll", "many fds and epolls")
-        assert _sys.held_elsewhere(os.getpid(), s.fileno(), ino) is expected
+        assert kernel_sockets.held_elsewhere(os.getpid(), s.fileno(), ino) is expected
         assert fast.held_elsewhere(os.getpid(), s.fileno(), ino) is expected
         assert fast.held_elsewhere(2 ** 22 + 7, 3, ino) is True   # no such task: cannot tell, so not swapped
     finally:

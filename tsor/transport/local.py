@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import socket
 
-from tsor import _sys
+from tsor import kernel_sockets
 from tsor.addr import Endpoint
 from tsor.routes import Node
 from tsor.transport import Deliver
@@ -17,7 +17,7 @@ class LocalTransport:
 
     def connect(self, node: Node | None, src: Endpoint, dst: Endpoint) -> socket.socket | None:
         client, server = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        _sys.refuse_rights(client, server)   # no fd crosses between the pods, as none does over TCP
+        kernel_sockets.refuse_rights(client, server)   # no fd crosses between the pods, as none does over TCP
         with server:
             if self.deliver(dst, src, server, self.name, False):
                 return client
