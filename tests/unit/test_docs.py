@@ -152,3 +152,17 @@ def test_every_section_of_the_host_config_is_in_the_cli_page():
     page = CLI_PAGE.read_text()
     missing = [s for s in hostconfig.SECTIONS if f"| `{s}" not in page]
     assert not missing, f"docs/cli.md's /etc/quark/config.yaml table misses: {missing}"
+
+
+def test_code_comments_point_to_measurements_instead_of_stating_them():
+    """A docstring or comment names where a figure is measured (bench/README.md), so the code
+    never carries a ratio or a dated figure that goes stale."""
+    pattern = re.compile(r"\b\d+\.\d+x\b|\b20\d\d-\d\d-\d\d\b")
+    found = []
+    for pkg in ("qvisor", "qkernel", "tsor", "shim", "cni", "qlib", "deploy"):
+        for path in sorted((ROOT / pkg).rglob("*")):
+            if path.suffix in (".py", ".c", ".yaml", ".toml") and "pb" not in path.parts:
+                for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                    if pattern.search(line):
+                        found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "figures in code; point to bench/README.md instead:\n" + "\n".join(found)
