@@ -61,8 +61,23 @@ static const int forwarded[] = {SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUS
 
 static const char *python_program = QUARK_PY;
 
+/* Signal forwarding for `run` (cli.forwards_signals): caught from the start, as runc's run catches
+ * them before it creates anything; until the worker's pid is known they wait in `pending`, then
+ * each goes to the worker through its pidfd (no reused pid can get one). */
+static int forwarding;
+static volatile sig_atomic_t worker_pidfd = -1;
+static volatile sig_atomic_t pending;   /* bit N: signal N came before the worker's pid */
+
 static void run_python(char **argv)
 {
+    if (forwarding) {   /* the CLI forwards for itself: back to the defaults, then what waited */
+        struct sigaction dfl = {.sa_handler = SIG_DFL};
+        for (const int *sig = forwarded; *sig; sig++)
+            sigaction(*sig, &dfl, NULL);
+        for (const int *sig = forwarded; *sig; sig++)
+            if (pending & (1 << *sig))
+                raise(*sig);
+    }
     execv(python_program, argv);
     fprintf(stderr, "quark: cannot run %s: %s\n", python_program, strerror(errno));
     _exit(127);
@@ -107,11 +122,6 @@ static int put_count(long n)
     snprintf(tmp, sizeof tmp, "%ld", n);
     return put(tmp);
 }
-
-/* Signal forwarding for `run` (cli.forwards_signals): until the worker's pid is known, the signals
- * wait in `pending`; then each goes to the worker through its pidfd (no reused pid can get one). */
-static volatile sig_atomic_t worker_pidfd = -1;
-static volatile sig_atomic_t pending;   /* bit N: signal N came before the worker's pid */
 
 static void forward(int sig)
 {
@@ -277,6 +287,9 @@ int main(int argc, char **argv)
     }
     if ((off && strcmp(off, "0") == 0) || !verb)
         run_python(argv);
+    forwarding = !is_shim && strcmp(verb, "run") == 0;   /* cli.forwards_signals */
+    if (forwarding)
+        forward_signals();
     if (!is_shim && strcmp(verb, "start") == 0) {
         int code = direct_start(argc, argv);
         if (code >= 0)
@@ -314,9 +327,6 @@ int main(int argc, char **argv)
     int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (s < 0 || connect(s, (struct sockaddr *)&addr, sizeof addr) < 0)
         run_python(argv);   /* no factory: the Python CLI runs the verb (and a create starts one) */
-    int forwarding = !is_shim && strcmp(verb, "run") == 0;   /* cli.forwards_signals */
-    if (forwarding)
-        forward_signals();
     int cwd = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (cwd < 0)
         run_python(argv);
@@ -353,14 +363,6 @@ int main(int argc, char **argv)
     }
     if ((n > 0 && reply[0] == 'F') || (n < 0 && errno == ECONNRESET)) {
         close(s);
-        if (forwarding) {   /* the CLI forwards for itself: back to the defaults, and what waited */
-            struct sigaction dfl = {.sa_handler = SIG_DFL};
-            for (const int *sig = forwarded; *sig; sig++)
-                sigaction(*sig, &dfl, NULL);
-            for (const int *sig = forwarded; *sig; sig++)
-                if (pending & (1 << *sig))
-                    raise(*sig);
-        }
         run_python(argv);   /* declined, or the factory exited with the request still queued */
     }
     if (n > 1 && reply[0] == 'X') {

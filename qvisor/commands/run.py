@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     process = load_spec(os.path.abspath(args.bundle)).process
     terminal = bool(process and process.terminal)
     own_console = terminal and not args.console_socket and not args.detach
+    forwarder = None if args.detach else _Forwarder(args.root, args.id)   # before anything is made, as runc
     with (console.console_socket() if own_console else contextlib.nullcontext((args.console_socket, None))) as (path, listener):
         st = container.create(args.root, args.id, args.bundle, pid_file=args.pid_file, console_socket=path,
                               platform=args.platform, log_file=args.log, preserve_fds=args.preserve_fds,
@@ -55,10 +56,9 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         container.delete(args.root, args.id, force=True)
         raise
-    if args.detach:
+    if forwarder is None:
         return 0
-    for sig in FORWARDED:
-        signal.signal(sig, lambda s, _f: _forward(args.root, args.id, s))
+    forwarder.started()
     if master >= 0:
         console.proxy(master)
         os.close(master)
@@ -75,6 +75,29 @@ def _hibernate_when_ready(args: argparse.Namespace, cond) -> None:
     info = container.hibernate(args.root, args.id, reason="ready")
     print(f"{args.id}: ready after {took:.2f}s, hibernated: memory {info['warm_bytes'] / 2**20:.1f} MiB -> "
           f"{info['held_bytes'] / 2**20:.1f} MiB", file=sys.stderr)
+
+
+class _Forwarder:
+    """The signals `run` forwards, caught from before the container exists (as runc's handler is):
+    one that comes before the container's process has started waits, then follows it, in order;
+    none kills the `run` half way through a create."""
+
+    def __init__(self, root: str, cid: str) -> None:
+        self.root, self.cid = root, cid
+        self.waiting: list[int] | None = []   # None once the container has started
+        for sig in FORWARDED:
+            signal.signal(sig, self._caught)
+
+    def _caught(self, sig: int, _frame) -> None:
+        if self.waiting is None:
+            _forward(self.root, self.cid, sig)
+        else:
+            self.waiting.append(sig)
+
+    def started(self) -> None:
+        waiting, self.waiting = self.waiting or [], None
+        for sig in waiting:
+            _forward(self.root, self.cid, sig)
 
 
 def _forward(root: str, cid: str, sig: int) -> None:

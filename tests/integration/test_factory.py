@@ -538,3 +538,23 @@ def test_a_foreground_run_in_the_factory_proxies_its_terminal(served, quark, bun
     assert b"/dev/pts/0" in seen and b"got:typed" in seen, seen
     assert "tty" not in quark.ids()
     assert "declined" not in _log(tmp_path)
+
+
+def test_a_signal_before_the_container_runs_does_not_cut_the_run_short(served, quark, bundle, tmp_path):
+    """A signal `run` forwards that comes while the container is still being made (as soon as its
+    state directory exists) neither kills the front end nor the worker half way through a create:
+    it waits and goes to the container's process once it has started, as runc's run does. The init
+    is `sleep`, pid 1 of its namespace, which a SIGTERM without a handler leaves running; SIGKILL
+    through `quark kill` ends it. (A signal before the front end has run a line kills it, as one
+    before runc has set up its handler kills runc.)"""
+    where, proc, env = served
+    p = _front_end_run(env, quark.root, bundle(["sleep", "100"]), "early", stderr=subprocess.PIPE)
+    assert _until(lambda: os.path.isdir(os.path.join(quark.root, "early")), timeout=10)
+    p.send_signal(signal.SIGTERM)
+    assert _until(lambda: "early" in quark.ids() and quark.state("early")["status"] == "running"), _log(tmp_path)
+    time.sleep(0.3)
+    assert p.poll() is None   # still running its container
+    quark("kill", "early", "KILL")
+    _, err = p.communicate(timeout=10)
+    assert (p.returncode, err) == (128 + signal.SIGKILL, b"")
+    assert "early" not in quark.ids()
