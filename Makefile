@@ -8,8 +8,8 @@ APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf
 	redis-server redis-tools python3-venv python3-dev python3-seccomp python3-pyverbs \
 	iproute2 gcc libc6-dev procps util-linux wrk libibverbs-dev clang libbpf-dev libbpf1
 
-.PHONY: install apt venv links bytecode fastpath rdma-pump bpf frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
-install: apt venv links fastpath rdma-pump bpf
+.PHONY: install apt kubectl venv links bytecode fastpath rdma-pump bpf frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
+install: apt kubectl venv links fastpath rdma-pump bpf
 
 apt:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
@@ -17,6 +17,11 @@ apt:
 		echo "installing system packages:" $$missing; \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
 	fi
+
+# kubectl, for tests/unit/test_deploy.py's `kubectl kustomize deploy/`: Debian's kubernetes-client,
+# unless the machine has a kubectl already (another package's /usr/bin/kubectl would conflict)
+kubectl:
+	@command -v kubectl >/dev/null || $(MAKE) --no-print-directory apt APT_PACKAGES=kubernetes-client
 
 venv: $(VENV)/.installed
 
@@ -42,8 +47,8 @@ tsor/bpf/%.bpf.o: tsor/bpf/%.bpf.c
 	clang -O2 -g -Wall -Wextra -target bpf -I/usr/include/$$(gcc -print-multiarch) -c $< -o $@
 
 # The `quark` and `containerd-shim-quark-v1` on PATH (qvisor/frontend.c, one program; build/bin has
-# both names): hands the hot verbs and the shim's start to the sandbox factory in well under a
-# millisecond, and execs the Python console scripts beside it for everything else
+# both names): hands the hot verbs and the shim's start to the sandbox factory, and execs the
+# Python console scripts beside it for everything else
 frontend: qvisor/_quark build/bin/quark build/bin/containerd-shim-quark-v1
 qvisor/_quark: qvisor/frontend.c Makefile
 	gcc -O2 -Wall -Wextra -DQUARK_PY='"$(CURDIR)/$(VENV)/bin/quark"' \
@@ -53,7 +58,7 @@ build/bin/quark build/bin/containerd-shim-quark-v1: qvisor/_quark
 	ln -sfn ../../qvisor/_quark $@
 
 # editable_mode=compat: a plain path entry in a .pth file; the default import-hook finder costs
-# ~9 ms at every start of `quark`, and `quark` starts four times per container.
+# milliseconds at every start of the Python `quark` (bench/README.md, "Start-up and supervisor memory").
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip

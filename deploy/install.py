@@ -188,14 +188,26 @@ def with_import(text: str, path: str) -> str:
     return text[:at] + f'imports = ["{IMPORTS_GLOB}"]\n' + text[at:]
 
 
-def label_node(node: str) -> None:
-    """quark.io/runtime=true on this node, through the API server (the pod's service account)."""
-    from kubernetes import client, config
+def label_node(node: str, kubeconfig: str | None = None) -> None:
+    """quark.io/runtime=true on this node, through the API server: the pod's service account, or
+    `kubeconfig` (an installer run by hand, the tests' API stand-in)."""
+    what = f"labelling node {node} {NODE_LABEL[0]}={NODE_LABEL[1]}"
     try:
-        config.load_incluster_config()
-        client.CoreV1Api().patch_node(node, {"metadata": {"labels": {NODE_LABEL[0]: NODE_LABEL[1]}}})
-    except Exception as e:   # noqa: BLE001 — the client's errors have no common base; say which step failed
-        raise InstallError(f"labelling node {node} {NODE_LABEL[0]}={NODE_LABEL[1]}: {e}") from None
+        from kubernetes import client, config
+    except ImportError:
+        raise InstallError(f"{what}: the kubernetes client is not installed in {sys.executable}'s "
+                           "environment (the image's venv has it: run the installer with it)") from None
+    try:
+        if kubeconfig:
+            api = client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
+        else:
+            config.load_incluster_config()
+            api = client.CoreV1Api()
+        api.patch_node(node, {"metadata": {"labels": {NODE_LABEL[0]: NODE_LABEL[1]}}})
+    except client.ApiException as e:   # the API server's answer: its status and reason, not a dump
+        raise InstallError(f"{what}: the API server answered {e.status} {e.reason}") from None
+    except Exception as e:   # noqa: BLE001 — config and connection errors have no common base
+        raise InstallError(f"{what}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,13 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p.add_argument("--config", default=None, help="a directory with tsor.yaml and tsor-secret (ConfigMap/Secret)")
     p.add_argument("--node", default=os.environ.get("NODE_NAME"), help="label this node (default: $NODE_NAME)")
+    p.add_argument("--kubeconfig", default=None,
+                   help="reach the API server with this kubeconfig (default: the pod's service account)")
     p.add_argument("--dry-run", action="store_true", help="print host commands instead of running them")
     args = p.parse_args(argv)
     inst = Installer(args.host_root, args.source, args.config, args.dry_run)
     try:
         inst.run()
         if args.node and not args.dry_run:
-            label_node(args.node)
+            label_node(args.node, args.kubeconfig)
     except (InstallError, OSError) as e:
         print(f"quark-install: {e}", file=sys.stderr)
         return 1

@@ -268,6 +268,30 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True   # the client went away (or the test cut it): nothing to say
 
+    def do_PATCH(self) -> None:
+        """A merge patch (or a strategic merge patch: the same for maps such as metadata.labels)
+        of one object: PATCH COLLECTION/NAME. 404 for an object it does not hold, 415 for a JSON
+        patch (a list of operations), which nothing of quark's sends."""
+        url = urlsplit(self.path)
+        collection, _, name = url.path.rpartition("/")
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        with self.fake.cond:
+            kind = next((k for k, (path, _, _) in self.fake.collections.items() if path == collection), None)
+            self.fake.requests.append((f"PATCH {kind or collection}", {"name": name}))
+            forbidden = kind in self.fake.forbidden
+            current = self.fake.objects[kind].get(("", name)) if kind else None
+        ctype = self.headers.get("Content-Type", "")
+        if kind is None or current is None:
+            return self._json(404, _status(404, "NotFound", f"{url.path}: no such object in the stand-in"))
+        if forbidden:
+            return self._json(403, _status(403, "Forbidden", f"{url.path}: forbidden by the stand-in"))
+        if ctype not in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
+            return self._json(415, _status(415, "UnsupportedMediaType", f"{ctype}: the stand-in merges patches only"))
+        self.fake.put(kind, _merge(current, json.loads(body)))   # (watchers see MODIFIED)
+        with self.fake.cond:
+            patched = self.fake.objects[kind][("", name)]
+        self._json(200, patched)
+
     def _discovery(self, path: str) -> dict | None:
         """/apis (APIGroupList) or /apis/GROUP/VERSION (APIResourceList); None for any other path."""
         resources = self.fake.resources
@@ -373,6 +397,19 @@ class _Handler(BaseHTTPRequestHandler):
     def _end(self) -> None:
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
+
+
+def _merge(target: object, patch: object) -> object:
+    """RFC 7386 JSON merge patch: maps merge key by key, null removes, anything else replaces."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = _merge(out.get(k), v)
+    return out
 
 
 def write_kubeconfig(path: str, server: str) -> str:

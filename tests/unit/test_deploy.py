@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -25,6 +27,74 @@ MODEL = {("v1", "Namespace"): "V1Namespace", ("v1", "ServiceAccount"): "V1Servic
          ("node.k8s.io/v1", "RuntimeClass"): "V1RuntimeClass",
          ("rbac.authorization.k8s.io/v1", "ClusterRole"): "V1ClusterRole",
          ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): "V1ClusterRoleBinding"}
+
+
+# The API server takes a number where a quantity is due (resources, overhead): the client types
+# those maps dict(str, str)
+_QUANTITY_MAPS = {"limits", "requests", "podFixed"}
+
+
+def strict_errors(doc: dict) -> list[str]:
+    """What the API server would refuse in one manifest, by the client's model metadata walked
+    field by field (no network): an unknown field, a value of the wrong type, a required field
+    missing. The client's own deserialiser ignores unknown fields and turns numbers into strings."""
+    errors: list[str] = []
+    model = MODEL.get((doc.get("apiVersion"), doc.get("kind")))
+    if model is None:
+        return [f"{doc.get('apiVersion')}/{doc.get('kind')}: not a kind these tests know"]
+    _walk(doc, model, doc["kind"], errors, quantity=False)
+    try:
+        kubernetes.client.ApiClient()._ApiClient__deserialize(doc, model)
+    except ValueError as e:   # the models' required fields (client-side validation)
+        errors.append(f"{doc['kind']}: {e}")
+    return errors
+
+
+def _walk(value: object, type_name: str, where: str, errors: list[str], quantity: bool) -> None:
+    if type_name.startswith(("list[", "List[")):
+        if not isinstance(value, list):
+            return errors.append(f"{where}: a list is due, not {type(value).__name__}")
+        for i, item in enumerate(value):
+            _walk(item, type_name[5:-1], f"{where}[{i}]", errors, quantity)
+    elif type_name.startswith(("dict(", "Dict[")):
+        if not isinstance(value, dict):
+            return errors.append(f"{where}: a map is due, not {type(value).__name__}")
+        inner = type_name[type_name.index(",") + 1:-1].strip()
+        for k, item in value.items():
+            _walk(item, inner, f"{where}.{k}", errors, quantity)
+    elif type_name == "object":
+        pass   # IntOrString and free-form fields: any JSON value
+    elif type_name in ("str", "datetime", "bytes"):
+        if not (isinstance(value, str) or quantity and isinstance(value, (int, float)) and not isinstance(value, bool)):
+            errors.append(f"{where}: a string is due, not {type(value).__name__} {value!r}")
+    elif type_name == "int":
+        if not isinstance(value, int) or isinstance(value, bool):
+            errors.append(f"{where}: an integer is due, not {type(value).__name__} {value!r}")
+    elif type_name == "bool":
+        if not isinstance(value, bool):
+            errors.append(f"{where}: true or false is due, not {type(value).__name__} {value!r}")
+    elif type_name == "float":
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            errors.append(f"{where}: a number is due, not {type(value).__name__} {value!r}")
+    else:   # one of the client's models: every key must be one of its fields
+        klass = getattr(kubernetes.client.models, type_name)
+        if not isinstance(value, dict):
+            return errors.append(f"{where}: an object ({type_name}) is due, not {type(value).__name__}")
+        by_key = {key: attr for attr, key in klass.attribute_map.items()}
+        fields = getattr(klass, "model_fields", {})   # the client's models are pydantic's
+        errors.extend(f"{where}: required field {klass.attribute_map[attr]!r} missing"
+                      for attr, field in fields.items() if field.is_required() and klass.attribute_map[attr] not in value)
+        for key, item in value.items():
+            if key not in by_key:
+                errors.append(f"{where}: unknown field {key!r} ({type_name} has no such field)")
+                continue
+            _walk(item, klass.openapi_types[by_key[key]], f"{where}.{key}", errors, key in _QUANTITY_MAPS)
+
+
+def _documents() -> list[tuple[str, dict]]:
+    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    return [(name, doc) for name in kustomization["resources"]
+            for doc in yaml.safe_load_all((DEPLOY / name).read_text())]
 
 
 def manifests() -> dict[str, object]:
@@ -48,6 +118,45 @@ def test_every_manifest_is_listed_and_loads():
     assert {"RuntimeClass/quark", "DaemonSet/quark-node", "ClusterRole/quark-node",
             "ClusterRoleBinding/quark-node", "ServiceAccount/quark-node", "ConfigMap/quark-tsor",
             "Namespace/quark-system"} <= set(objs)
+
+
+def test_every_manifest_holds_to_the_api_schema_strictly():
+    errors = [f"{name}: {e}" for name, doc in _documents() for e in strict_errors(doc)]
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda d: d.__setitem__("overheed", d.pop("overhead")), "unknown field 'overheed'"),
+    (lambda d: d["scheduling"].__setitem__("nodeSelectr", {}), "unknown field 'nodeSelectr'"),
+    (lambda d: d.__setitem__("handler", 7), "a string is due"),
+    (lambda d: d.pop("handler"), "required field 'handler' missing"),
+], ids=["misspelt top-level field", "misspelt nested field", "wrong type", "missing required field"])
+def test_the_schema_check_refuses_what_the_api_server_would(mutate, expected):
+    doc = next(d for _, d in _documents() if d["kind"] == "RuntimeClass")
+    assert not strict_errors(doc)
+    mutate(doc)
+    assert any(expected in e for e in strict_errors(doc)), strict_errors(doc)
+
+
+def test_the_schema_check_reaches_into_the_pod_template():
+    doc = next(d for _, d in _documents() if d["kind"] == "DaemonSet")
+    container = doc["spec"]["template"]["spec"]["initContainers"][0]
+    container["securityContext"]["privilegd"] = True
+    container["volumeMounts"][0]["readOnly"] = "yes"
+    del container["name"]
+    errors = "\n".join(strict_errors(doc))
+    assert "securityContext: unknown field 'privilegd'" in errors, errors
+    assert "volumeMounts[0].readOnly: true or false is due" in errors, errors
+    assert "initContainers[0]: required field 'name' missing" in errors, errors
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None,
+                    reason="kubectl (Debian's kubernetes-client; make install installs it) is not installed")
+def test_kubectl_kustomize_builds_the_same_objects():
+    out = subprocess.run(["kubectl", "kustomize", str(DEPLOY)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    built = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out.stdout) if d}
+    assert built == {(d["kind"], d["metadata"]["name"]) for _, d in _documents()}
 
 
 def test_runtimeclass_names_the_handler_containerd_registers():
@@ -160,3 +269,50 @@ def test_containerd_config_it_cannot_edit_is_refused_by_name():
         install.with_import("version = = 2", "config.toml")
     with pytest.raises(install.InstallError, match="by hand"):
         install.with_import('imports = [\n  "/a.toml",\n]\n', "config.toml")
+
+
+@pytest.fixture
+def kube(tmp_path):
+    from tests.support import fake_kube_api as k8s
+    api = k8s.FakeKubeAPI()
+    node = k8s.node("node-a", "10.99.0.1", ["10.1.0.0/24"])
+    node["metadata"]["labels"] = {"kubernetes.io/hostname": "node-a"}
+    api.put("nodes", node)
+    yield api, k8s.write_kubeconfig(str(tmp_path / "kubeconfig"), api.url)
+    api.stop()
+
+
+def test_label_node_patches_the_node_through_the_api(kube):
+    """The installer labels its node quark.io/runtime=true (the RuntimeClass schedules onto that
+    label) with a merge patch of its labels, keeping the others; again is the same."""
+    api, kubeconfig = kube
+    for _ in range(2):
+        install.label_node("node-a", kubeconfig)
+        labels = api.objects["nodes"][("", "node-a")]["metadata"]["labels"]
+        assert labels == {"kubernetes.io/hostname": "node-a", install.NODE_LABEL[0]: install.NODE_LABEL[1]}
+    assert [r for r, q in api.requests if r.startswith("PATCH")] == ["PATCH nodes", "PATCH nodes"]
+
+
+def test_label_node_says_what_the_api_server_answered(kube):
+    """A node the API server does not know, or RBAC that does not allow the patch: one line naming
+    the node, the label and the server's answer (no client exception dump)."""
+    api, kubeconfig = kube
+    what = f"labelling node node-x {install.NODE_LABEL[0]}={install.NODE_LABEL[1]}"
+    with pytest.raises(install.InstallError) as e:
+        install.label_node("node-x", kubeconfig)
+    assert str(e.value) == f"{what}: the API server answered 404 Not Found"
+    api.forbid("nodes")
+    with pytest.raises(install.InstallError) as e:
+        install.label_node("node-a", kubeconfig)
+    assert str(e.value) == f"{what.replace('node-x', 'node-a')}: the API server answered 403 Forbidden"
+    assert install.NODE_LABEL[0] not in api.objects["nodes"][("", "node-a")]["metadata"]["labels"]
+
+
+def test_the_installer_runs_with_the_image_venv_which_has_the_kubernetes_client():
+    """label_node imports the kubernetes client, which the image installs into its venv only (the
+    system python3 has none): the init container must run the installer with that venv."""
+    ds = manifests()["DaemonSet/quark-node"]
+    init = ds.spec.template.spec.init_containers[0]
+    assert init.command[:2] == ["/quark-src/.venv/bin/python", "/quark-src/deploy/install.py"]
+    assert "make -C /quark-src venv" in (DEPLOY / "Dockerfile").read_text()
+    assert "'.[test,k8s]'" in (REPO / "Makefile").read_text()   # the venv target's extras
