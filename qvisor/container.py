@@ -181,7 +181,7 @@ def supervise_handed_over(data: bytes, fds: list[int]) -> None:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write(context["oom_score_adj"])
         context["sched"].apply()   # the worker's, which it took on from its caller
-        caller.join_cgroups(context["cgroup"])
+        cgroups.join(context["cgroup"])
         try:
             L.set_cmdline(context["cmdline"], context["env"])
         except OSError:   # cosmetic (ps), as in the worker

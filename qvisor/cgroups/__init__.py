@@ -12,9 +12,9 @@ import posixpath
 
 from qlib import cgroupfs
 from qlib.errors import SetupError
-from qvisor.cgroups.base import CGROUP_ROOT, Cgroup, read, read_int, read_kv, start_move_grace_period
+from qvisor.cgroups.base import CGROUP_ROOT, Cgroup, join, read, read_int, read_kv, start_move_grace_period
 
-__all__ = ["CGROUP_ROOT", "Cgroup", "default_path", "detect", "open_cgroup", "read", "read_int", "read_kv",
+__all__ = ["CGROUP_ROOT", "Cgroup", "default_path", "detect", "join", "open_cgroup", "read", "read_int", "read_kv",
            "start_move_grace_period"]
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import posixpath
 import signal
 import threading
 import time
@@ -126,16 +125,45 @@ def start_move_grace_period() -> threading.Thread:
 def _move_to_where_i_am() -> None:
     try:
         with open("/proc/self/cgroup") as f:
-            hid, ctrls, path = f.readline().rstrip("\n").split(":", 2)
-        want = {""} if not ctrls else set(ctrls.split(","))
-        for m in procfs.mountinfo():
-            opts = {""} if m.fstype == "cgroup2" else set(m.super_options.split(","))
-            if m.fstype in ("cgroup", "cgroup2") and m.root == "/" and want <= opts:
-                with open(os.path.join(m.mount_point + path, "cgroup.procs"), "w") as f:
-                    f.write(str(os.getpid()))
-                return
+            dirs = dirs_of(f.readline())   # one hierarchy is enough: the lock is the kernel's, for all
+        if dirs:
+            with open(os.path.join(dirs[0], "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
     except (OSError, ValueError):
         pass
+
+
+def dirs_of(text: str) -> list[str]:
+    """The directories a /proc/PID/cgroup text names, in the hierarchies mounted at their root:
+    a v1 controller's (or name=) line, and the unified hierarchy's."""
+    # (controllers or name=, or {""} for v2) and mount point of each hierarchy mounted at its root
+    mounts = [({""} if m.fstype == "cgroup2" else set(m.super_options.split(",")), m.mount_point)
+              for m in procfs.mountinfo() if m.fstype in ("cgroup", "cgroup2") and m.root == "/"]
+    dirs = []
+    for line in text.splitlines():
+        _hid, ctrls, path = line.split(":", 2)
+        want = set(ctrls.split(",")) if ctrls else {""}
+        mnt = next((mnt for opts, mnt in mounts if want <= opts), None)   # the first: a hierarchy before its bind mounts
+        if mnt is not None:
+            dirs.append(mnt + path)
+    return dirs
+
+
+def join(text: str) -> None:
+    """Move this process into the cgroups a /proc/PID/cgroup text names, in every hierarchy."""
+    with open("/proc/self/cgroup") as f:
+        if f.read() == text:
+            # where it is already (the usual case for a factory worker): a move waits for an RCU
+            # grace period (start_move_grace_period)
+            return
+    me = str(os.getpid())
+    for d in dirs_of(text):
+        try:
+            with open(os.path.join(d, "cgroup.procs"), "w") as f:
+                f.write(me)
+        except OSError as e:
+            if e.errno != errno.ENOENT:   # a hierarchy that vanished meanwhile
+                raise
 
 
 def settle(done: Callable[[], bool], what: str, timeout: float = 5.0) -> Iterator[float]:

@@ -4,13 +4,13 @@ worker, taking on what fork would have given a process the caller started — st
 environment, umask, rlimits, oom_score_adj, scheduling attributes, cgroups, command line."""
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import resource
 
 from qlib import linux as L
 from qlib import procfs, sched
+from qvisor import cgroups
 
 log = logging.getLogger("quark.factory")
 
@@ -71,36 +71,11 @@ def adopt(caller: int, fds: list[int], env: dict[str, str], umask: int, cmdline:
     sched.Scheduling.of(caller).apply()
     if join_cgroups_too:   # a create's supervisor (the shim's server) lives where the caller's processes live
         with open(f"/proc/{caller}/cgroup") as f:
-            join_cgroups(f.read())
+            cgroups.join(f.read())
     try:
         L.set_cmdline(cmdline, env)
     except OSError as e:   # cosmetic (ps); a kernel without PR_SET_MM_MAP
         log.debug("cmdline not set: %s", e)
-
-
-def join_cgroups(theirs: str) -> None:
-    """Move this process into the cgroups a /proc/PID/cgroup text names, in every hierarchy."""
-    with open("/proc/self/cgroup") as f:
-        if f.read() == theirs:
-            # where the caller is already (the usual case): a move is slow on v1
-            # (bench/README.md, "Start-up and supervisor memory")
-            return
-    # (controllers or name=, or {""} for v2) and mount point of each hierarchy mounted at its root
-    mounts = [({""} if m.fstype == "cgroup2" else set(m.super_options.split(",")), m.mount_point)
-              for m in procfs.mountinfo() if m.fstype in ("cgroup", "cgroup2") and m.root == "/"]
-    me = str(os.getpid())
-    for line in theirs.splitlines():
-        _hid, ctrls, path = line.split(":", 2)
-        want = set(ctrls.split(",")) if ctrls else {""}
-        for opts, mnt in mounts:
-            if want <= opts:
-                try:
-                    with open(os.path.join(mnt + path, "cgroup.procs"), "w") as f:
-                        f.write(me)
-                except OSError as e:
-                    if e.errno != errno.ENOENT:   # a hierarchy that vanished meanwhile
-                        raise
-                break
 
 
 def _namespaces(pid: int | str) -> tuple:
