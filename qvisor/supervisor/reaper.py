@@ -176,7 +176,8 @@ class ReaperMixin:
 
     def _exited(self, pid: int, code: int) -> None:
         at = now_rfc3339()
-        if self.init is not None and pid == self.init.pid:
+        init = self.init is not None and pid == self.init.pid
+        if init:
             log.info("init %d exited with %d", pid, code)
             self._drain_child(self.init)  # its last words (an error) come before the exit
             if self.ready_fd >= 0:
@@ -187,10 +188,6 @@ class ReaperMixin:
             self._hibernation_over()
             if self.pending_start is not None:
                 self._start_done(QuarkError(f"container process exited with status {code} before it started"))
-            for conn in self.waiters.pop(pid, []):   # first: `run` deletes the container next, which
-                self._reply(conn, _exit_reply(pid, code, at))   # kills what is left anyway
-            # processes left in a container that shares the host pid namespace die with its init
-            self._kill_rest()
         elif pid in self.execs and self.execs[pid].pid == pid:
             ex = self.execs.pop(pid)
             self._drain_child(ex)
@@ -220,6 +217,10 @@ class ReaperMixin:
                 return self._exited(pid, code)
         for conn in self.waiters.pop(pid, []):
             self._reply(conn, _exit_reply(pid, code, at))
+        if init:
+            # processes left in a container that shares the host pid namespace die with its init;
+            # after the waiters' answers: `run` deletes the container next, which kills them anyway
+            self._kill_rest()
 
     def _keep_exit(self, pid: int, code: int, at: str) -> None:
         """Keep an exec'd process's exit for the wait still to come, at most MAX_KEPT_EXITS."""
