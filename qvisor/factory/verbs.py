@@ -27,14 +27,14 @@ def adopts_cgroups(argv: list[str]) -> bool:
 
 
 def warm() -> None:
-    for verb in cli.SERVED | {"run"}:
+    for verb in cli.SERVED:
         importlib.import_module(f"qvisor.commands.{cli.COMMANDS[verb][0]}")
     for name in _SUPERVISOR_MODULES:
         try:
             importlib.import_module(name)
         except ImportError as e:   # optional parts (libseccomp's bindings): the worker imports on use
             log.info("not preloaded: %s (%s)", name, e)
-    for verb in cli.SERVED | {"run"}:
+    for verb in cli.SERVED:
         cli.build_parser(verb)   # cached: a worker only parses
     # a supervisor's first filter build pays libseccomp's and the table's set-up: pay it here once
     try:
