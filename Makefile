@@ -6,9 +6,10 @@ PY := $(VENV)/bin/python
 # and python3-pyverbs import into the venv because it is made with --system-site-packages.
 APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf3 \
 	redis-server redis-tools python3-venv python3-dev python3-seccomp python3-pyverbs \
-	iproute2 gcc libc6-dev procps util-linux wrk libibverbs-dev clang libbpf-dev libbpf1
+	iproute2 gcc libc6-dev procps util-linux wrk libibverbs-dev clang libbpf-dev libbpf1 \
+	patchelf mmdebstrap
 
-.PHONY: install apt kubectl venv links bytecode fastpath rdma-pump bpf frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
+.PHONY: install apt kubectl payload node-root venv links bytecode fastpath rdma-pump bpf frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
 install: apt kubectl venv links fastpath rdma-pump bpf
 
 apt:
@@ -24,6 +25,19 @@ kubectl:
 	@command -v kubectl >/dev/null || $(MAKE) --no-print-directory apt APT_PACKAGES=kubernetes-client
 
 venv: $(VENV)/.installed
+
+# A fresh node's root for tests/integration/test_node_install.py: Debian with containerd, runc, the
+# CNI plugins and iproute2, no Python (mmdebstrap from Debian's archive; a tarball under
+# /var/cache/quark-node, made once: tests/support/fresh_node.py)
+node-root: apt venv
+	@$(PY) -m tests.support.fresh_node --build >/dev/null
+
+# The node payload deploy/install.py copies to /opt/quark (deploy/payload.py): quark with its own
+# Python and libraries, for nodes with no Python and no package manager run on them; PAYLOAD=DIR
+# builds it elsewhere (the image builds it at /opt/quark itself)
+PAYLOAD := build/payload
+payload: venv fastpath bpf
+	$(PY) deploy/payload.py $(PAYLOAD)
 
 # QKernel's compiled fast path (qkernel/fastpath.c, loaded with ctypes): without it every trapped
 # call goes through Python (same answers, slower); a stale one is not loaded
@@ -81,7 +95,7 @@ demo: install
 
 # the host's suite, then the cgroup v2 lane (a qemu guest, about 4 minutes; see test-cgroup2), then
 # the RDMA lane's short subset on soft-RoCE (tests/vm/lane.py's RDMA_SMOKE; `make test-rdma`: all of it)
-test: install vm-deps
+test: install vm-deps node-root
 	$(VENV)/bin/pytest -q -ra tests
 	$(PY) -m tests.vm.lane
 	$(PY) -m tests.vm.lane --rdma --smoke

@@ -1,46 +1,79 @@
-"""Installs quark on a Kubernetes node, from the DaemonSet's init container (deploy/daemonset.yaml).
+"""Installs quark on a Kubernetes node, and takes it off again (--uninstall). Run by the DaemonSet's
+init container (deploy/daemonset.yaml), by the cleanup DaemonSet (deploy/cleanup/), or by hand.
 
 The container sees the host's directories under --host-root (hostPath volumes; HOST_DIRS below is
-the list the DaemonSet mounts, and a test holds the two together). It
+the list the DaemonSet mounts, and a test holds the two together). Nothing is installed with a
+package manager and nothing runs on the host but the containerd restart. It
 
-1. copies the quark source tree into /opt/quark/src on the host (only files that changed);
-2. runs `make install` there *on the host* (nsenter into pid 1's namespaces): the project's own
-   installer — Debian packages, the venv, the C front end, and the links /usr/local/bin/quark,
-   containerd-shim-quark-v1 and tsord;
-3. links quark-cni into the CNI bin dir containerd uses (its config's cri.cni.bin_dir, else
-   /opt/cni/bin);
-4. writes /etc/containerd/conf.d/quark.toml (deploy/containerd/quark.toml) and makes
-   /etc/containerd/config.toml import conf.d (adding the `imports` line, keeping the rest);
+1. copies the node payload (deploy/payload.py: quark, its own Python and libraries) to /opt/quark,
+   only the files that changed, each replaced by a rename (running programs keep theirs);
+2. links quark-cni into the CNI bin dir containerd uses (its config's cri.cni.bin_dir), and
+   containerd-shim-quark-v1 into /usr/local/bin (containerd 1.6 looks for a CRI runtime's shim on
+   its PATH only: the CRI's runtime_path is not used for it);
+3. adds quark's runtimes (deploy/containerd/quark.toml, pointed at /opt/quark) to the end of
+   /etc/containerd/config.toml, between two marker lines, keeping the rest. Not a drop-in under
+   conf.d: containerd 1.6 merges an imported file plugin by plugin, so a drop-in's CRI section
+   replaces the node's whole CRI configuration (its CNI directories, its runc: the fresh-node
+   test saw containerd refuse to start its CRI);
+4. chains quark-cni into the node's network: appended to the plugins of the conflist containerd
+   uses (the first in its cri.cni.conf_dir), the original kept for --uninstall;
 5. writes /etc/quark/tsor.yaml and the cluster secret (0600) from the mounted ConfigMap/Secret;
-6. restarts containerd on the host when its configuration changed, and only then;
+6. restarts containerd when its configuration changed, and only then (--restart-containerd, run in
+   the host's namespaces through nsenter);
 7. labels the node `quark.io/runtime=true` (the RuntimeClass schedules quark pods there).
 
-Each step is idempotent: a second run changes nothing and restarts nothing. `--dry-run` does the
-file work under --host-root and prints the host commands instead of running them.
+What it wrote and what was there before is kept in /opt/quark/install-state.json. --uninstall puts
+each file back (a file changed since by someone else is left as it is, and said), removes
+/opt/quark and the directories it made, restarts containerd if its configuration changed, and
+takes the label off. It refuses while quark still runs on the node. Each run is idempotent: a
+second changes nothing and restarts nothing. --dry-run does the file work under --host-root and prints the host commands
+instead of running them.
 """
 from __future__ import annotations
 
 import argparse
-import filecmp
+import json
 import os
-import re
+import shlex
 import shutil
+import signal
+import stat
 import subprocess
 import sys
+import time
 import tomllib
+from collections.abc import Callable
 
-SOURCE_DIRS = ("qlib", "qvisor", "qkernel", "tsor", "shim", "cni", "deploy")
-SOURCE_FILES = ("Makefile", "pyproject.toml", "README.md", "SECURITY.md")
 QUARK_HOME = "/opt/quark"
+STATE = f"{QUARK_HOME}/install-state.json"
 CONTAINERD_DIR = "/etc/containerd"
+CONTAINERD_CONFIG = f"{CONTAINERD_DIR}/config.toml"
 QUARK_ETC = "/etc/quark"
 CNI_BIN_DEFAULT = "/opt/cni/bin"
 CNI_BIN_DEBIAN = "/usr/lib/cni"
+CNI_CONF_DEFAULT = "/etc/cni/net.d"
+SHIM_LINK = "/usr/local/bin/containerd-shim-quark-v1"
 # every host directory this installer writes under --host-root; deploy/daemonset.yaml mounts these
-HOST_DIRS = (QUARK_HOME, CONTAINERD_DIR, QUARK_ETC, CNI_BIN_DEFAULT, CNI_BIN_DEBIAN)
-IMPORTS_GLOB = f"{CONTAINERD_DIR}/conf.d/*.toml"
+HOST_DIRS = (QUARK_HOME, CONTAINERD_DIR, QUARK_ETC, CNI_BIN_DEFAULT, CNI_BIN_DEBIAN, CNI_CONF_DEFAULT,
+             os.path.dirname(SHIM_LINK))
+BEGIN = "# --- quark's runtimes: added by quark-install (deploy/install.py); --uninstall takes them out ---"
+END = "# --- end of quark's runtimes ---"
+DEFAULT_RUNC = """# containerd's own default runtime, which it drops once its configuration names any other
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+
+"""
 NODE_LABEL = ("quark.io/runtime", "true")
-ON_HOST = ["nsenter", "--target", "1", "--mount", "--uts", "--ipc", "--net", "--pid", "--"]
+RESTART_CONTAINERD = "systemctl restart containerd"
+QUARK_CNI = {"type": "quark-cni", "failOpen": True}   # a pod still gets its network when tsord is down
+CNI_VERSIONS = ("0.4.0", "1.0.0", "1.1.0")             # cni/plugin.py's SUPPORTED
+LINK = "\0link:"   # in the record of a file: a symbolic link to what follows
+HERE = os.path.dirname(os.path.abspath(__file__))
+FACTORY = " -m qvisor.factory "   # in a sandbox factory's command line (qvisor/factory/client.py starts it)
+# the payload this installer came with: /opt/quark/lib/python3/dist-packages/deploy_install.py's, or
+# a checkout's build/payload (make payload)
+OWN_PAYLOAD = (os.path.dirname(os.path.dirname(os.path.dirname(HERE))) if HERE.endswith("dist-packages")
+               else os.path.join(os.path.dirname(HERE), "build", "payload"))
 
 
 class InstallError(Exception):
@@ -48,73 +81,81 @@ class InstallError(Exception):
 
 
 class Installer:
-    def __init__(self, host_root: str, source: str, config_dir: str | None, dry_run: bool) -> None:
-        self.root, self.source, self.config_dir, self.dry_run = host_root, source, config_dir, dry_run
-        self.changed: list[str] = []        # host paths written by this run
+    def __init__(self, host_root: str, payload: str, config_dir: str | None = None, *, host_pid: int = 1,
+                 restart: str = RESTART_CONTAINERD, dry_run: bool = False) -> None:
+        self.root, self.payload, self.config_dir = host_root, payload, config_dir
+        self.host_pid, self.restart, self.dry_run = host_pid, restart, dry_run
+        self.changed: list[str] = []        # host paths written or removed by this run
         self.commands: list[list[str]] = []  # host commands run (or, dry, planned)
+        self.notes: list[str] = []           # what was left as it is, and why
+        self.state = self._load_state()
 
     def host(self, path: str) -> str:
         return os.path.join(self.root, path.lstrip("/"))
 
-    def run(self) -> None:
-        src_changed = self.copy_source()
-        if src_changed or not os.path.exists(self.host(f"{QUARK_HOME}/src/.venv/bin/quark")):
-            self.on_host(["make", "-C", f"{QUARK_HOME}/src", "install"])
-        self.link_cni()
-        containerd_changed = self.containerd_config()
-        self.tsor_config()
+    # ---- install -------------------------------------------------------------------------------
+    def install(self) -> None:
+        if not os.path.exists(os.path.join(self.payload, "bin", "quark")):
+            raise InstallError(f"{self.payload}: not a quark payload (make payload builds one)")
+        try:
+            self.copy_payload()
+            self.link_programs()
+            containerd_changed = self.containerd_config()
+            self.chain_cni()
+            self.tsor_config()
+        finally:   # what was written is recorded even when a later step failed: --uninstall undoes it
+            self._save_state()
         if containerd_changed:
-            self.on_host(["systemctl", "restart", "containerd"])
+            self.on_host(shlex.split(self.restart))
 
-    # ---- steps ---------------------------------------------------------------------------------
-    def copy_source(self) -> bool:
-        dest = self.host(f"{QUARK_HOME}/src")
-        before = len(self.changed)
-        for d in SOURCE_DIRS:
-            for dirpath, dirnames, filenames in os.walk(os.path.join(self.source, d)):
-                dirnames[:] = [n for n in dirnames if n != "__pycache__"]
-                for name in filenames:
-                    if name.endswith((".pyc", ".so", ".o")) or name == "_quark":
-                        continue   # built on the host by make install
-                    rel = os.path.relpath(os.path.join(dirpath, name), self.source)
-                    self._copy(os.path.join(self.source, rel), os.path.join(dest, rel))
-        for name in SOURCE_FILES:
-            self._copy(os.path.join(self.source, name), os.path.join(dest, name))
-        return len(self.changed) > before
+    def copy_payload(self) -> None:
+        dest = self.host(QUARK_HOME)
+        self._mkdirs(QUARK_HOME)
+        wanted = set()
+        for dirpath, dirnames, filenames in os.walk(self.payload):
+            rel_dir = os.path.relpath(dirpath, self.payload)
+            for name in dirnames + filenames:
+                rel = os.path.normpath(os.path.join(rel_dir, name))
+                wanted.add(rel)
+                src, dst = os.path.join(self.payload, rel), os.path.join(dest, rel)
+                if os.path.islink(src):
+                    self._link(os.readlink(src), dst)
+                elif os.path.isdir(src):
+                    os.makedirs(dst, exist_ok=True)
+                else:
+                    self._copy(src, dst)
+        # what an earlier payload had and this one has not (the state file is the installer's)
+        for dirpath, dirnames, filenames in os.walk(dest, topdown=False):
+            for name in filenames + dirnames:
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, dest)
+                if rel not in wanted and "/" + os.path.relpath(path, self.root) != STATE:
+                    shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+                    self.changed.append("/" + os.path.relpath(path, self.root))
 
-    def link_cni(self) -> None:
-        target = f"{QUARK_HOME}/src/.venv/bin/quark-cni"
-        link = os.path.join(self.cni_bin_dir(), "quark-cni")
-        path = self.host(link)
-        if os.path.islink(path) and os.readlink(path) == target:
-            return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        if os.path.lexists(path):
-            os.unlink(path)
-        os.symlink(target, path)
-        self.changed.append(link)
-
-    def cni_bin_dir(self) -> str:
-        """Where containerd's CRI looks for CNI plugins: its config's bin_dir, else the default."""
-        cfg = self._containerd_toml()
-        cni = cfg.get("plugins", {}).get("io.containerd.grpc.v1.cri", {}).get("cni", {})
-        bin_dir = cni.get("bin_dir", CNI_BIN_DEFAULT)
-        if bin_dir not in (CNI_BIN_DEFAULT, CNI_BIN_DEBIAN):
-            raise InstallError(f"{CONTAINERD_DIR}/config.toml: cni bin_dir {bin_dir} is not one of the "
-                               f"directories the DaemonSet mounts ({CNI_BIN_DEFAULT}, {CNI_BIN_DEBIAN})")
-        return bin_dir
+    def link_programs(self) -> None:
+        """quark-cni where containerd's CNI looks, the shim where containerd 1.6 looks."""
+        for link, target in ((os.path.join(self.cni_dirs()[0], "quark-cni"), f"{QUARK_HOME}/bin/quark-cni"),
+                             (SHIM_LINK, f"{QUARK_HOME}/bin/containerd-shim-quark-v1")):
+            self._mkdirs(os.path.dirname(link))
+            self._edit(link, lambda _, t=target: LINK + t)
 
     def containerd_config(self) -> bool:
         before = len(self.changed)
-        self._write(f"{CONTAINERD_DIR}/conf.d/quark.toml",
-                    open(os.path.join(self.source, "deploy", "containerd", "quark.toml")).read())
-        path = f"{CONTAINERD_DIR}/config.toml"
-        try:
-            text = open(self.host(path)).read()
-        except FileNotFoundError:
-            text = "version = 2\n"
-        self._write(path, with_import(text, path))
+        fragment = node_runtimes(open(os.path.join(self.payload, "share", "containerd-quark.toml")).read())
+        self._mkdirs(CONTAINERD_DIR)
+        self._edit(CONTAINERD_CONFIG, lambda text: with_runtimes(text or "version = 2\n", fragment, CONTAINERD_CONFIG))
         return len(self.changed) > before
+
+    def chain_cni(self) -> None:
+        conf_dir = self.cni_dirs()[1]
+        path = first_network(self.host(conf_dir))
+        if path is None:
+            self.notes.append(f"{conf_dir} has no network configuration yet: quark-cni not chained "
+                              "(run the installer again once the network plugin has written it)")
+            return
+        path = os.path.join(conf_dir, os.path.basename(path))
+        self._edit(path, lambda text: with_quark_cni(text, path))
 
     def tsor_config(self) -> None:
         if self.config_dir is None:
@@ -123,88 +164,307 @@ class Installer:
                                  ("tsor-secret", f"{QUARK_ETC}/tsor-secret", 0o600)):
             src = os.path.join(self.config_dir, name)
             if os.path.exists(src):
-                self._write(dest, open(src).read(), mode)
+                self._mkdirs(QUARK_ETC)
+                text = open(src).read()
+                self._edit(dest, lambda _: text, mode)
 
-    # ---- helpers -------------------------------------------------------------------------------
-    def _containerd_toml(self) -> dict:
+    # ---- uninstall -----------------------------------------------------------------------------
+    def uninstall(self) -> None:
+        if not os.path.exists(self.host(STATE)):
+            if os.path.isdir(self.host(QUARK_HOME)) and os.listdir(self.host(QUARK_HOME)):
+                raise InstallError(f"{STATE} is missing: {QUARK_HOME} was not made by this installer; "
+                                   "nothing removed")
+            return   # not installed, or taken off already
+        running = [p for p in quark_processes() if FACTORY not in p]
+        if running:   # their shims and supervisors would lose their files, containerd its shim
+            raise InstallError(f"quark still runs on this node ({'; '.join(running[:5])}): "
+                               "remove the pods with runtimeClassName quark and the quark-node DaemonSet "
+                               "first; nothing removed")
+        stop_factories()   # no shim is left, so no sandbox: what is left of quark is its idle factories
+        containerd_changed = False
+        for path, rec in sorted(self.state["files"].items(), reverse=True):
+            now = _read(self.host(path))
+            if now != rec["written"]:
+                self.notes.append(f"{path} changed since quark wrote it: left as it is")
+                continue
+            if os.path.lexists(self.host(path)):
+                os.unlink(self.host(path))
+            if rec["original"] is not None:
+                self._write_file(self.host(path), rec["original"], rec["mode"])
+            self.changed.append(path)
+            containerd_changed |= path.startswith(CONTAINERD_DIR + "/")
+        # its contents: /opt/quark itself may be a mount point (the DaemonSet's hostPath)
+        for name in os.listdir(self.host(QUARK_HOME)):
+            path = os.path.join(self.host(QUARK_HOME), name)
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+        self.changed.append(QUARK_HOME)
+        for d in sorted(self.state["dirs"], key=len, reverse=True):   # the ones it made, if empty now
+            if os.path.isdir(self.host(d)) and not os.listdir(self.host(d)) and not os.path.ismount(self.host(d)):
+                os.rmdir(self.host(d))
+                self.changed.append(d)
+        if containerd_changed:
+            self.on_host(shlex.split(self.restart))
+
+    # ---- where containerd looks ----------------------------------------------------------------
+    def cni_dirs(self) -> tuple[str, str]:
+        """containerd's CRI CNI bin_dir and conf_dir: its config's, else the defaults."""
         try:
-            with open(self.host(f"{CONTAINERD_DIR}/config.toml"), "rb") as f:
-                return tomllib.load(f)
+            with open(self.host(CONTAINERD_CONFIG), "rb") as f:
+                cfg = tomllib.load(f)
         except FileNotFoundError:
-            return {}
+            cfg = {}
         except tomllib.TOMLDecodeError as e:
-            raise InstallError(f"{CONTAINERD_DIR}/config.toml: not valid TOML: {e}") from None
+            raise InstallError(f"{CONTAINERD_CONFIG}: not valid TOML: {e}") from None
+        cni = cfg.get("plugins", {}).get("io.containerd.grpc.v1.cri", {}).get("cni", {})
+        bin_dir, conf_dir = cni.get("bin_dir", CNI_BIN_DEFAULT), cni.get("conf_dir", CNI_CONF_DEFAULT)
+        for key, value in (("bin_dir", bin_dir), ("conf_dir", conf_dir)):
+            if value not in HOST_DIRS:
+                raise InstallError(f"{CONTAINERD_CONFIG}: cni {key} {value} is not one of the directories "
+                                   f"the DaemonSet mounts ({', '.join(HOST_DIRS)})")
+        return bin_dir, conf_dir
 
-    def _copy(self, src: str, dest: str) -> None:
-        if os.path.exists(dest) and filecmp.cmp(src, dest, shallow=False):
-            return
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        shutil.copy2(src, dest)
-        self.changed.append("/" + os.path.relpath(dest, self.root))
-
-    def _write(self, path: str, text: str, mode: int = 0o644) -> None:
-        dest = self.host(path)
+    # ---- files, and the record of them ---------------------------------------------------------
+    def _load_state(self) -> dict:
         try:
-            if open(dest).read() == text:
-                return
+            with open(self.host(STATE)) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return {"files": {}, "dirs": []}
+        except (ValueError, OSError) as e:
+            raise InstallError(f"{STATE}: unreadable ({e}); remove {QUARK_HOME} by hand") from None
+
+    def _save_state(self) -> None:
+        if os.path.isdir(self.host(QUARK_HOME)):
+            self._write_file(self.host(STATE), json.dumps(self.state, indent=1, sort_keys=True) + "\n", 0o600)
+
+    def _mkdirs(self, path: str) -> None:
+        missing = []
+        while not os.path.isdir(self.host(path)):
+            missing.append(path)
+            path = os.path.dirname(path)
+        for d in reversed(missing):
+            os.mkdir(self.host(d), 0o755)
+            self.state["dirs"].append(d)
+
+    def _edit(self, path: str, new_text: Callable[[str | None], str], mode: int = 0o644) -> None:
+        """Write new_text(what is there) to `path` if that differs; the first time, remember what
+        was there (None: nothing) and its mode, for --uninstall."""
+        dest = self.host(path)
+        now = _read(dest)
+        text = new_text(now)
+        if now == text:
+            return   # as quark writes it (by an earlier run, recorded then; or by someone else)
+        if path not in self.state["files"]:
+            self.state["files"][path] = {"original": now, "mode": _mode(dest, mode)}
+        self.state["files"][path]["written"] = text
+        if os.path.lexists(dest) and (text.startswith(LINK) or now is not None and now.startswith(LINK)):
+            os.unlink(dest)
+        self._write_file(dest, text, mode)
+        self.changed.append(path)
+
+    def _copy(self, src: str, dst: str) -> None:
+        try:
+            s, d = os.stat(src), os.lstat(dst)
+            if stat.S_ISREG(d.st_mode) and (s.st_size, int(s.st_mtime), s.st_mode) == \
+                    (d.st_size, int(d.st_mtime), d.st_mode):
+                return   # copy2 kept size, time and mode: the same file
         except FileNotFoundError:
             pass
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = dst + ".quark-tmp"
+        shutil.copy2(src, tmp)
+        os.replace(tmp, dst)
+        self.changed.append("/" + os.path.relpath(dst, self.root))
+
+    def _link(self, target: str, path: str) -> bool:
+        if os.path.islink(path) and os.readlink(path) == target:
+            return False
+        if os.path.lexists(path):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        os.symlink(target, path)
+        self.changed.append("/" + os.path.relpath(path, self.root))
+        return True
+
+    @staticmethod
+    def _write_file(dest: str, text: str, mode: int) -> None:
+        if text.startswith(LINK):
+            os.symlink(text[len(LINK):], dest)
+            return
         tmp = dest + ".quark-tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.chmod(tmp, mode)
         os.rename(tmp, dest)
-        self.changed.append(path)
 
     def on_host(self, argv: list[str]) -> None:
         self.commands.append(argv)
         if self.dry_run:
-            print("would run on the host:", " ".join(argv))
+            print("would run on the host:", shlex.join(argv))
             return
-        r = subprocess.run(ON_HOST + argv)
+        on_host = ["nsenter", "--target", str(self.host_pid), "--mount", "--uts", "--ipc", "--net", "--pid", "--"]
+        r = subprocess.run(on_host + argv)
         if r.returncode != 0:
-            raise InstallError(f"`{' '.join(argv)}` on the host failed (exit {r.returncode})")
+            raise InstallError(f"`{shlex.join(argv)}` on the host failed (exit {r.returncode})")
 
 
-def with_import(text: str, path: str) -> str:
-    """containerd's config with IMPORTS_GLOB in its top-level `imports` (added when missing)."""
+def quark_processes(home: str = QUARK_HOME) -> list[str]:
+    """The processes running a program under `home` (the host's, with the DaemonSet's hostPID),
+    but this one and its parent: "PID COMMAND LINE" each."""
+    me, found = {os.getpid(), os.getppid()}, []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in me:
+            try:
+                exe = os.readlink(f"/proc/{name}/exe")
+            except OSError:
+                continue
+            if exe.startswith(home.rstrip("/") + "/"):
+                try:
+                    with open(f"/proc/{name}/cmdline", "rb") as f:
+                        argv = f.read().rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                found.append(f"{name} {argv[:120]}")
+    return sorted(found, key=lambda p: int(p.split()[0]))
+
+
+def stop_factories(home: str = QUARK_HOME, timeout: float = 10.0) -> None:
+    """SIGTERM to the sandbox factories running from `home` (qvisor/factory/: they stay a while
+    after their last container, and their spare workers with them), and wait for them all to end."""
+    def factories() -> dict[int, int]:   # pid -> parent pid
+        out = {}
+        for p in quark_processes(home):
+            if FACTORY in p:
+                pid = int(p.split()[0])
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        out[pid] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    pass
+        return out
+    found = factories()
+    for pid, ppid in found.items():
+        if ppid not in found:   # the factory itself; it ends its workers
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout
+    while found and time.monotonic() < deadline:
+        time.sleep(0.1)
+        found = factories()
+    if found:
+        raise InstallError(f"quark's sandbox factories did not stop (pids {', '.join(map(str, found))}); "
+                           "nothing removed")
+
+
+def _read(path: str) -> str | None:
+    """A file's text; a symbolic link's target after LINK; None: nothing there."""
     try:
-        imports = tomllib.loads(text).get("imports")
+        if os.path.islink(path):
+            return LINK + os.readlink(path)
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _mode(path: str, default: int) -> int:
+    try:
+        return stat.S_IMODE(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return default
+
+
+def node_runtimes(fragment: str) -> str:
+    """deploy/containerd/quark.toml's runtime tables for a node: the runc-compatible binary from
+    /opt/quark (the shim is found on containerd's PATH: SHIM_LINK)."""
+    tables = fragment[fragment.index("\n[") + 1:]   # without its header comment and `version`
+    return tables.replace('BinaryName = "/usr/local/bin/quark"', f'BinaryName = "{QUARK_HOME}/bin/quark"')
+
+
+def with_runtimes(text: str, tables: str, path: str) -> str:
+    """containerd's config with quark's runtime tables at its end between BEGIN and END (replacing
+    an earlier version of them), the rest as it was."""
+    try:
+        cfg = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise InstallError(f"{path}: not valid TOML: {e}") from None
-    if imports is not None and IMPORTS_GLOB in imports:
+    if cfg.get("version", 1) != 2:
+        raise InstallError(f"{path}: version {cfg.get('version', 1)}: quark's runtimes are written for "
+                           "version 2 (containerd 1.6, 1.7); add deploy/containerd/quark.toml's by hand")
+    ours = tomllib.loads(tables)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)].rstrip("\n") + "\n" + text[text.index(END) + len(END) + 1:]
+        cfg = tomllib.loads(text)
+    runtimes = cfg.get("plugins", {}).get("io.containerd.grpc.v1.cri", {}).get("containerd", {}).get("runtimes", {})
+    taken = sorted(set(runtimes) & set(ours))
+    if taken:
+        raise InstallError(f"{path}: already configures the runtime {taken[0]!r}: take it out, or add "
+                           "quark's by hand")
+    if not runtimes:
+        # a config naming any runtime has only the ones it names: containerd's default runc (the
+        # default_runtime_name) would be gone
+        tables = DEFAULT_RUNC + tables
+    new = text.rstrip("\n") + "\n\n" + f"{BEGIN}\n{tables.rstrip()}\n{END}\n"
+    try:
+        tomllib.loads(new)
+    except tomllib.TOMLDecodeError as e:   # e.g. the file defines these tables in another form
+        raise InstallError(f"{path}: quark's runtimes cannot be added to it ({e}); add them by hand") from None
+    return new
+
+
+def first_network(conf_dir: str) -> str | None:
+    """The network configuration containerd's CRI uses: the first of conf_dir's files by name
+    (libcni's order), or None."""
+    try:
+        names = sorted(n for n in os.listdir(conf_dir) if n.endswith((".conflist", ".conf", ".json")))
+    except FileNotFoundError:
+        return None
+    return os.path.join(conf_dir, names[0]) if names else None
+
+
+def with_quark_cni(text: str | None, path: str) -> str:
+    """A conflist with quark-cni as its last plugin (its place: after the plugins that give the pod
+    its interface and addresses, whose result it reads)."""
+    try:
+        conf = json.loads(text or "")
+    except ValueError as e:
+        raise InstallError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(conf, dict) or not isinstance(conf.get("plugins"), list):
+        raise InstallError(f"{path}: not a conflist (no `plugins` list): quark-cni can only be chained "
+                           "into a plugin list")
+    if conf.get("cniVersion") not in CNI_VERSIONS:
+        raise InstallError(f"{path}: cniVersion {conf.get('cniVersion')!r}: quark-cni chains into "
+                           f"{', '.join(CNI_VERSIONS)}")
+    if any(isinstance(p, dict) and p.get("type") == "quark-cni" for p in conf["plugins"]):
         return text
-    line = re.compile(r"^imports[ \t]*=[ \t]*\[.*\][ \t]*$", re.M)
-    if imports is not None:
-        if len(line.findall(text)) != 1:
-            raise InstallError(f"{path}: add {IMPORTS_GLOB!r} to its `imports` by hand (not a one-line list)")
-        new = "imports = [" + ", ".join(f'"{i}"' for i in [*imports, IMPORTS_GLOB]) + "]"
-        return line.sub(new, text, count=1)
-    # a top-level key must come before the first table: right after `version`, else first
-    version = re.compile(r"^version\s*=.*$", re.M).search(text)
-    at = version.end() + 1 if version else 0
-    return text[:at] + f'imports = ["{IMPORTS_GLOB}"]\n' + text[at:]
+    conf["plugins"].append(dict(QUARK_CNI))
+    return json.dumps(conf, indent=2) + "\n"
 
 
-def label_node(node: str, kubeconfig: str | None = None) -> None:
-    """quark.io/runtime=true on this node, through the API server: the pod's service account, or
-    `kubeconfig` (an installer run by hand, the tests' API stand-in)."""
-    what = f"labelling node {node} {NODE_LABEL[0]}={NODE_LABEL[1]}"
+def label_node(node: str, kubeconfig: str | None = None, remove: bool = False) -> None:
+    """quark.io/runtime=true on this node (or, remove, off it), through the API server: the pod's
+    service account, or `kubeconfig` (an installer run by hand, the tests' API stand-in)."""
+    what = f"{'unlabelling' if remove else 'labelling'} node {node} {NODE_LABEL[0]}={NODE_LABEL[1]}"
     try:
         from kubernetes import client, config
     except ImportError:
         raise InstallError(f"{what}: the kubernetes client is not installed in {sys.executable}'s "
-                           "environment (the image's venv has it: run the installer with it)") from None
+                           "environment (the payload's Python has it: run /opt/quark/bin/quark-install)") from None
     try:
         if kubeconfig:
             api = client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
         else:
             config.load_incluster_config()
             api = client.CoreV1Api()
-        api.patch_node(node, {"metadata": {"labels": {NODE_LABEL[0]: NODE_LABEL[1]}}})
+        # a merge patch: null deletes the key (RFC 7386)
+        api.patch_node(node, {"metadata": {"labels": {NODE_LABEL[0]: None if remove else NODE_LABEL[1]}}})
     except client.ApiException as e:   # the API server's answer: its status and reason, not a dump
+        if remove and e.status == 404:
+            return   # no such node: nothing to take off
         raise InstallError(f"{what}: the API server answered {e.status} {e.reason}") from None
     except Exception as e:   # noqa: BLE001 — config and connection errors have no common base
         raise InstallError(f"{what}: {e}") from None
@@ -213,24 +473,30 @@ def label_node(node: str, kubeconfig: str | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="quark-install", description=__doc__.split("\n\n")[0])
     p.add_argument("--host-root", default="/host", help="where the host's directories are mounted")
-    p.add_argument("--source", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p.add_argument("--payload", default=OWN_PAYLOAD, help="the node payload to copy (make payload; default: the one this installer runs from)")
     p.add_argument("--config", default=None, help="a directory with tsor.yaml and tsor-secret (ConfigMap/Secret)")
     p.add_argument("--node", default=os.environ.get("NODE_NAME"), help="label this node (default: $NODE_NAME)")
     p.add_argument("--kubeconfig", default=None,
                    help="reach the API server with this kubeconfig (default: the pod's service account)")
+    p.add_argument("--host-pid", type=int, default=1, help="a process in the host's namespaces (default: 1)")
+    p.add_argument("--restart-containerd", default=RESTART_CONTAINERD, metavar="COMMAND",
+                   help=f"how containerd is restarted on the host (default: {RESTART_CONTAINERD})")
+    p.add_argument("--uninstall", action="store_true", help="put the node back as it was before the install")
     p.add_argument("--dry-run", action="store_true", help="print host commands instead of running them")
     args = p.parse_args(argv)
-    inst = Installer(args.host_root, args.source, args.config, args.dry_run)
     try:
-        inst.run()
+        inst = Installer(args.host_root, os.path.abspath(args.payload), args.config, host_pid=args.host_pid,
+                         restart=args.restart_containerd, dry_run=args.dry_run)
+        inst.uninstall() if args.uninstall else inst.install()
         if args.node and not args.dry_run:
-            label_node(args.node, args.kubeconfig)
+            label_node(args.node, args.kubeconfig, remove=args.uninstall)
     except (InstallError, OSError) as e:
         print(f"quark-install: {e}", file=sys.stderr)
         return 1
-    for path in inst.changed:
-        print("wrote", path)
-    print(f"quark-install: {len(inst.changed)} files changed, {len(inst.commands)} host commands")
+    for note in inst.notes:
+        print("note:", note)
+    print(f"quark-install: {'removed' if args.uninstall else 'installed'}: {len(inst.changed)} paths changed, "
+          f"{len(inst.commands)} host commands")
     return 0
 
 

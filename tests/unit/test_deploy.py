@@ -2,13 +2,17 @@
 the API server hold it to), and the fields that make quark work are what the code expects: the
 RuntimeClass handler containerd knows, RBAC covering what tsord watches, the DaemonSet mounting
 exactly the host directories the installer writes, the ConfigMap a tsor.yaml tsord accepts. The
-installer itself runs against a scratch host root, twice (the second run changes nothing)."""
+installer itself runs against a scratch host root: installed, again (nothing changes), with a newer
+payload, and uninstalled (every file as it was); tests/integration/test_node_install.py installs on
+a fresh node and runs pods there."""
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import shutil
+import subprocess
+import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -91,18 +95,21 @@ def _walk(value: object, type_name: str, where: str, errors: list[str], quantity
             _walk(item, klass.openapi_types[by_key[key]], f"{where}.{key}", errors, key in _QUANTITY_MAPS)
 
 
-def _documents() -> list[tuple[str, dict]]:
-    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
-    return [(name, doc) for name in kustomization["resources"]
-            for doc in yaml.safe_load_all((DEPLOY / name).read_text())]
+def _files(cleanup: bool = True) -> list[str]:
+    """The manifests the kustomization lists, and (cleanup) deploy/cleanup's, applied on their own."""
+    listed = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["resources"]
+    return listed + (sorted(str(p.relative_to(DEPLOY)) for p in (DEPLOY / "cleanup").glob("*.yaml")) if cleanup else [])
+
+
+def _documents(cleanup: bool = True) -> list[tuple[str, dict]]:
+    return [(name, doc) for name in _files(cleanup) for doc in yaml.safe_load_all((DEPLOY / name).read_text())]
 
 
 def manifests() -> dict[str, object]:
-    """kind/name -> the client's model object, from every manifest the kustomization lists."""
+    """kind/name -> the client's model object, from every manifest under deploy/."""
     api = kubernetes.client.ApiClient()
     out = {}
-    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
-    for name in kustomization["resources"]:
+    for name in _files():
         for doc in yaml.safe_load_all((DEPLOY / name).read_text()):
             model = MODEL[(doc["apiVersion"], doc["kind"])]
             obj = api._ApiClient__deserialize(doc, model)   # the client's own (strict) deserialiser
@@ -117,7 +124,7 @@ def test_every_manifest_is_listed_and_loads():
     objs = manifests()
     assert {"RuntimeClass/quark", "DaemonSet/quark-node", "ClusterRole/quark-node",
             "ClusterRoleBinding/quark-node", "ServiceAccount/quark-node", "ConfigMap/quark-tsor",
-            "Namespace/quark-system"} <= set(objs)
+            "Namespace/quark-system", "DaemonSet/quark-cleanup"} <= set(objs)
 
 
 def test_every_manifest_holds_to_the_api_schema_strictly():
@@ -156,7 +163,7 @@ def test_kubectl_kustomize_builds_the_same_objects():
     out = subprocess.run(["kubectl", "kustomize", str(DEPLOY)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     built = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out.stdout) if d}
-    assert built == {(d["kind"], d["metadata"]["name"]) for _, d in _documents()}
+    assert built == {(d["kind"], d["metadata"]["name"]) for _, d in _documents(cleanup=False)}
 
 
 def test_runtimeclass_names_the_handler_containerd_registers():
@@ -193,12 +200,16 @@ def test_rbac_covers_what_tsord_watches_and_the_node_label():
 
 
 def test_daemonset_mounts_exactly_where_the_installer_writes():
+    for ds in ("quark-node", "quark-cleanup"):   # install, and uninstall
+        spec = manifests()[f"DaemonSet/{ds}"].spec.template.spec
+        host_paths = {v.name: v.host_path.path for v in spec.volumes if v.host_path}
+        init = spec.init_containers[0]
+        mounted = {m.mount_path: host_paths[m.name] for m in init.volume_mounts if m.name in host_paths}
+        assert {f"/host{p}": p for p in install.HOST_DIRS} == mounted, ds
+        assert "--host-root" in init.command and init.command[init.command.index("--host-root") + 1] == "/host"
+        assert spec.host_pid, ds   # nsenter into the host's namespaces to restart containerd
     spec = manifests()["DaemonSet/quark-node"].spec.template.spec
     host_paths = {v.name: v.host_path.path for v in spec.volumes if v.host_path}
-    init = next(c for c in spec.init_containers if c.name == "install")
-    mounted = {m.mount_path: host_paths[m.name] for m in init.volume_mounts if m.name in host_paths}
-    assert {f"/host{p}": p for p in install.HOST_DIRS} == mounted
-    assert "--host-root" in init.command and init.command[init.command.index("--host-root") + 1] == "/host"
     tsord = next(c for c in spec.containers if c.name == "tsord")
     by_path = {m.mount_path: m for m in tsord.volume_mounts}
     assert host_paths[by_path["/run/quark"].name] == "/run/quark"          # the sandboxes' tsord socket
@@ -223,52 +234,196 @@ def test_the_configmap_is_a_tsor_yaml_tsord_accepts(tmp_path):
     assert cfg.socket == "/run/quark/tsord.sock" and cfg.cluster_secret == b"s" * 32
 
 
-def test_installer_on_a_scratch_host_twice(tmp_path, capsys):
+DEBIAN_CONTAINERD = '''version = 2
+
+[plugins]
+  [plugins."io.containerd.grpc.v1.cri"]
+    [plugins."io.containerd.grpc.v1.cri".cni]
+      bin_dir = "/usr/lib/cni"
+      conf_dir = "/etc/cni/net.d"
+  [plugins."io.containerd.internal.v1.opt"]
+    path = "/var/lib/containerd/opt"
+'''   # Debian 12's /etc/containerd/config.toml, as the containerd package installs it
+NETWORK = {"cniVersion": "1.0.0", "name": "cbr0", "plugins": [
+    {"type": "bridge", "bridge": "cni0", "ipam": {"type": "host-local", "subnet": "10.88.0.0/16"}}]}
+
+
+def scratch_payload(path: Path) -> Path:
+    """A payload's shape (what deploy/payload.py builds; the integration test builds the real one)."""
+    for rel, text in (("bin/quark", "front end"), ("bin/quark-cni", "cni"), ("bin/containerd-shim-quark-v1", "shim"),
+                      ("lib/libz.so.1", "lib"), ("lib/python3.11/os.py", "# os")):
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_text(text)
+    (path / "lib/libz.so").symlink_to("libz.so.1")
+    (path / "share").mkdir()
+    shutil.copy2(DEPLOY / "containerd/quark.toml", path / "share/containerd-quark.toml")
+    return path
+
+
+def scratch_host(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(host root as a fresh Debian node has it, a payload, the ConfigMap/Secret directory)."""
     host = tmp_path / "host"
-    (host / "etc" / "containerd").mkdir(parents=True)
-    original = (Path("/etc/containerd/config.toml").read_text() if Path("/etc/containerd/config.toml").exists()
-                else 'version = 2\n\n[plugins."io.containerd.grpc.v1.cri".cni]\n  bin_dir = "/usr/lib/cni"\n')
-    (host / "etc" / "containerd" / "config.toml").write_text(original)
+    (host / "etc/containerd").mkdir(parents=True)
+    (host / "etc/containerd/config.toml").write_text(DEBIAN_CONTAINERD)
+    (host / "etc/cni/net.d").mkdir(parents=True)
+    (host / "etc/cni/net.d/10-cbr0.conflist").write_text(json.dumps(NETWORK))
+    (host / "usr/lib/cni").mkdir(parents=True)
+    (host / "usr/lib/cni/bridge").write_text("plugin")
     conf = tmp_path / "config"
     conf.mkdir()
     (conf / "tsor.yaml").write_text("node: n1\n")
     (conf / "tsor-secret").write_text("x" * 32)
-    first = install.Installer(str(host), str(REPO), str(conf), dry_run=True)
-    first.run()
-    assert first.commands == [["make", "-C", "/opt/quark/src", "install"], ["systemctl", "restart", "containerd"]]
-    assert (host / "opt/quark/src/qvisor/cli.py").read_bytes() == (REPO / "qvisor/cli.py").read_bytes()
-    assert not list((host / "opt/quark/src").rglob("__pycache__"))
-    cfg = tomllib.loads((host / "etc/containerd/config.toml").read_text())
-    assert install.IMPORTS_GLOB in cfg["imports"]
-    assert (host / "etc/containerd/config.toml").read_text().replace(
-        f'imports = ["{install.IMPORTS_GLOB}"]\n', "") == original          # nothing else touched
-    assert (host / "etc/containerd/conf.d/quark.toml").read_text() == (DEPLOY / "containerd/quark.toml").read_text()
-    cni_dir = tomllib.loads(original).get("plugins", {}).get("io.containerd.grpc.v1.cri", {}).get("cni", {}).get(
-        "bin_dir", install.CNI_BIN_DEFAULT)
-    assert os.readlink(host / cni_dir.lstrip("/") / "quark-cni") == "/opt/quark/src/.venv/bin/quark-cni"
+    return host, scratch_payload(tmp_path / "payload"), conf
+
+
+def test_installer_on_a_scratch_host_again_upgraded_and_uninstalled(tmp_path):
+    from tests.support.fresh_node import snapshot
+    host, payload, conf = scratch_host(tmp_path)
+    before = snapshot(host)
+    first = install.Installer(str(host), str(payload), str(conf), dry_run=True)
+    first.install()
+    assert first.commands == [["systemctl", "restart", "containerd"]]
+    assert (host / "opt/quark/bin/quark").read_text() == "front end"
+    assert os.readlink(host / "opt/quark/lib/libz.so") == "libz.so.1"
+    # quark's runtimes at the end of containerd's own config, the rest as it was, runc kept
+    text = (host / "etc/containerd/config.toml").read_text()
+    assert text.startswith(DEBIAN_CONTAINERD) and install.BEGIN in text
+    runtimes = tomllib.loads(text)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    assert runtimes["quark"]["runtime_type"] == "io.containerd.quark.v1" and runtimes["runc"]["runtime_type"] == \
+        "io.containerd.runc.v2"
+    assert runtimes["quark-runc"]["options"]["BinaryName"] == "/opt/quark/bin/quark"
+    assert tomllib.loads(text)["plugins"]["io.containerd.grpc.v1.cri"]["cni"]["conf_dir"] == "/etc/cni/net.d"
+    # the programs where containerd looks, quark-cni last in the node's network
+    assert os.readlink(host / "usr/lib/cni/quark-cni") == "/opt/quark/bin/quark-cni"
+    assert os.readlink(host / "usr/local/bin/containerd-shim-quark-v1") == "/opt/quark/bin/containerd-shim-quark-v1"
+    chained = json.loads((host / "etc/cni/net.d/10-cbr0.conflist").read_text())
+    assert chained["plugins"] == NETWORK["plugins"] + [{"type": "quark-cni", "failOpen": True}]
     assert oct((host / "etc/quark/tsor-secret").stat().st_mode & 0o777) == "0o600"
-    (host / "opt/quark/src/.venv/bin").mkdir(parents=True)   # as make install on the host leaves it
-    (host / "opt/quark/src/.venv/bin/quark").touch()
-    again = install.Installer(str(host), str(REPO), str(conf), dry_run=True)
-    again.run()
+
+    again = install.Installer(str(host), str(payload), str(conf), dry_run=True)
+    again.install()
     assert (again.changed, again.commands) == ([], [])   # idempotent: no write, no restart
+
+    # a newer payload: only its changed file copied, the one it no longer has removed, no restart
+    (payload / "bin/quark").write_text("front end 2")
+    (payload / "lib/libz.so.1").unlink()
+    (payload / "lib/libz.so").unlink()
+    newer = install.Installer(str(host), str(payload), str(conf), dry_run=True)
+    newer.install()
+    assert sorted(newer.changed) == ["/opt/quark/bin/quark", "/opt/quark/lib/libz.so", "/opt/quark/lib/libz.so.1"]
+    assert newer.commands == [] and not (host / "opt/quark/lib/libz.so.1").exists()
+
+    gone = install.Installer(str(host), str(payload), dry_run=True)
+    gone.uninstall()
+    assert gone.commands == [["systemctl", "restart", "containerd"]]
+    after = snapshot(host)
+    assert sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)) == []
+    again = install.Installer(str(host), str(payload), dry_run=True)
+    again.uninstall()   # uninstalled already: nothing to do
+    assert (again.changed, again.commands) == ([], [])
+
+
+def test_uninstall_leaves_a_file_changed_since_and_says_so(tmp_path):
+    host, payload, conf = scratch_host(tmp_path)
+    install.Installer(str(host), str(payload), str(conf), dry_run=True).install()
+    conflist = host / "etc/cni/net.d/10-cbr0.conflist"
+    conflist.write_text(conflist.read_text().replace("cni0", "cni1"))   # the network plugin rewrote it
+    gone = install.Installer(str(host), str(payload), dry_run=True)
+    gone.uninstall()
+    assert "cni1" in conflist.read_text()
+    assert gone.notes == ["/etc/cni/net.d/10-cbr0.conflist changed since quark wrote it: left as it is"]
+    assert (host / "etc/containerd/config.toml").read_text() == DEBIAN_CONTAINERD
+    assert not (host / "opt/quark").exists()
+
+
+def test_a_node_without_a_network_yet_is_installed_and_told(tmp_path):
+    host, payload, conf = scratch_host(tmp_path)
+    (host / "etc/cni/net.d/10-cbr0.conflist").unlink()
+    inst = install.Installer(str(host), str(payload), str(conf), dry_run=True)
+    inst.install()
+    assert any("no network configuration yet" in n for n in inst.notes)
+
+
+def test_main_says_what_it_did_and_refuses_a_missing_payload(tmp_path, capsys):
+    host, payload, conf = scratch_host(tmp_path)
+    assert install.main(["--host-root", str(host), "--payload", str(tmp_path / "none"), "--dry-run"]) == 1
+    assert "not a quark payload (make payload builds one)" in capsys.readouterr().err
+    assert install.main(["--host-root", str(host), "--payload", str(payload), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would run on the host: systemctl restart containerd" in out and "quark-install: installed:" in out
+
+
+@pytest.mark.parametrize("text, has_runc", [
+    (DEBIAN_CONTAINERD, False),
+    ('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\n  runtime_type = '
+     '"io.containerd.runc.v2"\n  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]\n'
+     '    SystemdCgroup = true\n', True),
+], ids=["no runtimes named", "runc with its options"])
+def test_containerd_runtimes_block(text, has_runc):
+    tables = install.node_runtimes((DEPLOY / "containerd/quark.toml").read_text())
+    new = install.with_runtimes(text, tables, "config.toml")
+    assert new.startswith(text.rstrip("\n"))
+    runtimes = tomllib.loads(new)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    # a config that names runtimes keeps its own runc; one that names none gets containerd's default
+    assert runtimes["runc"] == ({"runtime_type": "io.containerd.runc.v2", "options": {"SystemdCgroup": True}}
+                                if has_runc else {"runtime_type": "io.containerd.runc.v2"})
+    assert install.with_runtimes(new, tables, "config.toml") == new          # again: the same
+    newer = install.with_runtimes(new, tables.replace("/opt/quark/bin/quark", "/opt/quark/bin/quark2"), "c")
+    assert newer.count(install.BEGIN) == 1 and "/opt/quark/bin/quark2" in newer   # the block replaced
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("version = 2\n", f'version = 2\nimports = ["{install.IMPORTS_GLOB}"]\n'),
-    ('[plugins]\n  x = 1\n', f'imports = ["{install.IMPORTS_GLOB}"]\n[plugins]\n  x = 1\n'),
-    ('version = 2\nimports = ["/a.toml"]\n', f'version = 2\nimports = ["/a.toml", "{install.IMPORTS_GLOB}"]\n'),
-    (f'imports = ["{install.IMPORTS_GLOB}"]\n', f'imports = ["{install.IMPORTS_GLOB}"]\n'),
+    ("version = = 2", "config.toml: not valid TOML"),
+    ('[plugins.cri]\n', "config.toml: version 1: quark's runtimes are written for version 2"),
+    ('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.quark]\n  runtime_type = "x"\n',
+     "config.toml: already configures the runtime 'quark'"),
+], ids=["invalid TOML", "version 1", "a runtime named quark already"])
+def test_containerd_config_it_cannot_edit_is_refused_by_name(text, expected):
+    tables = install.node_runtimes((DEPLOY / "containerd/quark.toml").read_text())
+    with pytest.raises(install.InstallError, match=expected):
+        install.with_runtimes(text, tables, "config.toml")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("{", "net.conf: not valid JSON"),
+    (json.dumps({"cniVersion": "1.0.0", "name": "n", "type": "bridge"}), "net.conf: not a conflist"),
+    (json.dumps({**NETWORK, "cniVersion": "0.3.1"}), "net.conf: cniVersion '0.3.1': quark-cni chains into"),
 ])
-def test_containerd_imports_line(text, expected):
-    assert install.with_import(text, "config.toml") == expected
+def test_a_network_quark_cni_cannot_join_is_refused_by_name(text, expected):
+    with pytest.raises(install.InstallError, match=expected):
+        install.with_quark_cni(text, "net.conf")
 
 
-def test_containerd_config_it_cannot_edit_is_refused_by_name():
-    with pytest.raises(install.InstallError, match="config.toml: not valid TOML"):
-        install.with_import("version = = 2", "config.toml")
-    with pytest.raises(install.InstallError, match="by hand"):
-        install.with_import('imports = [\n  "/a.toml",\n]\n', "config.toml")
+def test_quark_processes_and_stopping_idle_factories(tmp_path):
+    """Uninstall refuses while a program from the payload runs, and ends the sandbox factories
+    (they outlive their last container for a while) before it removes anything."""
+    home = tmp_path / "opt-quark"
+    (home / "bin").mkdir(parents=True)
+    shutil.copy2(sys.executable, home / "bin/python3")   # a program running from `home`
+    code = "import time; time.sleep(60)"
+    plain = subprocess.Popen([str(home / "bin/python3"), "-c", code])
+    factory = subprocess.Popen([str(home / "bin/python3"), "-m", "qvisor.factory", "--dir", str(tmp_path / "f")],
+                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        time.sleep(0.5)
+        running = {int(p.split()[0]): p for p in install.quark_processes(str(home))}
+        assert {plain.pid, factory.pid} <= set(running) and install.FACTORY not in running[plain.pid]
+        assert all(install.FACTORY in p for pid, p in running.items() if pid != plain.pid)   # it, its workers
+        install.stop_factories(str(home))
+        assert factory.wait(10) is not None and plain.poll() is None
+        assert [int(p.split()[0]) for p in install.quark_processes(str(home))] == [plain.pid]
+    finally:
+        for p in (plain, factory):
+            p.kill()
+            p.wait()
+
+
+def test_label_node_takes_the_label_off_on_uninstall(kube):
+    api, kubeconfig = kube
+    install.label_node("node-a", kubeconfig)
+    install.label_node("node-a", kubeconfig, remove=True)
+    assert api.objects["nodes"][("", "node-a")]["metadata"]["labels"] == {"kubernetes.io/hostname": "node-a"}
+    install.label_node("node-x", kubeconfig, remove=True)   # no such node: nothing to take off
 
 
 @pytest.fixture
@@ -308,11 +463,14 @@ def test_label_node_says_what_the_api_server_answered(kube):
     assert install.NODE_LABEL[0] not in api.objects["nodes"][("", "node-a")]["metadata"]["labels"]
 
 
-def test_the_installer_runs_with_the_image_venv_which_has_the_kubernetes_client():
-    """label_node imports the kubernetes client, which the image installs into its venv only (the
-    system python3 has none): the init container must run the installer with that venv."""
-    ds = manifests()["DaemonSet/quark-node"]
-    init = ds.spec.template.spec.init_containers[0]
-    assert init.command[:2] == ["/quark-src/.venv/bin/python", "/quark-src/deploy/install.py"]
-    assert "make -C /quark-src venv" in (DEPLOY / "Dockerfile").read_text()
-    assert "'.[test,k8s]'" in (REPO / "Makefile").read_text()   # the venv target's extras
+def test_the_init_containers_run_the_images_payload_which_has_the_kubernetes_client():
+    """The image is the payload at /opt/quark (deploy/Dockerfile); the installer and tsord run with
+    its Python, which has the kubernetes client label_node and the route source import."""
+    from deploy import payload
+    for ds, verb in (("quark-node", []), ("quark-cleanup", ["--uninstall"])):
+        init = manifests()[f"DaemonSet/{ds}"].spec.template.spec.init_containers[0]
+        assert init.command[:1 + len(verb)] == ["/opt/quark/bin/quark-install", *verb]
+    assert manifests()["DaemonSet/quark-node"].spec.template.spec.containers[0].command[0] == "/opt/quark/bin/tsord"
+    assert {"bin/quark-install", "bin/tsord"} <= set(payload.PROGRAMS)
+    assert "k8s" in payload.EXTRAS
+    assert "make -C /quark-src payload PAYLOAD=/opt/quark" in (DEPLOY / "Dockerfile").read_text()
