@@ -36,13 +36,14 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import stat
 import subprocess
 import sys
-import time
 import tomllib
 from collections.abc import Callable
+
+from deploy.node_config import InstallError, first_network, node_runtimes, with_quark_cni, with_runtimes
+from deploy.node_processes import FACTORY, quark_processes, stop_factories
 
 QUARK_HOME = "/opt/quark"
 STATE = f"{QUARK_HOME}/install-state.json"
@@ -56,28 +57,13 @@ SHIM_LINK = "/usr/local/bin/containerd-shim-quark-v1"
 # every host directory this installer writes under --host-root; deploy/daemonset.yaml mounts these
 HOST_DIRS = (QUARK_HOME, CONTAINERD_DIR, QUARK_ETC, CNI_BIN_DEFAULT, CNI_BIN_DEBIAN, CNI_CONF_DEFAULT,
              os.path.dirname(SHIM_LINK))
-BEGIN = "# --- quark's runtimes: added by quark-install (deploy/install.py); --uninstall takes them out ---"
-END = "# --- end of quark's runtimes ---"
-DEFAULT_RUNC = """# containerd's own default runtime, which it drops once its configuration names any other
-[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-  runtime_type = "io.containerd.runc.v2"
-
-"""
 NODE_LABEL = ("quark.io/runtime", "true")
 RESTART_CONTAINERD = "systemctl restart containerd"
-QUARK_CNI = {"type": "quark-cni", "failOpen": True}   # a pod still gets its network when tsord is down
-CNI_VERSIONS = ("0.4.0", "1.0.0", "1.1.0")             # cni/plugin.py's SUPPORTED
 LINK = "\0link:"   # in the record of a file: a symbolic link to what follows
 HERE = os.path.dirname(os.path.abspath(__file__))
-FACTORY = " -m qvisor.factory "   # in a sandbox factory's command line (qvisor/factory/client.py starts it)
-# the payload this installer came with: /opt/quark/lib/python3/dist-packages/deploy_install.py's, or
-# a checkout's build/payload (make payload)
-OWN_PAYLOAD = (os.path.dirname(os.path.dirname(os.path.dirname(HERE))) if HERE.endswith("dist-packages")
-               else os.path.join(os.path.dirname(HERE), "build", "payload"))
-
-
-class InstallError(Exception):
-    pass
+# the payload this installer came with: /opt/quark (the image's, the node's), or a checkout's
+# build/payload (make payload)
+OWN_PAYLOAD = QUARK_HOME if HERE.startswith(QUARK_HOME + "/") else os.path.join(os.path.dirname(HERE), "build", "payload")
 
 
 class Installer:
@@ -142,7 +128,7 @@ class Installer:
 
     def containerd_config(self) -> bool:
         before = len(self.changed)
-        fragment = node_runtimes(open(os.path.join(self.payload, "share", "containerd-quark.toml")).read())
+        fragment = node_runtimes(open(os.path.join(self.payload, "share", "containerd-quark.toml")).read(), QUARK_HOME)
         self._mkdirs(CONTAINERD_DIR)
         self._edit(CONTAINERD_CONFIG, lambda text: with_runtimes(text or "version = 2\n", fragment, CONTAINERD_CONFIG))
         return len(self.changed) > before
@@ -175,12 +161,12 @@ class Installer:
                 raise InstallError(f"{STATE} is missing: {QUARK_HOME} was not made by this installer; "
                                    "nothing removed")
             return   # not installed, or taken off already
-        running = [p for p in quark_processes() if FACTORY not in p]
+        running = [p for p in quark_processes(QUARK_HOME) if FACTORY not in p]
         if running:   # their shims and supervisors would lose their files, containerd its shim
             raise InstallError(f"quark still runs on this node ({'; '.join(running[:5])}): "
                                "remove the pods with runtimeClassName quark and the quark-node DaemonSet "
                                "first; nothing removed")
-        stop_factories()   # no shim is left, so no sandbox: what is left of quark is its idle factories
+        stop_factories(QUARK_HOME)   # no shim is left, so no sandbox: what is left of quark is its idle factories
         containerd_changed = False
         for path, rec in sorted(self.state["files"].items(), reverse=True):
             now = _read(self.host(path))
@@ -310,56 +296,6 @@ class Installer:
             raise InstallError(f"`{shlex.join(argv)}` on the host failed (exit {r.returncode})")
 
 
-def quark_processes(home: str = QUARK_HOME) -> list[str]:
-    """The processes running a program under `home` (the host's, with the DaemonSet's hostPID),
-    but this one and its parent: "PID COMMAND LINE" each."""
-    me, found = {os.getpid(), os.getppid()}, []
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) not in me:
-            try:
-                exe = os.readlink(f"/proc/{name}/exe")
-            except OSError:
-                continue
-            if exe.startswith(home.rstrip("/") + "/"):
-                try:
-                    with open(f"/proc/{name}/cmdline", "rb") as f:
-                        argv = f.read().rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
-                except OSError:
-                    continue
-                found.append(f"{name} {argv[:120]}")
-    return sorted(found, key=lambda p: int(p.split()[0]))
-
-
-def stop_factories(home: str = QUARK_HOME, timeout: float = 10.0) -> None:
-    """SIGTERM to the sandbox factories running from `home` (qvisor/factory/: they stay a while
-    after their last container, and their spare workers with them), and wait for them all to end."""
-    def factories() -> dict[int, int]:   # pid -> parent pid
-        out = {}
-        for p in quark_processes(home):
-            if FACTORY in p:
-                pid = int(p.split()[0])
-                try:
-                    with open(f"/proc/{pid}/stat") as f:
-                        out[pid] = int(f.read().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    pass
-        return out
-    found = factories()
-    for pid, ppid in found.items():
-        if ppid not in found:   # the factory itself; it ends its workers
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + timeout
-    while found and time.monotonic() < deadline:
-        time.sleep(0.1)
-        found = factories()
-    if found:
-        raise InstallError(f"quark's sandbox factories did not stop (pids {', '.join(map(str, found))}); "
-                           "nothing removed")
-
-
 def _read(path: str) -> str | None:
     """A file's text; a symbolic link's target after LINK; None: nothing there."""
     try:
@@ -376,73 +312,6 @@ def _mode(path: str, default: int) -> int:
         return stat.S_IMODE(os.lstat(path).st_mode)
     except FileNotFoundError:
         return default
-
-
-def node_runtimes(fragment: str) -> str:
-    """deploy/containerd/quark.toml's runtime tables for a node: the runc-compatible binary from
-    /opt/quark (the shim is found on containerd's PATH: SHIM_LINK)."""
-    tables = fragment[fragment.index("\n[") + 1:]   # without its header comment and `version`
-    return tables.replace('BinaryName = "/usr/local/bin/quark"', f'BinaryName = "{QUARK_HOME}/bin/quark"')
-
-
-def with_runtimes(text: str, tables: str, path: str) -> str:
-    """containerd's config with quark's runtime tables at its end between BEGIN and END (replacing
-    an earlier version of them), the rest as it was."""
-    try:
-        cfg = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise InstallError(f"{path}: not valid TOML: {e}") from None
-    if cfg.get("version", 1) != 2:
-        raise InstallError(f"{path}: version {cfg.get('version', 1)}: quark's runtimes are written for "
-                           "version 2 (containerd 1.6, 1.7); add deploy/containerd/quark.toml's by hand")
-    ours = tomllib.loads(tables)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)].rstrip("\n") + "\n" + text[text.index(END) + len(END) + 1:]
-        cfg = tomllib.loads(text)
-    runtimes = cfg.get("plugins", {}).get("io.containerd.grpc.v1.cri", {}).get("containerd", {}).get("runtimes", {})
-    taken = sorted(set(runtimes) & set(ours))
-    if taken:
-        raise InstallError(f"{path}: already configures the runtime {taken[0]!r}: take it out, or add "
-                           "quark's by hand")
-    if not runtimes:
-        # a config naming any runtime has only the ones it names: containerd's default runc (the
-        # default_runtime_name) would be gone
-        tables = DEFAULT_RUNC + tables
-    new = text.rstrip("\n") + "\n\n" + f"{BEGIN}\n{tables.rstrip()}\n{END}\n"
-    try:
-        tomllib.loads(new)
-    except tomllib.TOMLDecodeError as e:   # e.g. the file defines these tables in another form
-        raise InstallError(f"{path}: quark's runtimes cannot be added to it ({e}); add them by hand") from None
-    return new
-
-
-def first_network(conf_dir: str) -> str | None:
-    """The network configuration containerd's CRI uses: the first of conf_dir's files by name
-    (libcni's order), or None."""
-    try:
-        names = sorted(n for n in os.listdir(conf_dir) if n.endswith((".conflist", ".conf", ".json")))
-    except FileNotFoundError:
-        return None
-    return os.path.join(conf_dir, names[0]) if names else None
-
-
-def with_quark_cni(text: str | None, path: str) -> str:
-    """A conflist with quark-cni as its last plugin (its place: after the plugins that give the pod
-    its interface and addresses, whose result it reads)."""
-    try:
-        conf = json.loads(text or "")
-    except ValueError as e:
-        raise InstallError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(conf, dict) or not isinstance(conf.get("plugins"), list):
-        raise InstallError(f"{path}: not a conflist (no `plugins` list): quark-cni can only be chained "
-                           "into a plugin list")
-    if conf.get("cniVersion") not in CNI_VERSIONS:
-        raise InstallError(f"{path}: cniVersion {conf.get('cniVersion')!r}: quark-cni chains into "
-                           f"{', '.join(CNI_VERSIONS)}")
-    if any(isinstance(p, dict) and p.get("type") == "quark-cni" for p in conf["plugins"]):
-        return text
-    conf["plugins"].append(dict(QUARK_CNI))
-    return json.dumps(conf, indent=2) + "\n"
 
 
 def label_node(node: str, kubeconfig: str | None = None, remove: bool = False) -> None:

@@ -51,11 +51,13 @@ COMPILED = ("qkernel/_fastpath.so", "tsor/bpf/sockmap.bpf.o", "tsor/bpf/sockopt.
 # which must be the same build): not carried; its pump stays out so that nothing links the payload's
 # libraries to a libibverbs that is not there
 LEFT_OUT = ("_rdma_pump.so",)
+# the installer's modules (deploy/install.py, run as /opt/quark/bin/quark-install)
+INSTALLER = ("install.py", "node_config.py", "node_processes.py")
 # Python programs: name -> (module, function)
 PROGRAMS = {
     "bin/tsord": ("tsor.daemon", "main"),
     "bin/quark-cni": ("cni.plugin", "main"),
-    "bin/quark-install": ("deploy_install", "main"),
+    "bin/quark-install": ("deploy.install", "main"),
     "libexec/quark": ("qvisor.cli", "main"),
     "libexec/containerd-shim-quark-v1": ("shim.main", "main"),
 }
@@ -113,7 +115,9 @@ def install_packages(site: str) -> None:
     for pkg in PACKAGES:
         shutil.copytree(os.path.join(REPO, pkg), os.path.join(site, pkg),
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "_quark", "frontend.c", *LEFT_OUT))
-    shutil.copy2(os.path.join(REPO, "deploy", "install.py"), os.path.join(site, "deploy_install.py"))
+    os.makedirs(os.path.join(site, "deploy"))
+    for name in INSTALLER:
+        shutil.copy2(os.path.join(REPO, "deploy", name), os.path.join(site, "deploy", name))
     for mod in SYSTEM_MODULES:
         for root in sys.path:
             for name in os.listdir(root) if os.path.isdir(root) else ():

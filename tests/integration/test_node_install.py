@@ -71,11 +71,11 @@ def node(tmp_path):
 
 def installer(node, payload: Path, *args: str, config: Path | None = None) -> subprocess.CompletedProcess:
     """deploy/install.py against the node's root, as the init container runs it."""
-    argv = [sys.executable, str(REPO / "deploy/install.py"), "--host-root", str(node.root), "--payload", str(payload),
+    argv = [sys.executable, "-m", "deploy.install", "--host-root", str(node.root), "--payload", str(payload),
             "--host-pid", str(node.pid), "--restart-containerd", fresh_node.RESTART, *args]
     if config:
         argv += ["--config", str(config)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
 def restarted(node, before: int) -> int:

@@ -21,7 +21,7 @@ import yaml
 
 kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes client (pip install -e .) is needed")
 
-from deploy import install  # noqa: E402
+from deploy import install, node_config, node_processes  # noqa: E402
 from tsor import config as tsor_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -287,7 +287,7 @@ def test_installer_on_a_scratch_host_again_upgraded_and_uninstalled(tmp_path):
     assert os.readlink(host / "opt/quark/lib/libz.so") == "libz.so.1"
     # quark's runtimes at the end of containerd's own config, the rest as it was, runc kept
     text = (host / "etc/containerd/config.toml").read_text()
-    assert text.startswith(DEBIAN_CONTAINERD) and install.BEGIN in text
+    assert text.startswith(DEBIAN_CONTAINERD) and node_config.BEGIN in text
     runtimes = tomllib.loads(text)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
     assert runtimes["quark"]["runtime_type"] == "io.containerd.quark.v1" and runtimes["runc"]["runtime_type"] == \
         "io.containerd.runc.v2"
@@ -360,16 +360,16 @@ def test_main_says_what_it_did_and_refuses_a_missing_payload(tmp_path, capsys):
      '    SystemdCgroup = true\n', True),
 ], ids=["no runtimes named", "runc with its options"])
 def test_containerd_runtimes_block(text, has_runc):
-    tables = install.node_runtimes((DEPLOY / "containerd/quark.toml").read_text())
-    new = install.with_runtimes(text, tables, "config.toml")
+    tables = node_config.node_runtimes((DEPLOY / "containerd/quark.toml").read_text(), install.QUARK_HOME)
+    new = node_config.with_runtimes(text, tables, "config.toml")
     assert new.startswith(text.rstrip("\n"))
     runtimes = tomllib.loads(new)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
     # a config that names runtimes keeps its own runc; one that names none gets containerd's default
     assert runtimes["runc"] == ({"runtime_type": "io.containerd.runc.v2", "options": {"SystemdCgroup": True}}
                                 if has_runc else {"runtime_type": "io.containerd.runc.v2"})
-    assert install.with_runtimes(new, tables, "config.toml") == new          # again: the same
-    newer = install.with_runtimes(new, tables.replace("/opt/quark/bin/quark", "/opt/quark/bin/quark2"), "c")
-    assert newer.count(install.BEGIN) == 1 and "/opt/quark/bin/quark2" in newer   # the block replaced
+    assert node_config.with_runtimes(new, tables, "config.toml") == new          # again: the same
+    newer = node_config.with_runtimes(new, tables.replace("/opt/quark/bin/quark", "/opt/quark/bin/quark2"), "c")
+    assert newer.count(node_config.BEGIN) == 1 and "/opt/quark/bin/quark2" in newer   # the block replaced
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -379,9 +379,9 @@ def test_containerd_runtimes_block(text, has_runc):
      "config.toml: already configures the runtime 'quark'"),
 ], ids=["invalid TOML", "version 1", "a runtime named quark already"])
 def test_containerd_config_it_cannot_edit_is_refused_by_name(text, expected):
-    tables = install.node_runtimes((DEPLOY / "containerd/quark.toml").read_text())
-    with pytest.raises(install.InstallError, match=expected):
-        install.with_runtimes(text, tables, "config.toml")
+    tables = node_config.node_runtimes((DEPLOY / "containerd/quark.toml").read_text(), install.QUARK_HOME)
+    with pytest.raises(node_config.InstallError, match=expected):
+        node_config.with_runtimes(text, tables, "config.toml")
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -390,8 +390,8 @@ def test_containerd_config_it_cannot_edit_is_refused_by_name(text, expected):
     (json.dumps({**NETWORK, "cniVersion": "0.3.1"}), "net.conf: cniVersion '0.3.1': quark-cni chains into"),
 ])
 def test_a_network_quark_cni_cannot_join_is_refused_by_name(text, expected):
-    with pytest.raises(install.InstallError, match=expected):
-        install.with_quark_cni(text, "net.conf")
+    with pytest.raises(node_config.InstallError, match=expected):
+        node_config.with_quark_cni(text, "net.conf")
 
 
 def test_quark_processes_and_stopping_idle_factories(tmp_path):
@@ -406,12 +406,12 @@ def test_quark_processes_and_stopping_idle_factories(tmp_path):
                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         time.sleep(0.5)
-        running = {int(p.split()[0]): p for p in install.quark_processes(str(home))}
-        assert {plain.pid, factory.pid} <= set(running) and install.FACTORY not in running[plain.pid]
-        assert all(install.FACTORY in p for pid, p in running.items() if pid != plain.pid)   # it, its workers
-        install.stop_factories(str(home))
+        running = {int(p.split()[0]): p for p in node_processes.quark_processes(str(home))}
+        assert {plain.pid, factory.pid} <= set(running) and node_processes.FACTORY not in running[plain.pid]
+        assert all(node_processes.FACTORY in p for pid, p in running.items() if pid != plain.pid)   # it, its workers
+        node_processes.stop_factories(str(home))
         assert factory.wait(10) is not None and plain.poll() is None
-        assert [int(p.split()[0]) for p in install.quark_processes(str(home))] == [plain.pid]
+        assert [int(p.split()[0]) for p in node_processes.quark_processes(str(home))] == [plain.pid]
     finally:
         for p in (plain, factory):
             p.kill()
@@ -453,11 +453,11 @@ def test_label_node_says_what_the_api_server_answered(kube):
     the node, the label and the server's answer (no client exception dump)."""
     api, kubeconfig = kube
     what = f"labelling node node-x {install.NODE_LABEL[0]}={install.NODE_LABEL[1]}"
-    with pytest.raises(install.InstallError) as e:
+    with pytest.raises(node_config.InstallError) as e:
         install.label_node("node-x", kubeconfig)
     assert str(e.value) == f"{what}: the API server answered 404 Not Found"
     api.forbid("nodes")
-    with pytest.raises(install.InstallError) as e:
+    with pytest.raises(node_config.InstallError) as e:
         install.label_node("node-a", kubeconfig)
     assert str(e.value) == f"{what.replace('node-x', 'node-a')}: the API server answered 403 Forbidden"
     assert install.NODE_LABEL[0] not in api.objects["nodes"][("", "node-a")]["metadata"]["labels"]
