@@ -32,6 +32,7 @@ instead of running them.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import shlex
@@ -116,7 +117,7 @@ class Installer:
                 path = os.path.join(dirpath, name)
                 rel = os.path.relpath(path, dest)
                 if rel not in wanted and "/" + os.path.relpath(path, self.root) != STATE:
-                    shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+                    _remove(path)
                     self.changed.append("/" + os.path.relpath(path, self.root))
 
     def link_programs(self) -> None:
@@ -181,8 +182,7 @@ class Installer:
             containerd_changed |= path.startswith(CONTAINERD_DIR + "/")
         # its contents: /opt/quark itself may be a mount point (the DaemonSet's hostPath)
         for name in os.listdir(self.host(QUARK_HOME)):
-            path = os.path.join(self.host(QUARK_HOME), name)
-            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+            _remove(os.path.join(self.host(QUARK_HOME), name))
         self.changed.append(QUARK_HOME)
         for d in sorted(self.state["dirs"], key=len, reverse=True):   # the ones it made, if empty now
             if os.path.isdir(self.host(d)) and not os.listdir(self.host(d)) and not os.path.ismount(self.host(d)):
@@ -251,9 +251,10 @@ class Installer:
     def _copy(self, src: str, dst: str) -> None:
         try:
             s, d = os.stat(src), os.lstat(dst)
-            if stat.S_ISREG(d.st_mode) and (s.st_size, int(s.st_mtime), s.st_mode) == \
-                    (d.st_size, int(d.st_mtime), d.st_mode):
-                return   # copy2 kept size, time and mode: the same file
+            # copy2 keeps size, time and mode; a rebuilt payload's unchanged file has another time
+            if stat.S_ISREG(d.st_mode) and s.st_size == d.st_size and s.st_mode == d.st_mode and (
+                    int(s.st_mtime) == int(d.st_mtime) or filecmp.cmp(src, dst, shallow=False)):
+                return
         except FileNotFoundError:
             pass
         tmp = dst + ".quark-tmp"
@@ -265,10 +266,7 @@ class Installer:
         if os.path.islink(path) and os.readlink(path) == target:
             return False
         if os.path.lexists(path):
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
+            _remove(path)
         os.symlink(target, path)
         self.changed.append("/" + os.path.relpath(path, self.root))
         return True
@@ -294,6 +292,13 @@ class Installer:
         r = subprocess.run(on_host + argv)
         if r.returncode != 0:
             raise InstallError(f"`{shlex.join(argv)}` on the host failed (exit {r.returncode})")
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def _read(path: str) -> str | None:

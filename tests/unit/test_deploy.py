@@ -304,6 +304,12 @@ def test_installer_on_a_scratch_host_again_upgraded_and_uninstalled(tmp_path):
     again.install()
     assert (again.changed, again.commands) == ([], [])   # idempotent: no write, no restart
 
+    # a rebuilt payload, the same files at another time: nothing copied
+    for f in (payload / "lib/python3.11/os.py", payload / "bin/quark-cni"):
+        os.utime(f, (f.stat().st_atime, f.stat().st_mtime + 100))
+    rebuilt = install.Installer(str(host), str(payload), str(conf), dry_run=True)
+    rebuilt.install()
+    assert (rebuilt.changed, rebuilt.commands) == ([], [])
     # a newer payload: only its changed file copied, the one it no longer has removed, no restart
     (payload / "bin/quark").write_text("front end 2")
     (payload / "lib/libz.so.1").unlink()
