@@ -26,8 +26,8 @@ kubectl:
 
 venv: $(VENV)/.installed
 
-# A fresh node's root for tests/integration/test_node_install.py: Debian with containerd, runc, the
-# CNI plugins and iproute2, no Python (mmdebstrap from Debian's archive; a tarball under
+# Fresh nodes' roots for tests/integration/test_node_install.py: Debian 12 and 13 with containerd,
+# runc, the CNI plugins and iproute2, no Python (mmdebstrap from Debian's archive; tarballs under
 # /var/cache/quark-node, made once: tests/support/fresh_node.py)
 node-root: apt venv
 	@$(PY) -m tests.support.fresh_node --build >/dev/null

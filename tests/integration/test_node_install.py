@@ -1,7 +1,8 @@
 """quark installed on a fresh node, as the DaemonSet's installer does it, and taken off again.
 
 The node (tests/support/fresh_node.py) is a Debian root from Debian's archive with only containerd,
-runc, the CNI plugins and iproute2 — no Python — booted in namespaces of its own, with a bridge +
+runc, the CNI plugins and iproute2 — no Python — booted in namespaces of its own (Debian 12, and
+Debian 13, whose glibc is newer than the one the payload brings), with a bridge +
 host-local network configuration as a cluster's network plugin leaves one. The payload is built
 from this tree (deploy/payload.py) and installed with --host-root, as the init container does; then,
 on the node, containerd runs two pods with handler `quark` through CRI (the project's grpcio client),
@@ -29,14 +30,13 @@ except ImportError:  # pytest put tests/integration itself on sys.path
     import cri_env
 
 REPO = Path(__file__).resolve().parents[2]
-SKIP = fresh_node.skip_reason() or cri_env.skip_reason() or (
+SKIP = cri_env.skip_reason() or (
     None if os.path.exists(REPO / "qkernel/_fastpath.so") else "the fast path is not built (make install)")
 pytestmark = [pytest.mark.root, pytest.mark.timeout(900), pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 if SKIP is None:
     from tests.integration.test_cri import wait_for
     from tests.support.cri import cri_v1_pb2 as pb
 
-PAUSE = "registry.k8s.io/pause:3.6"     # the node's containerd's default sandbox_image
 IMAGE = cri_env.BUSYBOX_IMAGE
 SUBNET = "10.88.0.0/16"
 NETWORK = {"cniVersion": "1.0.0", "name": "cbr0", "plugins": [
@@ -56,9 +56,12 @@ def payload(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture
-def node(tmp_path):
-    n = fresh_node.FreshNode(tmp_path)
+@pytest.fixture(params=fresh_node.SUITES)
+def node(request, tmp_path):
+    reason = fresh_node.skip_reason(request.param)
+    if reason:
+        pytest.skip(reason)
+    n = fresh_node.FreshNode(tmp_path, request.param)
     try:
         n.unpack()
         n.write("/etc/cni/net.d/10-cbr0.conflist", json.dumps(NETWORK, indent=2) + "\n")
@@ -116,6 +119,12 @@ class NodeCri:
         return "".join(line.split(" ", 3)[3] + "\n" for line in text.splitlines() if line.count(" ") >= 3)
 
 
+def sandbox_image(node) -> str:
+    """The pause image the node's containerd runs pods with (its version's default)."""
+    dump = tomllib.loads(node.run(["containerd", "config", "dump"]).stdout)
+    return dump["plugins"]["io.containerd.grpc.v1.cri"]["sandbox_image"]
+
+
 def metrics(node) -> dict[str, float]:
     from tsor.metrics import fetch, parse
     return parse(fetch(str(node.path("/run/quark/metrics.sock"))))
@@ -154,7 +163,8 @@ def test_install_on_a_fresh_node_run_quark_pods_through_cri_and_uninstall(node, 
     # loads only while the default runtime, runc, is still configured: the pods below show it did)
     images = tmp_path / "images"
     images.mkdir()
-    for tar in (cri_env.pause_image_tar(images / "pause.tar", PAUSE), ce.busybox_image_tar(images / "bb.tar", IMAGE)):
+    pause = sandbox_image(node)   # under the name the node's containerd looks for (nothing is pulled)
+    for tar in (cri_env.pause_image_tar(images / "pause.tar", pause), ce.busybox_image_tar(images / "bb.tar", IMAGE)):
         node.path(f"/tmp/{tar.name}").write_bytes(tar.read_bytes())
         node.run(["ctr", "-n", "k8s.io", "images", "import", f"/tmp/{tar.name}"])
     tsord = node.spawn(["/opt/quark/bin/tsord", "--config", "/etc/quark/tsor.yaml", "--debug"], "/run/tsord.log")

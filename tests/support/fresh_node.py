@@ -2,8 +2,11 @@
 what a node brings (containerd, runc, the CNI plugins, iproute2; no Python), booted in namespaces of
 its own.
 
-    make node-root                        # builds the root's tarball (mmdebstrap), once
+    make node-root                        # builds the roots' tarballs (mmdebstrap), once
     python -m tests.support.fresh_node --build
+
+Two suites: Debian 12 (bookworm: containerd 1.6, the glibc the payload is built with) and Debian 13
+(trixie: containerd 1.7, a newer glibc than the payload's).
 
 `FreshNode` unpacks it into a directory, gives it a network configuration as a cluster's network
 plugin would (bridge + host-local), and boots it: new mount, pid, network, UTS, IPC and cgroup
@@ -29,11 +32,10 @@ import sys
 import time
 from pathlib import Path
 
-SUITE = "bookworm"
+SUITES = ("bookworm", "trixie")
 MIRROR = "http://deb.debian.org/debian"
 PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iproute2")
 CACHE = Path("/var/cache/quark-node")
-TARBALL = CACHE / f"{SUITE}-{hashlib.sha256(' '.join(PACKAGES).encode()).hexdigest()[:12]}.tar"
 # what the node itself writes at run time, not the installer: left out of snapshots
 RUNTIME_DIRS = ("proc", "sys", "dev", "run", "tmp", "mnt", "var/lib/containerd", "var/lib/cni", "var/log")
 RESTART = "sh -c 'kill -HUP 1'"   # the node init's restart of containerd (--restart-containerd)
@@ -48,30 +50,35 @@ while :; do sleep 1 & wait $!; done
 """
 
 
-def skip_reason() -> str | None:
+def tarball(suite: str) -> Path:
+    return CACHE / f"{suite}-{hashlib.sha256(' '.join(PACKAGES).encode()).hexdigest()[:12]}.tar"
+
+
+def skip_reason(suite: str) -> str | None:
     if os.geteuid() != 0:
         return "needs root (namespaces, mounts, cgroups)"
-    if not TARBALL.exists():
-        return f"no node root at {TARBALL} (make node-root builds it with mmdebstrap)"
+    if not tarball(suite).exists():
+        return f"no node root at {tarball(suite)} (make node-root builds it with mmdebstrap)"
     for tool in ("unshare", "nsenter", "pivot_root"):
         if not shutil.which(tool):
             return f"{tool} missing (util-linux)"
     return None
 
 
-def build() -> Path:
+def build(suite: str) -> Path:
     """The node root's tarball, made with mmdebstrap from Debian's archive when missing."""
-    if TARBALL.exists():
-        return TARBALL
+    path = tarball(suite)
+    if path.exists():
+        return path
     CACHE.mkdir(parents=True, exist_ok=True)
-    tmp = TARBALL.with_suffix(".tmp.tar")
-    subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE,
+    tmp = path.with_suffix(".tmp.tar")
+    subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(PACKAGES)}", suite,
                     str(tmp), MIRROR], check=True)
-    tmp.rename(TARBALL)
-    for old in CACHE.glob(f"{SUITE}-*.tar"):   # an earlier package list's
-        if old != TARBALL:
+    tmp.rename(path)
+    for old in CACHE.glob(f"{suite}-*.tar"):   # an earlier package list's
+        if old != path:
             old.unlink()
-    return TARBALL
+    return path
 
 
 def cgroup_mounts() -> list[tuple[str, str, str]]:
@@ -110,8 +117,8 @@ def snapshot(root: Path) -> dict[str, tuple]:
 
 
 class FreshNode:
-    def __init__(self, base: Path, name: str = "node-a") -> None:
-        self.base, self.name = base, name
+    def __init__(self, base: Path, suite: str = SUITES[0], name: str = "node-a") -> None:
+        self.base, self.suite, self.name = base, suite, name
         self.root = base / "root"
         self.cgroup = f"quark-node-{os.getpid()}-{base.name}"
         self.proc: subprocess.Popen | None = None
@@ -119,7 +126,7 @@ class FreshNode:
 
     def unpack(self) -> None:
         self.root.mkdir(parents=True)
-        subprocess.run(["tar", "-xf", str(TARBALL), "--numeric-owner", "-C", str(self.root)], check=True)
+        subprocess.run(["tar", "-xf", str(tarball(self.suite)), "--numeric-owner", "-C", str(self.root)], check=True)
 
     def write(self, path: str, text: str, mode: int = 0o644) -> None:
         dest = self.root / path.lstrip("/")
@@ -245,10 +252,11 @@ class FreshNode:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--build", action="store_true", help="make the node root's tarball if missing")
+    p.add_argument("--build", action="store_true", help="make the node roots' tarballs if missing")
     args = p.parse_args(argv)
     if args.build:
-        print(build())
+        for suite in SUITES:
+            print(build(suite))
     return 0
 
 
