@@ -94,10 +94,13 @@ def build_base_filter(platform: str, sockets: bool = True, caps: frozenset[str] 
             for pattern in only.patterns if only is not None else ():
                 f.add_rule(trap, nr, *(seccomp.Arg(c[0], _COMPARE[c[2]] if len(c) > 2 else seccomp.EQ, c[1])
                                        for c in pattern))
-        elif not sc.applies(caps, own_namespaces):
-            continue   # granted (or only denied to holders of a capability this process lacks)
         else:
-            add_denial(f, sc, nr, granted=sc.granted(caps, own_namespaces))
+            granted = sc.granted(caps, own_namespaces)
+            # a grant's trapped patterns: the handler decides (e.g. which filesystem a new mount makes)
+            for index, mask, value in sc.grant.trapped if granted else ():
+                f.add_rule(trap, nr, seccomp.Arg(index, seccomp.MASKED_EQ, mask, value))
+            if sc.applies(caps, own_namespaces):   # else granted, or only denied to holders of a
+                add_denial(f, sc, nr, granted=granted)   # capability this process lacks
     return f
 
 

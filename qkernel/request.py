@@ -19,6 +19,8 @@ from qlib import linux
 if TYPE_CHECKING:
     from qkernel.kernel import Kernel
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
 
 @dataclass(frozen=True)
 class Continue:
@@ -100,6 +102,19 @@ class Request:
         self._check_valid()
         return data
 
+    def read_string(self, addr: int, limit: int) -> bytes | None:
+        """The NUL-terminated string at `addr`, without its NUL; None if none ends within `limit`
+        bytes. Read a page at a time, so a string that ends just before an unmapped page is read
+        as the kernel would read it."""
+        out = b""
+        while len(out) < limit:
+            chunk = self.read(addr + len(out), min(_PAGE - (addr + len(out)) % _PAGE, limit - len(out)))
+            end = chunk.find(b"\0")
+            if end >= 0:
+                return out + chunk[:end]
+            out += chunk
+        return None
+
     def write(self, addr: int, data: bytes) -> None:
         self._mem().write(addr, data)
 
@@ -118,6 +133,11 @@ class Request:
     def _check_valid(self) -> None:
         if not self.is_valid():
             raise TaskGone(self.pid)
+
+    def check_valid(self) -> None:
+        """Raise TaskGone unless the request is still the task's: after opening anything of the
+        task's by pid (/proc/PID/...), so that what was opened is not a reused pid's."""
+        self._check_valid()
 
     def release(self) -> None:
         if self._memory is not None:

@@ -7,6 +7,7 @@ from), plus the syscalls newer than libseccomp 2.5.4, listed here by hand.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import errno
 import functools
@@ -18,7 +19,7 @@ import seccomp
 
 from qlib import linux, sockopts
 
-from qkernel.syscalls import sys_personality, sys_socket, sys_sysinfo
+from qkernel.syscalls import sys_mount, sys_personality, sys_socket, sys_sysinfo
 
 CLONE_NEWUSER = 0x10000000
 
@@ -57,11 +58,16 @@ class Grant:
     """A DENIED entry that runs natively for a process holding `cap` (in its bounding set, as Docker's
     default profile reads `includes.caps`) in a container that has its own namespace of kind
     `namespace`, so the call acts only on the container's own namespace. `still_denied`: argument
-    patterns (index, mask, value: `args[index] & mask == value`) that stay denied even then."""
+    patterns (index, mask, value: `args[index] & mask == value`) that stay denied even then.
+    `trapped`: patterns (the same form) that are neither native nor denied for such a process but
+    trapped, for `handler` to decide and carry out: what the filter cannot judge from registers
+    (mount(2)'s filesystem type is behind a pointer)."""
     cap: str
     namespace: str
     still_denied: tuple[tuple[int, int, int], ...] = ()
     describe: str = ""
+    trapped: tuple[tuple[int, int, int], ...] = ()
+    handler: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -146,15 +152,27 @@ _PROPAGATION = MS_UNBINDABLE | MS_PRIVATE | MS_SLAVE | MS_SHARED
 # (qvisor/rootfs_lock.py), so the kernel refuses to unmount, move, strip or make writable any of them.
 # Still denied, in the order mount(2) reads its flags: a superblock remount (MS_REMOUNT without
 # MS_BIND: it changes the filesystem for every mount of it, the host's too), a bind remount that is not
-# read-only, and a new filesystem or MS_MOVE (no MS_BIND, MS_REMOUNT or propagation flag): the
-# filesystem type is behind a pointer the filter cannot read, and a fresh proc, sysfs or cgroup v1
-# mount would show the host's writable knobs without quark's masks.
+# read-only, and MS_MOVE. A new filesystem
+# (none of MS_BIND, MS_REMOUNT, MS_MOVE or a propagation flag) is trapped: its type is behind a
+# pointer the filter cannot read, and a fresh proc, sysfs or cgroup v1 mount would show the host's
+# writable knobs without quark's masks, so the supervisor reads the type and makes the mount itself
+# (qkernel/syscalls/sys_mount.py: tmpfs only; anything else stays EPERM).
+# The flags may carry mount(2)'s old magic number (0xC0ED in the top half of the low 32 bits), which
+# the kernel drops before it reads them: its bits include MS_PRIVATE and MS_SLAVE, so to the patterns
+# above such a call looks like a propagation change. The magic patterns judge it by what the kernel
+# keeps (without them a magic new cgroup v1 mount ran natively: the host's hierarchy, writable).
+_MGC_MSK, _MGC_VAL = 0xFFFF0000, 0xC0ED0000
 _MOUNT_GRANT = Grant("CAP_SYS_ADMIN", "mount", (
     (3, MS_REMOUNT | MS_BIND, MS_REMOUNT),
     (3, MS_REMOUNT | MS_BIND | MS_RDONLY, MS_REMOUNT | MS_BIND),
-    (3, MS_REMOUNT | MS_BIND | _PROPAGATION, 0),
-), "CAP_SYS_ADMIN and its own mount namespace, for bind mounts, propagation changes and read-only bind "
-   "remounts; new filesystems, MS_MOVE and other remounts stay EPERM")
+    (3, MS_REMOUNT | MS_BIND | MS_MOVE | _PROPAGATION, MS_MOVE),
+    (3, _MGC_MSK | MS_REMOUNT | MS_BIND | MS_MOVE, _MGC_VAL | MS_MOVE),
+), "CAP_SYS_ADMIN and its own mount namespace, for bind mounts, propagation changes, read-only bind "
+   "remounts and a new tmpfs (made by the supervisor, sys_mount.handle); other new filesystems, MS_MOVE and "
+   "other remounts stay EPERM", trapped=(
+    (3, MS_REMOUNT | MS_BIND | MS_MOVE | _PROPAGATION, 0),
+    (3, _MGC_MSK | MS_REMOUNT | MS_BIND | MS_MOVE, _MGC_VAL),
+), handler=sys_mount.handle)
 _MOUNTS_OWN = Grant("CAP_SYS_ADMIN", "mount", (), "CAP_SYS_ADMIN and its own mount namespace, where quark's own "
                     "mounts are locked")
 _UTS_OWN = Grant("CAP_SYS_ADMIN", "uts", (), "CAP_SYS_ADMIN and its own UTS namespace")
@@ -328,5 +346,10 @@ def entries(fate: Fate) -> list[Syscall]:
 
 
 def handlers(arch: str) -> dict[int, Syscall]:
-    """Trapped syscalls by number on `arch`: what the dispatcher looks up."""
-    return {s.nr(arch): s for s in entries(Fate.TRAPPED) if s.nr(arch) is not None}
+    """Trapped syscalls by number on `arch`: what the dispatcher looks up. A DENIED entry whose grant
+    traps some of its calls (Grant.trapped) is there too, with the grant's handler."""
+    out = {s.nr(arch): s for s in entries(Fate.TRAPPED) if s.nr(arch) is not None}
+    for s in entries(Fate.DENIED):
+        if s.grant is not None and s.grant.trapped and s.nr(arch) is not None:
+            out[s.nr(arch)] = dataclasses.replace(s, handler=s.grant.handler)
+    return out

@@ -143,6 +143,13 @@ def umount2(target: str, flags: int = 0) -> None:
     _check(_libc.umount2(_b(target), ctypes.c_int(flags)), "umount2", target)
 
 
+def set_fs_ids(uid: int, gid: int) -> None:
+    """setfsgid, then setfsuid: the ids permission checks use and new inodes (a new tmpfs's root
+    too) are owned by. Neither reports failure; a caller without CAP_SETUID/SETGID keeps its own."""
+    _libc.setfsgid(ctypes.c_uint(gid))
+    _libc.setfsuid(ctypes.c_uint(uid))
+
+
 def pivot_root(new_root: str, put_old: str) -> None:
     _check(_libc.syscall(_SYS_PIVOT_ROOT, _b(new_root), _b(put_old)), "pivot_root", new_root)
 

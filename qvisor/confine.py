@@ -31,7 +31,11 @@ it is inherited by those processes, where quark's base policy denies the same ca
 Because exec'd processes inherit it, a call that QKernel's table grants the container (a capability
 it holds in a namespace of its own: sethostname in its own UTS namespace, bind mounts in its own
 mount namespace, qkernel/table.py's Grant) is let through this filter too, with the same argument
-restrictions; the supervisor itself never makes it.
+restrictions. The supervisor itself makes one of them: a new tmpfs a container granted mounts asks
+for (the grant traps new filesystems, and a child of the supervisor mounts the tmpfs in the
+container's mount namespace: qkernel/syscalls/sys_mount.py), so for such a container a
+new-filesystem mount(2) passes this filter; QKernel's filter still traps it in the container's
+processes.
 """
 from __future__ import annotations
 

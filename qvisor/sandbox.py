@@ -258,13 +258,15 @@ def _set_names(spec: Spec) -> None:
                 raise SetupError(f"{field}: {value!r}: {os.strerror(e.errno)}{hint}") from None
 
 
-def mounts_granted(spec: Spec) -> bool:
+def mounts_granted(spec: Spec, own_namespaces: frozenset[str] | None = None) -> bool:
     """Will QKernel let the container's processes mount (qkernel/table.py's grant for mount)? Exec'd
-    processes cannot hold more than the supervisor keeps, which is what the init's process lists."""
+    processes cannot hold more than the supervisor keeps, which is what the init's process lists.
+    `own_namespaces`: validate.own_namespaces(spec), for a caller before create has set
+    spec.own_namespaces."""
     from qkernel import table
     caps = spec.process.capabilities
     held = set().union(caps.bounding, caps.effective, caps.permitted) if caps is not None else set()
-    return table.by_name()["mount"].granted(held, spec.own_namespaces)
+    return table.by_name()["mount"].granted(held, spec.own_namespaces if own_namespaces is None else own_namespaces)
 
 
 def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preserve_fds: int = 0) -> None:

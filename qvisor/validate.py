@@ -37,6 +37,26 @@ def own_namespaces(spec: Spec) -> frozenset[str]:
                                                   else owns_namespace(spec, k)))
 
 
+def _check_bidirectional(spec: Spec, fail: Callable[[str, str], NoReturn]) -> None:
+    """A shared mount (Kubernetes' Bidirectional propagation) promises that what the container mounts
+    under it appears on the host. For a container that may mount (QKernel's grant: CAP_SYS_ADMIN in
+    its own mount namespace) quark cannot keep that promise: it locks such a container's mounts in a
+    copy of its mount namespace made for a less privileged user namespace (qvisor/rootfs_lock.py), and
+    the kernel turns every shared mount of such a copy into a slave. Refused rather than silently made
+    one-way; a container that cannot mount has nothing to send back, and gets the mount as runc does."""
+    from qvisor.sandbox import mounts_granted
+    if not mounts_granted(spec, own_namespaces(spec)):
+        return
+    for i, m in enumerate(spec.mounts):
+        shared = next((o for o in m.options if o in ("shared", "rshared")), None)
+        if shared:
+            fail(f"mounts[{i}].options", f"{shared} ({m.destination}; Kubernetes' Bidirectional mount "
+                 "propagation) is not supported by quark for a container that may mount (CAP_SYS_ADMIN in "
+                 "its own mount namespace, e.g. a privileged one): quark keeps such a container's mounts in a "
+                 "locked mount namespace, where the kernel makes shared mounts slaves, so nothing it mounts "
+                 "there could reach the host; use rslave (HostToContainer) to see the host's mounts")
+
+
 def _check_sysctl(spec: Spec, fail: Callable[[str, str], NoReturn]) -> None:
     for key in spec.linux.sysctl:
         k = sysctl_key(key)
@@ -114,6 +134,7 @@ def check_supported(spec: Spec) -> None:
         for key, maps in (("uidMappings", m.uid_mappings), ("gidMappings", m.gid_mappings)):
             if maps:  # `quark features` says mountExtensions.idmap is not enabled
                 fail(f"mounts[{i}].{key}", "idmapped mounts are not supported")
+    _check_bidirectional(spec, fail)
     if spec.linux.seccomp is not None and spec.linux.seccomp.listener_path:
         fail("linux.seccomp.listenerPath", "seccomp agents are not supported "
                                            "(quark's own kernel services the notifications)")

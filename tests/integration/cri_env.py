@@ -1,7 +1,8 @@
 """A private containerd with its CRI plugin on, for driving pods the way kubelet does.
 
 `CriContainerd` is `containerd_env.Containerd` with the CRI plugin enabled and configured:
-runtime handlers `quark` (io.containerd.quark.v1, pod_annotations as in deploy/containerd/quark.toml)
+runtime handlers `quark` (io.containerd.quark.v1, privileged_without_host_devices and pod_annotations as in
+deploy/containerd/quark.toml)
 and `runc` (io.containerd.runc.v2); sandbox_image a pause image built here from a static C program;
 CNI with its own conf and bin dirs: bridge + host-local (Debian's containernetworking-plugins) on a
 subnet and bridge of this worktree's own, plus `quark-cni` chained after them when it is installed
@@ -187,6 +188,7 @@ state = "{self.state}"
     snapshotter = "overlayfs"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.quark]
       runtime_type = "{ce.RUNTIME}"
+      privileged_without_host_devices = true
       pod_annotations = ["io.quark.*"]
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"

@@ -9,7 +9,10 @@ whether privileged and Unconfined are honoured inside the sandbox (reported in `
 """
 from __future__ import annotations
 
+import errno
+import json
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -180,13 +183,50 @@ def test_cap_sys_admin_bind_mounts_and_propagation_in_own_mount_namespace(quark,
     assert host_mounts(quark) == before
 
 
+@pytest.fixture(scope="module")
+def mount_probe(tmp_path_factory) -> str:
+    from tests.integration.test_qkernel_platforms import compile_c
+    return compile_c(tmp_path_factory.mktemp("mount-probe"), "mount_probe", "-static")
+
+
+def test_cap_sys_admin_mounts_a_tmpfs_and_no_other_new_filesystem(quark, bundle, mount_probe):
+    """A new tmpfs works in the container's own mount namespace (the supervisor makes it: the filter
+    cannot read the type), from the init and from an exec'd process; proc, sysfs and cgroup stay EPERM,
+    also when the flags carry mount(2)'s old magic number (whose top bits look like propagation flags to
+    the filter: a magic cgroup v1 mount once ran natively, the host's hierarchy writable), and so does
+    MS_MOVE; nothing reaches the host's mount table."""
+    script = ("mkdir -p /tmp/t /tmp/p /tmp/m && mount -t tmpfs -o size=1m,mode=700 tmpfs /tmp/t && "
+              "echo data > /tmp/t/f && cat /tmp/t/f && grep ' /tmp/t ' /proc/self/mountinfo | sed 's/.* - //'; "
+              "stat -c %a /tmp/t; mount -t proc proc /tmp/p 2>&1; mount -t sysfs sysfs /tmp/p 2>&1; "
+              "/mount_probe cgroup /tmp/p cgroup 0 none,name=qtest; "
+              "/mount_probe cgroup /tmp/p cgroup c0ed0000 none,name=qtest; /mount_probe tmpfs /tmp/m tmpfs c0ed0000; "
+              "/mount_probe tmpfs /tmp/m tmpfs 2000; umount /tmp/t && ls /tmp/t && echo end")
+    before = host_mounts(quark)
+    b = bundle(["sh", "-c", script], readonly=False)
+    shutil.copy(mount_probe, os.path.join(b, "rootfs", "mount_probe"))
+    edit_config(b, lambda s: (cri_container(s), add_caps(s, ["CAP_SYS_ADMIN"])))
+    r = quark("run", "--bundle", b, "tmpfs-init", check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines() == [
+        "data", "tmpfs tmpfs rw,size=1024k,mode=700", "700",
+        "mount: permission denied (are you root?)", "mount: permission denied (are you root?)",
+        f"{errno.EPERM}", f"{errno.EPERM}", "0", f"{errno.EPERM}", "end"], r.stdout
+    _long_running(quark, bundle, "tmpfs-exec", lambda s: (cri_container(s), add_caps(s, ["CAP_SYS_ADMIN"])))
+    r = _exec(quark, "tmpfs-exec", "mkdir -p /tmp/e && mount -t tmpfs tmpfs /tmp/e && touch /tmp/e/x && "
+                                   "grep -c ' /tmp/e .* - tmpfs ' /proc/self/mountinfo")
+    assert r.stdout.strip() == "1", r.stdout + r.stderr
+    assert host_mounts(quark) == before
+
+
 def test_cap_sys_admin_in_a_user_namespace_binds_and_quarks_mounts_stay_locked(quark, bundle, tmp_path):
-    """The same grant in a container with a user namespace (root = host uid 100000): binds work, and
-    quark's masks and read-only paths, made inside that namespace, are locked too."""
+    """The same grant in a container with a user namespace (root = host uid 100000): binds and a tmpfs
+    (owned by the container's root) work, and quark's masks and read-only paths, made inside that
+    namespace, are locked too."""
     for p in [tmp_path, *tmp_path.parents]:   # let the mapped root walk down to the bundle
         if p != p.parent and not os.stat(p).st_mode & 0o001:
             os.chmod(p, os.stat(p).st_mode | 0o011)
     b = bundle(["sh", "-c", "mkdir -p /tmp/a /tmp/b && mount --bind /tmp/a /tmp/b && echo bind-ok; "
+                            "mkdir -p /tmp/t && mount -t tmpfs tmpfs /tmp/t && touch /tmp/t/y && stat -c %u /tmp/t /tmp/t/y; "
                             "mount --bind /proc /tmp/b 2>&1; umount /proc/sys 2>&1; echo end"], readonly=False)
 
     def edit(s):
@@ -198,7 +238,7 @@ def test_cap_sys_admin_in_a_user_namespace_binds_and_quarks_mounts_stay_locked(q
     edit_config(b, edit)
     subprocess.run(["chown", "-R", "100000:100000", os.path.join(b, "rootfs")], check=True)
     out = quark("run", "--bundle", b, "userns-binds").stdout
-    assert out.splitlines() == ["bind-ok", "mount: mounting /proc on /tmp/b failed: Invalid argument",
+    assert out.splitlines() == ["bind-ok", "0", "0", "mount: mounting /proc on /tmp/b failed: Invalid argument",
                                 "umount: can't unmount /proc/sys: Invalid argument", "end"], out
 
 
@@ -211,13 +251,14 @@ def test_mounts_stay_refused_without_cap_sys_admin(quark, bundle):
 
 # --- 2. privileged, honoured inside the sandbox (the default) ---------------------------------------
 
-def test_privileged_in_the_sandbox_is_reported_and_a_shared_volume_carries_nothing_to_the_host(
+def test_privileged_in_the_sandbox_is_reported_and_a_host_to_container_volume_carries_nothing_back(
         quark, bundle, tmp_path):
-    """A CRI privileged container with a Bidirectional-style volume (rbind, rshared, from a shared
-    host mount) mounts inside it; the host's mount table is unchanged (the container's mount namespace
-    is a locked copy, where the volume is a slave of the host's). `quark state` and the supervisor's
-    log say what was honoured and what quark kept."""
-    vol = tmp_path / "bidir"
+    """A CRI privileged container with a HostToContainer volume (rbind, rslave, from a shared host
+    mount) mounts inside it; the host's mount table is unchanged. `quark state` and the supervisor's
+    log say what was honoured and what quark kept. The same volume Bidirectional (rshared) is refused
+    at create, naming the field, with nothing left behind: quark's locked mount namespace would turn
+    it into a slave, so the container's mounts could never reach the host as Bidirectional promises."""
+    vol = tmp_path / "vol"
     vol.mkdir()
     subprocess.run(["mount", "--bind", str(vol), str(vol)], check=True)
     subprocess.run(["mount", "--make-shared", str(vol)], check=True)
@@ -227,11 +268,11 @@ def test_privileged_in_the_sandbox_is_reported_and_a_shared_volume_carries_nothi
         b = bundle(["sh", "-c", "mkdir -p /tmp/x && touch /tmp/x/marker && mount --bind /tmp/x /vol/sub && "
                                 "ls /vol/sub > /result.txt"], readonly=False)
 
-        def edit(s):
+        def edit(s, propagation="rslave"):
             cri_privileged(s)
             s["mounts"].append({"destination": "/vol", "type": "bind", "source": str(vol),
-                                "options": ["rbind", "rshared"]})
-            s["linux"]["rootfsPropagation"] = "rshared"   # what containerd sets for a Bidirectional mount
+                                "options": ["rbind", propagation]})
+            s["linux"]["rootfsPropagation"] = propagation   # what containerd sets along with such a mount
         edit_config(b, edit)
         quark("create", "--bundle", b, "priv")
         annotations = quark.state("priv")["annotations"]
@@ -247,8 +288,23 @@ def test_privileged_in_the_sandbox_is_reported_and_a_shared_volume_carries_nothi
             assert f.read().split() == ["marker"]   # the bind worked inside
         assert host_mounts(quark) == before              # and reached no host mount table
         assert os.listdir(vol / "sub") == []
+        quark("delete", "priv")
+
+        b2 = bundle(["true"], readonly=False)
+        edit_config(b2, lambda s: edit(s, "rshared"))
+        r = quark("create", "--bundle", b2, "bidir", check=False)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        index = len(json_of(b2)["mounts"]) - 1
+        assert f"config.json: mounts[{index}].options: rshared (/vol; Kubernetes' Bidirectional" in r.stderr, r.stderr
+        assert "use rslave (HostToContainer)" in r.stderr
+        assert_nothing_left(quark, "bidir", before)
     finally:
         subprocess.run(["umount", "-R", str(vol)], check=False)
+
+
+def json_of(bundle_dir: str) -> dict:
+    with open(os.path.join(bundle_dir, "config.json")) as f:
+        return json.load(f)
 
 
 def test_privileged_sandbox_report_and_what_the_container_sees(quark, bundle):
