@@ -174,12 +174,17 @@ def test_runtimeclass_names_the_handler_containerd_registers():
     assert rc.scheduling.node_selector == {install.NODE_LABEL[0]: install.NODE_LABEL[1]}
 
 
-def test_pod_overhead_covers_the_measured_supervisor():
+def test_pod_overhead_covers_what_a_pod_costs_outside_its_cgroup():
+    """podFixed memory is bench/pod_overhead.py's figure (a pod's shim and both supervisors, PSS,
+    the median once the sandbox factory has exited) with the margin its comment states, and not
+    wildly more."""
     overhead = manifests()["RuntimeClass/quark"].overhead.pod_fixed["memory"]
     assert overhead.endswith("Mi")
-    measured = json.loads((REPO / "bench" / "results" / "startup.json").read_text())
-    pss = measured["supervisor_memory"]["pss_median_mib"]
-    assert pss <= int(overhead[:-2]) <= pss * 2, (overhead, pss)
+    measured = json.loads((REPO / "bench" / "results" / "pod_overhead.json").read_text())
+    outside = measured["summary"]["quark_factory_exited"]["outside_mib"]
+    assert outside["n"] >= 10 and outside["median"] >= measured["summary"]["quark"]["outside_mib"]["median"]
+    assert outside["median"] * 1.25 <= int(overhead[:-2]) <= outside["median"] * 2, (overhead, outside)
+    assert "25% margin" in (REPO / "deploy" / "runtimeclass.yaml").read_text()
 
 
 def test_rbac_covers_what_tsord_watches_and_the_node_label():

@@ -156,13 +156,15 @@ def test_every_section_of_the_host_config_is_in_the_cli_page():
 
 def test_code_comments_point_to_measurements_instead_of_stating_them():
     """A docstring or comment names where a figure is measured (bench/README.md), so the code
-    never carries a ratio or a dated figure that goes stale."""
-    pattern = re.compile(r"\b\d+\.\d+x\b|\b20\d\d-\d\d-\d\d\b")
+    never carries a ratio or a dated figure that goes stale. A setting sized from a measurement
+    (the RuntimeClass's overhead) may date it on the line that cites its bench/README.md section."""
+    ratio = re.compile(r"\b\d+\.\d+x\b")
+    date = re.compile(r"\b20\d\d-\d\d-\d\d\b")
     found = []
     for pkg in ("qvisor", "qkernel", "tsor", "shim", "cni", "qlib", "deploy"):
         for path in sorted((ROOT / pkg).rglob("*")):
             if path.suffix in (".py", ".c", ".yaml", ".toml") and "pb" not in path.parts:
                 for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-                    if pattern.search(line):
+                    if ratio.search(line) or (date.search(line) and "bench/README.md" not in line):
                         found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not found, "figures in code; point to bench/README.md instead:\n" + "\n".join(found)
