@@ -203,10 +203,8 @@ def bundle_libraries(stage: str, python: str) -> None:
     elves = [os.path.join(d, n) for d, _, names in os.walk(stage) for n in names
              if not os.path.islink(os.path.join(d, n)) and is_elf(os.path.join(d, n))]
     needed: dict[str, str] = {s: system_library(s) for s in DLOPENED}
-    for path in elves + list(needed.values()):
+    for path in elves + list(needed.values()):   # ldd names a file's whole closure
         needed.update(ldd(path))
-    for soname in list(needed):   # the dlopened libraries' own needs
-        needed.update(ldd(needed[soname]))
     loader = ""
     for soname, src in sorted(needed.items()):
         if soname.startswith("linux-vdso") or os.path.realpath(src).startswith(os.path.realpath(stage)):
