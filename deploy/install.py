@@ -243,8 +243,6 @@ class Installer:
         if path not in self.state["files"]:
             self.state["files"][path] = {"original": now, "mode": _mode(dest, mode)}
         self.state["files"][path]["written"] = text
-        if os.path.lexists(dest) and (text.startswith(LINK) or now is not None and now.startswith(LINK)):
-            os.unlink(dest)
         self._write_file(dest, text, mode)
         self.changed.append(path)
 
@@ -262,18 +260,18 @@ class Installer:
         os.replace(tmp, dst)
         self.changed.append("/" + os.path.relpath(dst, self.root))
 
-    def _link(self, target: str, path: str) -> bool:
+    def _link(self, target: str, path: str) -> None:
         if os.path.islink(path) and os.readlink(path) == target:
-            return False
-        if os.path.lexists(path):
-            _remove(path)
-        os.symlink(target, path)
+            return
+        self._write_file(path, LINK + target, 0o777)
         self.changed.append("/" + os.path.relpath(path, self.root))
-        return True
 
     @staticmethod
     def _write_file(dest: str, text: str, mode: int) -> None:
+        """`text` into `dest` by a rename (or, after LINK, a symbolic link in place of what is there)."""
         if text.startswith(LINK):
+            if os.path.lexists(dest):
+                _remove(dest)
             os.symlink(text[len(LINK):], dest)
             return
         tmp = dest + ".quark-tmp"
