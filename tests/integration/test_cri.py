@@ -84,9 +84,10 @@ def wait_for(what, predicate, timeout: float = 30.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def log_text(config, name: str) -> str:
-    """A container's CRI log (`<time> <stream> <F|P> <line>` per line) as the lines' text."""
-    path = os.path.join(config.log_directory, name, "0.log")
+def log_text(config, name: str, root: str = "") -> str:
+    """A container's CRI log (`<time> <stream> <F|P> <line>` per line) as the lines' text; `root`:
+    where the filesystem containerd wrote it in is seen from here (a test node's /proc/PID/root)."""
+    path = root + os.path.join(config.log_directory, name, "0.log")
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return "".join(line.split(" ", 3)[3] + ("\n" if line.split(" ", 3)[2] == "F" else "")

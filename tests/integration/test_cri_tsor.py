@@ -44,7 +44,7 @@ SKIP = cri_env.tsor_skip_reason()
 pytestmark = [pytest.mark.root, pytest.mark.timeout(900), pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 
 if SKIP is None:
-    from tests.integration.test_cri import IMAGE, CheckedCri, start_httpd, wait_for
+    from tests.integration.test_cri import IMAGE, CheckedCri, log_text, start_httpd, wait_for
     from tests.support import fake_kube_api as k8s
     from tests.support.cri import cri_v1_pb2 as pb
     from tsor import SOCKET_ANNOTATION
@@ -93,9 +93,7 @@ def run_script(cri, pod: str, config, name: str, script: str) -> tuple[int, str]
     cri.start_container(cid)
     st = wait_for(f"{name} to exit", lambda: (lambda s: s if s.state == pb.CONTAINER_EXITED else None)(
         cri.container_status(cid)), timeout=120)
-    with open(os.path.join(config.log_directory, name, "0.log"), encoding="utf-8") as f:
-        out = "".join(line.split(" ", 3)[3] + "\n" for line in f.read().splitlines() if line.count(" ") >= 3)
-    return st.exit_code, out
+    return st.exit_code, log_text(config, name)
 
 
 def run_client(cri, pod: str, config, name: str, urls: list[str]) -> str:

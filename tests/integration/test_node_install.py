@@ -34,7 +34,7 @@ SKIP = cri_env.skip_reason() or (
     None if os.path.exists(REPO / "qkernel/_fastpath.so") else "the fast path is not built (make install)")
 pytestmark = [pytest.mark.root, pytest.mark.timeout(900), pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 if SKIP is None:
-    from tests.integration.test_cri import wait_for
+    from tests.integration.test_cri import log_text, wait_for
     from tests.support.cri import cri_v1_pb2 as pb
 
 IMAGE = cri_env.BUSYBOX_IMAGE
@@ -112,11 +112,7 @@ class NodeCri:
         return cid
 
     def log(self, config, name: str) -> str:
-        try:
-            text = self.node.path(f"{config.log_directory}/{name}/0.log").read_text()
-        except FileNotFoundError:   # not started yet
-            return ""
-        return "".join(line.split(" ", 3)[3] + "\n" for line in text.splitlines() if line.count(" ") >= 3)
+        return log_text(config, name, root=f"/proc/{self.node.pid}/root")
 
 
 def sandbox_image(node) -> str:
