@@ -21,7 +21,6 @@ test_cri_tsor_nodes.py.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
