@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from qlib import procfs  # noqa: E402
 from tests.integration import containerd_env as ce  # noqa: E402
 from tests.integration import cri_env  # noqa: E402
 
@@ -53,24 +54,15 @@ SETTLE_S = 3.0   # after the last pod started: supervisors finish what start-up 
 def pss_kib(pid: int) -> int | None:
     """The PSS of one process in KiB (smaps_rollup), None if it is gone."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
+        return procfs.smaps_rollup(pid).get("Pss", 0)
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return 0
 
 
 def children_map() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
+        if entry.isdigit() and (ppid := procfs.parent_pid(entry)) is not None:
             kids.setdefault(ppid, []).append(int(entry))
     return kids
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from qlib import linux as L
-from qlib.procfs import parent_pid  # noqa: E402
+from qlib.procfs import parent_pid, smaps_rollup  # noqa: E402
 from tests.cleanup import quark_cgroup_dirs, remove_empty_since  # noqa: E402
 from tests.support import ksm  # noqa: E402
 from tests.support.busybox import make_bundle  # noqa: E402
@@ -162,8 +162,7 @@ def supervisor_memory(argv: list[str], bundle: str, n: int, env: dict | None = N
                 init = json.loads(subprocess.run(argv + ["state", f"mem-{i}"], check=True,
                                                  capture_output=True, env=env).stdout)["pid"]
                 sup = parent_pid(init)
-                with open(f"/proc/{sup}/smaps_rollup") as f:
-                    fields = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.endswith("kB\n")}
+                fields = smaps_rollup(sup)
                 rss.append(fields["Rss"] / 1024)
                 pss.append(fields["Pss"] / 1024)
         finally:

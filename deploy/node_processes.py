@@ -7,6 +7,7 @@ import signal
 import time
 
 from deploy.node_config import InstallError
+from qlib import procfs
 
 FACTORY = " -m qvisor.factory "   # in a sandbox factory's command line (qvisor/factory/client.py starts it)
 
@@ -39,11 +40,8 @@ def stop_factories(home: str, timeout: float = 10.0) -> None:
         for p in quark_processes(home):
             if FACTORY in p:
                 pid = int(p.split()[0])
-                try:
-                    with open(f"/proc/{pid}/stat") as f:
-                        out[pid] = int(f.read().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    pass
+                if (ppid := procfs.parent_pid(pid)) is not None:
+                    out[pid] = ppid
         return out
     found = factories()
     for pid, ppid in found.items():

@@ -124,6 +124,12 @@ def read_small(path: str) -> bytes:
         os.close(f)
 
 
+def smaps_rollup(pid: Pid) -> dict[str, int]:
+    """/proc/PID/smaps_rollup's sizes in KiB ({"Rss": ..., "Pss": ..., "Shared_Dirty": ...})."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.endswith("kB\n")}
+
+
 def parent_pid(pid: Pid) -> int | None:
     """The PPid of `pid`, or None if it is gone."""
     try:

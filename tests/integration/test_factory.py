@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from qlib import cgroupfs
-from qlib.procfs import parent_pid
+from qlib.procfs import parent_pid, smaps_rollup
 from qvisor.factory import client, programs, server, wire
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,11 +63,6 @@ def _run(env, *args, cwd=None, argv0=(FRONT_END,), **kw) -> subprocess.Completed
         return subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read())
 
 
-def _smaps(pid: int) -> dict[str, int]:
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        return {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.endswith("kB\n")}
-
-
 def _fd_kinds(pid: int) -> list[str]:
     """The targets of a process's fds, with inode numbers and per-container paths left out."""
     kinds = []
@@ -108,13 +103,13 @@ def test_a_create_runs_in_a_worker_and_its_supervisor_shares_the_factorys_pages(
     assert not {f for f in sup_fds & factory_fds if not f.startswith("/dev/")}, (sup_fds, factory_fds)
     assert not any(f.startswith(where) for f in sup_fds)
     # forked from the pre-imported factory: its interpreter's pages are the factory's, shared
-    shared_with_factory = _smaps(sup)["Shared_Dirty"]
-    assert shared_with_factory > 2048, _smaps(sup)
+    shared_with_factory = smaps_rollup(sup)["Shared_Dirty"]
+    assert shared_with_factory > 2048, smaps_rollup(sup)
 
     # without the factory (the Python CLI forks it), nothing of the kind is shared
     nf = dict(env, QUARK_FACTORY="0")
     assert _run(nf, "--root", quark.root, "run", "-d", "--bundle", b, "f2").returncode == 0
-    assert _smaps(_supervisor(quark.root, "f2"))["Shared_Dirty"] < shared_with_factory / 4
+    assert smaps_rollup(_supervisor(quark.root, "f2"))["Shared_Dirty"] < shared_with_factory / 4
     # and it holds the same kinds of fds as one the CLI forked: nothing of the worker's either
     assert _fd_kinds(sup) == _fd_kinds(_supervisor(quark.root, "f2"))
     assert "declined" not in _log(tmp_path)
@@ -325,7 +320,7 @@ def test_the_first_create_starts_a_factory_and_the_next_one_uses_it(quark, bundl
         assert _run(env, "--root", quark.root, "create", "--bundle", b, "d2").returncode == 0
         with open(f"/proc/{_supervisor(quark.root, 'd2')}/cmdline", "rb") as f:
             assert b"qvisor.factory" not in f.read()
-        assert _smaps(_supervisor(quark.root, "d2"))["Shared_Dirty"] > 2048   # forked from the factory
+        assert smaps_rollup(_supervisor(quark.root, "d2"))["Shared_Dirty"] > 2048   # forked from the factory
     finally:
         quark("delete", "--force", "d1", check=False)
         quark("delete", "--force", "d2", check=False)
@@ -365,7 +360,7 @@ def test_the_shim_creates_through_the_factory_without_a_cli_process(served, quar
         b = bundle(["sleep", "100"])
         q.create("sh1", b, str(tmp_path / "sh1.pid"), Stdio(null, null, null), None)
         assert int((tmp_path / "sh1.pid").read_text()) == quark.state("sh1")["pid"]
-        assert _smaps(_supervisor(quark.root, "sh1"))["Shared_Dirty"] > 2048   # forked from the factory
+        assert smaps_rollup(_supervisor(quark.root, "sh1"))["Shared_Dirty"] > 2048   # forked from the factory
         # an error in the worker reaches containerd as its kind's status code, as from the CLI
         bad = bundle(["true"])
         edit_config(bad, lambda c: c["process"].update(cwd="relative"))
@@ -398,7 +393,7 @@ def test_containerds_shim_start_goes_through_the_factory(served, tmp_path, monke
         [shim] = cd.shim_pids()
         with open(f"/proc/{shim}/cmdline", "rb") as f:
             assert f.read().split(b"\0")[0] == b"containerd-shim-quark-v1"   # named, as ps shows it
-        assert _smaps(shim)["Shared_Dirty"] > 2048   # forked from the factory
+        assert smaps_rollup(shim)["Shared_Dirty"] > 2048   # forked from the factory
         out = cd.ctr("tasks", "exec", "--exec-id", "e1", "fshim", "echo", "through-the-factory").stdout.decode()
         assert out.strip() == "through-the-factory"
         assert "declined" not in _log(tmp_path)
@@ -461,7 +456,7 @@ def test_a_detached_run_is_served(served, quark, bundle, tmp_path):
     r = _run(env, "--root", quark.root, "run", "-d", "--bundle", b, "rd")
     assert r.returncode == 0, r.stderr + _log(tmp_path)
     assert quark.state("rd")["status"] == "running"
-    assert _smaps(_supervisor(quark.root, "rd"))["Shared_Dirty"] > 2048   # forked from the factory
+    assert smaps_rollup(_supervisor(quark.root, "rd"))["Shared_Dirty"] > 2048   # forked from the factory
     with open(f"/proc/{_supervisor(quark.root, 'rd')}/cmdline", "rb") as f:
         assert f.read().split(b"\0")[:4] == [b"quark", b"--root", quark.root.encode(), b"run"]
     assert "declined" not in _log(tmp_path)
@@ -487,7 +482,7 @@ def test_a_foreground_run_is_served_with_its_stdio_and_exit_status_and_removed(s
     p = _front_end_run(env, quark.root, b, "fg", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE)
     assert _until(lambda: "fg" in quark.ids() and quark.state("fg")["status"] == "running"), _log(tmp_path)
-    assert _smaps(_supervisor(quark.root, "fg"))["Shared_Dirty"] > 2048   # the factory's, not a CLI's
+    assert smaps_rollup(_supervisor(quark.root, "fg"))["Shared_Dirty"] > 2048   # the factory's, not a CLI's
     assert os.readlink(f"/proc/{p.pid}/exe") == os.path.realpath(FRONT_END)   # no Python in the caller's place
     out, err = p.communicate(b"hello\n", timeout=30)
     assert (p.returncode, out, err) == (3, b"out:hello\n", b"err\n")
