@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.integration.cri_env import remove_cgroups
+
 SUITES = ("bookworm", "trixie")
 MIRROR = "http://deb.debian.org/debian"
 PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iproute2")
@@ -195,18 +197,7 @@ class FreshNode:
                     os.kill(self.pid, signal.SIGKILL)
                 p.wait(30)
             self.pid = 0
-        for d, _, _ in cgroup_mounts():   # the node's cgroups, deepest first
-            top = Path("/sys/fs/cgroup") / d / self.cgroup
-            if top.exists():
-                for sub in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [top]:
-                    for _ in range(50):
-                        try:
-                            sub.rmdir()
-                            break
-                        except FileNotFoundError:
-                            break
-                        except OSError:   # its last processes are still exiting
-                            time.sleep(0.1)
+        remove_cgroups("/" + self.cgroup)   # the node's, in every hierarchy, deepest first
 
     def close(self) -> None:
         self.stop()
