@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import json
 import logging
 import os
 import sys
@@ -105,18 +104,10 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"level": record.levelname.lower(), "msg": record.getMessage(),
-                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created))}
-        if hasattr(record, "kind"):   # a failure's QuarkError.kind, which the shim acts on
-            entry["kind"] = record.kind
-        return json.dumps(entry)
-
-
 def setup_logging(log: str, log_format: str, debug: bool) -> None:
     handler: logging.Handler = logging.FileHandler(log) if log else logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if log_format == "json"
+    from qvisor import logfile
+    handler.setFormatter(logfile.JsonFormatter() if log_format == "json"
                          else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]

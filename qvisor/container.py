@@ -18,7 +18,7 @@ import time
 from qlib import linux as L
 from qlib import procfs
 from qlib.errors import InvalidArgument, InvalidState, NotFound, QuarkError, SupervisorGone, from_kind
-from qvisor import cgroups, channel
+from qvisor import cgroups, channel, logfile
 from qvisor.client import Connection
 from qvisor.factory import caller, seeds
 from qvisor.state import (
@@ -52,7 +52,7 @@ def preserved_fds(count: int) -> list[int]:
 
 
 def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", console_socket: str = "",
-           platform: str = "seccomp", log_file: str = "", preserve_fds: int = 0,
+           platform: str = "seccomp", log_file: str = "", log_format: str = "text", preserve_fds: int = 0,
            in_factory: bool = False) -> ContainerState:
     """Build the sandbox; its init waits for start. The caller's fds 3..2+preserve_fds are the
     init's too (the supervisor inherits them at those numbers and hands them on).
@@ -87,7 +87,7 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
                             platform=platform, cgroup_path=cgroup.path)
         r, w = os.pipe2(os.O_CLOEXEC)
         pid = 0
-        args = (store, st, spec, platform, console_socket, preserve_fds, log_file, cgroup, merge_pages)
+        args = (store, st, spec, platform, console_socket, preserve_fds, log_file, log_format, cgroup, merge_pages)
         if not (in_factory and hand_over(w, args)):   # (handed over: a seed of the factory's is the supervisor)
             grace.join()   # a fork while it writes would give the supervisor its open cgroup.procs
             pid = os.fork()
@@ -187,7 +187,7 @@ def supervise_handed_over(data: bytes, fds: list[int]) -> None:
         except OSError:   # cosmetic (ps), as in the worker
             pass
         os.setsid()   # detach: a new session
-        _root_level(context["log_level"])
+        logfile.root_level(context["log_level"])
         phases.verb_started = context["verb_started"]
         args = context["args"]
     except BaseException as e:   # noqa: BLE001 — tell the waiting create; nothing was made yet
@@ -205,72 +205,18 @@ def supervise_handed_over(data: bytes, fds: list[int]) -> None:
 
 
 def _supervise(ready_fd: int, launcher: int, store: StateStore, st: ContainerState, spec, platform: str,
-               console_socket: str, preserve_fds: int, log_file: str, cgroup: cgroups.Cgroup | None = None,
-               merge_pages: bool = False) -> None:
+               console_socket: str, preserve_fds: int, log_file: str, log_format: str,
+               cgroup: cgroups.Cgroup | None = None, merge_pages: bool = False) -> None:
     if merge_pages:   # first: every page written from here on is offered (qvisor/page_merge.py)
         from qvisor import page_merge
         page_merge.offer()
     from qvisor.supervisor import Supervisor
-    _log_to(log_file or store.path(st.id, "supervisor.log"))
+    logfile.log_to(log_file or store.path(st.id, "supervisor.log"), log_format if log_file else "text")
     from qvisor import security
     security.log_report(st.annotations)
     st.supervisor_pid = os.getpid()
     Supervisor(store, st, spec, platform, console_socket, ready_fd, launcher, preserve_fds,
                caller_may_reap=launcher != 0, cgroup=cgroup).main()
-
-
-def _log_to(path: str) -> None:
-    # the supervisor's lines show no file, line, thread or process: logging's switches skip
-    # collecting them (logThreads & co.; _srcfile None skips findCaller, as logging's source says),
-    # and with them the objects that code would touch (see _LogFile)
-    logging._srcfile = None
-    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
-    root = logging.getLogger()
-    root.handlers[:] = [_LogFile(path)]
-    _root_level(root.level)
-
-
-def _root_level(level: int) -> None:
-    """The supervisor's root level: the caller's, but INFO at least. Logger.setLevel clears the
-    cache of every logger in the process (touching each), so only when the level changes."""
-    root = logging.getLogger()
-    level = min(level, logging.INFO) or logging.INFO
-    if root.level != level:
-        root.setLevel(level)
-
-
-class _LogFile(logging.Handler):
-    """The supervisor's log: one line per record, "time level logger: message" as a FileHandler
-    with that format writes it, appended with one write(2). A supervisor pays a private page for
-    each object of the factory's it touches, and FileHandler's path through Handler.handle,
-    Formatter, PercentStyle and a TextIOWrapper touched many (measured: bench/README.md, "Start-up
-    and supervisor memory")."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        super().close()
-
-    def handle(self, record: logging.LogRecord) -> bool:   # no filters, no lock: one write per record
-        self.emit(record)
-        return True
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
-            line = f"{when},{int(record.msecs):03d} {record.levelname} {record.name}: {record.getMessage()}"
-            if record.exc_info:
-                line += "\n" + logging.Formatter().formatException(record.exc_info)
-            if record.stack_info:
-                line += "\n" + record.stack_info
-            os.write(self.fd, (line + "\n").encode(errors="backslashreplace"))
-        except Exception:  # noqa: BLE001 - as logging's handlers: a record that cannot be written is dropped
-            self.handleError(record)
 
 
 def _read_line(fd: int) -> dict:

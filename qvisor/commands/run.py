@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     forwarder = None if args.detach else _Forwarder(args.root, args.id)   # before anything is made, as runc
     with (console.console_socket() if own_console else contextlib.nullcontext((args.console_socket, None))) as (path, listener):
         st = container.create(args.root, args.id, args.bundle, pid_file=args.pid_file, console_socket=path,
-                              platform=args.platform, log_file=args.log, preserve_fds=args.preserve_fds,
+                              platform=args.platform, log_file=args.log, log_format=args.log_format,
+                              preserve_fds=args.preserve_fds,
                               in_factory=getattr(args, "in_factory", False))
         master = console.receive_master(listener) if listener is not None else -1
     try:

@@ -77,6 +77,14 @@ def integer(lo: int, hi: int) -> Check:
 U32, U64, I64 = integer(0, 2**32 - 1), integer(0, 2**64 - 1), integer(-2**63, 2**63 - 1)
 
 
+def zero_unset(check: Check) -> Check:
+    """`check`, with 0 read as "not set": Go-written configs (docker's, podman's) spell an unset
+    number as 0, and runc and crun skip a zero weight, limit or class id instead of writing it."""
+    def unset_or_checked(r: Reader, f: str, v: Any) -> Any:
+        return None if v == 0 and not isinstance(v, bool) else check(r, f, v)
+    return unset_or_checked
+
+
 def list_of(item: Check) -> Check:
     def check(r: Reader, f: str, v: Any) -> list:
         if not isinstance(v, list):

@@ -25,7 +25,7 @@ from .model import (
     ThrottleDevice,
     WeightDevice,
 )
-from .reader import I64, U32, U64, boolean, integer, list_of, mapping, one_of, Reader, string, string_map
+from .reader import I64, U32, U64, boolean, integer, list_of, mapping, one_of, Reader, string, string_map, zero_unset
 
 
 def _device_rule(r: Reader, f: str, v: Any) -> DeviceRule:
@@ -43,12 +43,16 @@ def _device_rule(r: Reader, f: str, v: Any) -> DeviceRule:
     return rule
 
 
+# memory limits: 0 is unset, as runc reads them (-1 is unlimited)
+_MEMORY_LIMIT = zero_unset(I64)
+
+
 def _memory(r: Reader, f: str, v: Any) -> MemoryResources:
     d = mapping(r, f, v)
     return MemoryResources(
-        limit=r.get(d, f, "limit", I64, None), reservation=r.get(d, f, "reservation", I64, None),
-        swap=r.get(d, f, "swap", I64, None), kernel=r.get(d, f, "kernel", I64, None),
-        kernel_tcp=r.get(d, f, "kernelTCP", I64, None), swappiness=r.get(d, f, "swappiness", integer(0, 100), None),
+        limit=r.get(d, f, "limit", _MEMORY_LIMIT, None), reservation=r.get(d, f, "reservation", _MEMORY_LIMIT, None),
+        swap=r.get(d, f, "swap", _MEMORY_LIMIT, None), kernel=r.get(d, f, "kernel", _MEMORY_LIMIT, None),
+        kernel_tcp=r.get(d, f, "kernelTCP", _MEMORY_LIMIT, None), swappiness=r.get(d, f, "swappiness", integer(0, 100), None),
         disable_oom_killer=r.get(d, f, "disableOOMKiller", boolean, False),
         use_hierarchy=r.get(d, f, "useHierarchy", boolean, None),
         check_before_update=r.get(d, f, "checkBeforeUpdate", boolean, False))
@@ -65,7 +69,8 @@ def _cpu(r: Reader, f: str, v: Any) -> CpuResources:
         burst=r.get(d, f, "burst", U64, None))
 
 
-_BLKIO_WEIGHT = integer(10, 1000)  # the kernel's range for blkio (and BFQ) weights
+# the kernel's range for blkio (and BFQ) weights; docker writes "weight": 0 into every spec for "unset"
+_BLKIO_WEIGHT = zero_unset(integer(10, 1000))
 
 
 def _weight_device(r: Reader, f: str, v: Any) -> WeightDevice:
@@ -111,7 +116,7 @@ def _network(r: Reader, f: str, v: Any) -> NetworkResources:
     def priority(r: Reader, f: str, v: Any) -> InterfacePriority:
         p = mapping(r, f, v)
         return InterfacePriority(name=r.get(p, f, "name", _word), priority=r.get(p, f, "priority", U32))
-    return NetworkResources(class_id=r.get(d, f, "classID", U32, None),
+    return NetworkResources(class_id=r.get(d, f, "classID", zero_unset(U32), None),
                             priorities=r.get(d, f, "priorities", list_of(priority), []))
 
 

@@ -323,6 +323,22 @@ def test_every_resource_field_is_modelled():
     assert parse_resources({"memory": {"swappiness": None}, "blockIO": {}}, "r.json").memory == MemoryResources()
 
 
+def test_go_zero_values_are_unset_as_runc_reads_them():
+    # docker writes "blockIO": {"weight": 0} and "cpu": {"shares": 0} into every spec (seen from
+    # docker 20.10): runc and crun skip a zero weight, memory limit or class id; so does quark
+    res = parse_resources({
+        "memory": {"limit": 0, "reservation": 0, "swap": 0, "kernel": 0, "kernelTCP": 0, "disableOOMKiller": False},
+        "cpu": {"shares": 0}, "pids": {"limit": 0},
+        "blockIO": {"weight": 0, "leafWeight": 0, "weightDevice": [{"major": 8, "minor": 0, "weight": 0}]},
+        "network": {"classID": 0}}, "r.json")
+    assert res.memory == MemoryResources()
+    assert res.block_io == BlockIO(weight_device=[WeightDevice(8, 0, None, None)])
+    assert res.network.class_id is None and res.pids_limit == 0
+    # a zero that is not an unset number stays a value: swappiness 0, a hugepage limit of 0
+    res = parse_resources({"memory": {"swappiness": 0}, "hugepageLimits": [{"pageSize": "2MB", "limit": 0}]}, "r.json")
+    assert res.memory.swappiness == 0 and res.hugepage_limits == [HugepageLimit("2MB", 0)]
+
+
 def test_partial_spec_gets_defaults():
     spec = parse_spec({"ociVersion": "1.1.0", "root": {"path": "/abs/rootfs"}}, CFG, "/b")
     assert spec.process is None and spec.root.path == "/abs/rootfs" and spec.mounts == []

@@ -1,0 +1,83 @@
+"""The runtime's log lines in runc's two formats: text ("time level logger: message") and, with
+`--log-format json`, one `{"level", "msg", "time"}` object per line, which docker's and podman's
+runc shims parse to tell their users why a call failed (a line that is not JSON hides the error)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+
+def json_line(record: logging.LogRecord, msg: str) -> str:
+    entry = {"level": record.levelname.lower(), "msg": msg,
+             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created))}
+    kind = getattr(record, "kind", None)
+    if kind is not None:   # a failure's QuarkError.kind, which quark's shim acts on
+        entry["kind"] = kind
+    return json.dumps(entry, separators=(",", ":"))
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json_line(record, record.getMessage())
+
+
+class LogFile(logging.Handler):
+    """The supervisor's log: one line per record, appended with one write(2), in the text format a
+    FileHandler with "%(asctime)s %(levelname)s %(name)s: %(message)s" writes, or in runc's JSON.
+    A supervisor pays a private page for each object of the factory's it touches, and FileHandler's
+    path through Handler.handle, Formatter, PercentStyle and a TextIOWrapper touched many
+    (measured: bench/README.md, "Start-up and supervisor memory")."""
+
+    def __init__(self, path: str, log_format: str = "text") -> None:
+        super().__init__()
+        self.json = log_format == "json"
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        super().close()
+
+    def handle(self, record: logging.LogRecord) -> bool:   # no filters, no lock: one write per record
+        self.emit(record)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+            if record.exc_info:
+                msg += "\n" + logging.Formatter().formatException(record.exc_info)
+            if record.stack_info:
+                msg += "\n" + record.stack_info
+            if self.json:
+                line = json_line(record, msg)
+            else:
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
+                line = f"{when},{int(record.msecs):03d} {record.levelname} {record.name}: {msg}"
+            os.write(self.fd, (line + "\n").encode(errors="backslashreplace"))
+        except Exception:  # noqa: BLE001 - as logging's handlers: a record that cannot be written is dropped
+            self.handleError(record)
+
+
+def log_to(path: str, log_format: str = "text") -> None:
+    """The supervisor's logging: every record at INFO or above (or the caller's level) into `path`."""
+    # the supervisor's lines show no file, line, thread or process: logging's switches skip
+    # collecting them (logThreads & co.; _srcfile None skips findCaller, as logging's source says),
+    # and with them the objects that code would touch (see LogFile)
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    root = logging.getLogger()
+    root.handlers[:] = [LogFile(path, log_format)]
+    root_level(root.level)
+
+
+def root_level(level: int) -> None:
+    """The supervisor's root level: the caller's, but INFO at least. Logger.setLevel clears the
+    cache of every logger in the process (touching each), so only when the level changes."""
+    root = logging.getLogger()
+    level = min(level, logging.INFO) or logging.INFO
+    if root.level != level:
+        root.setLevel(level)
