@@ -10,6 +10,9 @@ FLAGS = L.MOUNT_FLAGS
 PROPAGATION = L.MOUNT_PROPAGATION
 # accepted and meaningless for a fresh mount (defaults), like runc
 IGNORED = {"defaults", "loud", "acl", "noacl", "iversion", "noiversion"}
+# runc's and crun's extensions, never passed to the kernel: a tmpfs starts with the contents of the
+# directory it covers (qvisor/tmpcopyup.py), or not (the default)
+COPY_UP = {"tmpcopyup": True, "notmpcopyup": False}
 
 
 @dataclass
@@ -17,6 +20,7 @@ class MountOptions:
     flags: int = 0
     propagation: list[int] | None = None
     data: str = ""
+    copy_up: bool = False
 
     @property
     def is_bind(self) -> bool:
@@ -24,15 +28,17 @@ class MountOptions:
 
 
 def parse(options: list[str]) -> MountOptions:
-    flags, prop, data = 0, [], []
+    flags, prop, data, copy_up = 0, [], [], False
     for opt in options:
         if opt in FLAGS:
             clear, bit = FLAGS[opt]
             flags = flags & ~bit if clear else flags | bit
         elif opt in PROPAGATION:
             prop.append(PROPAGATION[opt])
+        elif opt in COPY_UP:
+            copy_up = COPY_UP[opt]
         elif opt in IGNORED:
             continue
         else:
             data.append(opt)
-    return MountOptions(flags, prop, ",".join(data))
+    return MountOptions(flags, prop, ",".join(data), copy_up)

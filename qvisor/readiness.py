@@ -72,7 +72,7 @@ def _exec_succeeds(root: str, cid: str, argv: tuple[str, ...]) -> bool:
     process = container.config_process(root, cid) | {"args": list(argv), "terminal": False}
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
-        pid, _ = container.exec_process(root, cid, process, [null, null, null])
+        pid, _ = container.exec_process(root, cid, process, [null, null, null], wait_here=True)
     finally:
         os.close(null)
     return container.wait(root, cid, pid).get("exit_status") == 0

@@ -12,7 +12,7 @@ import stat
 from qlib import procfs
 from qlib.errors import SetupError
 from qlib import linux as L
-from qvisor import mountopts, paths
+from qvisor import mountopts, paths, tmpcopyup
 from qvisor.spec import Mount
 
 _LOCKED = {os.ST_NOSUID: L.MS_NOSUID, os.ST_NODEV: L.MS_NODEV, os.ST_NOEXEC: L.MS_NOEXEC,
@@ -58,6 +58,7 @@ def mount_one(root_fd: int, m: Mount, bundle: str, cgroup_path: str, rootfs: str
     else:
         source, is_dir = m.source or m.type, True
     onto_root = os.path.normpath(m.destination) == "/"
+    copy_up = opts.copy_up and m.type == "tmpfs" and not onto_root and source_fd is None
     try:
         # "/" is the rootfs itself (its bind onto itself, opened by path like pivot_root will)
         fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if onto_root else \
@@ -71,10 +72,14 @@ def mount_one(root_fd: int, m: Mount, bundle: str, cgroup_path: str, rootfs: str
             L.mount(source, paths.fd_path(fd), None, opts.flags & (L.MS_BIND | L.MS_REC))
         else:
             data = _tmpfs_data(opts.data, fd) if m.type == "tmpfs" else opts.data
-            L.mount(source, paths.fd_path(fd), m.type, opts.flags, data or None)
+            # a tmpfs to copy into is made writable, and read-only after the copy (as runc does)
+            flags = opts.flags & ~L.MS_RDONLY if copy_up else opts.flags
+            L.mount(source, paths.fd_path(fd), m.type, flags, data or None)
         # the fd still names the directory under the new mount: reopen to reach the mount itself
         new = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if onto_root else \
             _reopen_new_mount(root_fd, m.destination, fd)
+        if copy_up:
+            _copy_up(fd, new, m.destination, opts.flags)
         os.close(fd)
         fd = new
         target = paths.fd_path(fd)
@@ -88,6 +93,17 @@ def mount_one(root_fd: int, m: Mount, bundle: str, cgroup_path: str, rootfs: str
         raise fail(f"mount {m.type or 'bind'}", m.destination, e) from None
     finally:
         os.close(fd)
+
+
+def _copy_up(covered: int, tmpfs: int, dest: str, flags: int) -> None:
+    """tmpcopyup: the image's directory under the new tmpfs (still reached through `covered`, opened
+    before the mount) copied into it, then the read-only remount the copy waited for."""
+    try:
+        tmpcopyup.copy_contents(covered, tmpfs)
+    except OSError as e:
+        raise fail("tmpcopyup: copying the image's files into the tmpfs at", dest, e) from None
+    if flags & L.MS_RDONLY:
+        L.mount(None, paths.fd_path(tmpfs), None, L.MS_REMOUNT | flags)
 
 
 def _mnt_id(fd: int) -> int:

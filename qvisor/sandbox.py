@@ -13,6 +13,7 @@ import fcntl
 import gc
 import logging
 import os
+import pickle
 import signal
 import socket
 import termios
@@ -372,6 +373,17 @@ def _exec(sock: socket.socket, spec: Spec, proc: Process, platform: str, preserv
 
     process.finish_and_exec(proc, install_filter=install_filter,
                             keep_fds=(sock.fileno(), *range(3, 3 + preserve_fds)))
+
+
+def exec_stage1_of_caller(sock: socket.socket, preserved: list[int]) -> None:
+    """Stage 1 of an exec that its caller forked, where the caller reaps (container.exec_process):
+    the supervisor's first message is what a fork of its own would have had; then as exec_stage1."""
+    import qkernel   # noqa: F401 - what _exec imports, while the host's files are still what we see
+    data = sock.recv(channel.MAX_MSG)
+    if not data:
+        raise SetupError("exec: the supervisor ended the exec")   # (it told the caller why)
+    init_pid, spec, proc = pickle.loads(data)
+    exec_stage1(sock, init_pid, spec, proc, preserved)
 
 
 def exec_stage1(sock: socket.socket, init_pid: int, spec: Spec, proc: Process, preserved: list[int]) -> None:

@@ -6,8 +6,11 @@ create, naming the field. The operator chooses in /etc/quark/config.yaml ($QUARK
     security:
       privileged: sandbox            # or: refuse
       unconfined_seccomp: sandbox    # or: refuse
+      privileged_without_host_devices: false   # or: true
 
-Both default to `sandbox` (SECURITY.md says why). Checked before anything is made, so a refusal
+Both modes default to `sandbox` (SECURITY.md says why). A privileged spec that allows every host
+device is refused, unless privileged_without_host_devices is true: then it gets none of the host's
+devices, as containerd's option of that name does for CRI (docker and podman have no such option). Checked before anything is made, so a refusal
 leaves no state, cgroup, mount or process behind.
 """
 from __future__ import annotations
@@ -20,7 +23,7 @@ from qlib import hostconfig
 from qlib import linux as L
 from qlib import procfs
 from qlib.errors import ConfigError
-from qvisor.spec import CAPABILITIES, Spec
+from qvisor.spec import CAPABILITIES, DeviceRule, Spec
 from qvisor.spec.defaults import default_spec
 
 log = logging.getLogger("quark.security")
@@ -29,14 +32,16 @@ MODES = ("sandbox", "refuse")
 _PREFIX = "io.quark.security."
 ANNOTATION_PRIVILEGED = _PREFIX + "privileged"
 ANNOTATION_SECCOMP = _PREFIX + "seccomp"
-_CONTAINERD_HINT = ("set privileged_without_host_devices = true for quark's runtime in containerd's CRI "
-                    "config (deploy/containerd/quark.toml does)")
+_DEVICES_HINT = ("set `security: {privileged_without_host_devices: true}` in quark's host config (docker, "
+                 "podman), or privileged_without_host_devices = true for quark's runtime in containerd's CRI "
+                 "config (deploy/containerd/quark.toml does)")
 
 
 @dataclass(frozen=True)
 class Settings:
     privileged: str = "sandbox"
     unconfined_seccomp: str = "sandbox"
+    privileged_without_host_devices: bool = False
     source: str = ""   # the config file they came from ("" when it has no security section)
 
 
@@ -51,9 +56,13 @@ def load_settings(config_path: str | None = None) -> Settings:
                                             "unconfined_seccomp: sandbox|refuse}")
     values = {}
     for key, value in section.items():
-        if key not in ("privileged", "unconfined_seccomp"):
-            raise ConfigError(path, f"security.{key}", "unknown setting (known: privileged, unconfined_seccomp)")
-        if value not in MODES:
+        if key == "privileged_without_host_devices":
+            if not isinstance(value, bool):
+                raise ConfigError(path, f"security.{key}", f"{value!r}: expected true or false")
+        elif key not in ("privileged", "unconfined_seccomp"):
+            raise ConfigError(path, f"security.{key}", "unknown setting (known: privileged, unconfined_seccomp, "
+                                                       "privileged_without_host_devices)")
+        elif value not in MODES:
             raise ConfigError(path, f"security.{key}", f"{value!r}: expected sandbox or refuse")
         values[key] = value
     return Settings(source=path, **values)
@@ -81,7 +90,7 @@ def apply(spec: Spec, settings: Settings) -> dict[str, str]:
         if settings.privileged == "refuse":
             raise ConfigError(cfg, "process.capabilities", "every capability (a privileged container) is "
                               f"refused on this host ({where}: security.privileged: refuse)")
-        report[ANNOTATION_PRIVILEGED] = _sandbox_privileged(spec, cfg)
+        report[ANNOTATION_PRIVILEGED] = _sandbox_privileged(spec, cfg, settings, where)
     if spec.linux.seccomp is None:
         if settings.unconfined_seccomp == "refuse":
             raise ConfigError(cfg, "linux.seccomp", "absent (seccompProfile Unconfined) is refused on this host "
@@ -94,18 +103,29 @@ def apply(spec: Spec, settings: Settings) -> dict[str, str]:
     return report
 
 
-def _sandbox_privileged(spec: Spec, cfg: str) -> str:
+def _sandbox_privileged(spec: Spec, cfg: str, settings: Settings, where: str) -> str:
     """Honour a privileged spec inside the sandbox: every capability in the container's own
     namespaces, with what would reach the host put back or refused. Returns the report."""
     if not spec.linux.new_namespace("mount"):
         raise ConfigError(cfg, "linux.namespaces", "a privileged container needs a new mount namespace under "
                           "quark (its masks and read-only paths keep the host's kernel knobs out of reach)")
-    for i, rule in enumerate(spec.linux.resources.devices):
-        if rule.allow and rule.type == "a" and rule.major is None and rule.minor is None:
-            raise ConfigError(cfg, f"linux.resources.devices[{i}]", "allows every host device to a privileged "
-                              f"container, which quark does not pass into a sandbox; {_CONTAINERD_HINT}, so "
-                              "that only the devices the pod asks for are listed")
     added = []
+    rules = spec.linux.resources.devices
+    every = [i for i, rule in enumerate(rules)
+             if rule.allow and rule.type == "a" and rule.major is None and rule.minor is None]
+    if every and not settings.privileged_without_host_devices:
+        raise ConfigError(cfg, f"linux.resources.devices[{every[0]}]", "allows every host device to a privileged "
+                          f"container, which quark does not pass into a sandbox; {_DEVICES_HINT}, so that the "
+                          "host's devices stay out")
+    if every:
+        # the rule becomes its opposite (the cgroup's own default is its parent's, allow-all on v1),
+        # and docker's and podman's every host device node in linux.devices beside it goes: neither
+        # would have come with containerd's option
+        spec.linux.resources.devices = [DeviceRule(False, "a", None, None, "rwm") if i in every else r
+                                        for i, r in enumerate(rules)]
+        added.append(f"no host devices ({where}: security.privileged_without_host_devices; "
+                     f"{len(spec.linux.devices)} device nodes and the rule allowing every device left out)")
+        spec.linux.devices = []
     defaults = default_spec()["linux"]
     if not spec.linux.masked_paths:
         spec.linux.masked_paths = list(defaults["maskedPaths"])

@@ -41,6 +41,7 @@ class ContainerState:
     exit_status: int | None = None
     exited_at: str = ""
     platform: str = "seccomp"
+    caller_reaps: bool = False      # the caller's subreaper reaps the container's processes (supervisor/reaper.py)
 
     def oci(self) -> dict:
         """The OCI runtime-spec state object, as `quark state` prints it."""

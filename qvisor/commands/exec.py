@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if tty and args.detach and not args.console_socket:
         raise QuarkError("exec -t -d needs --console-socket to hand the pty master to")
     pid, fds = container.exec_process(args.root, args.id, proc, [] if tty else [0, 1, 2],
-                                      preserve_fds=args.preserve_fds)
+                                      preserve_fds=args.preserve_fds, wait_here=not args.detach)
     if args.pid_file:
         container.write_pid_file(args.pid_file, pid)
     master = fds[0] if fds else -1

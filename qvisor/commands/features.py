@@ -22,7 +22,8 @@ def features() -> dict:
         "ociVersionMin": "1.0.0",
         "ociVersionMax": "1.0.2",
         "hooks": ["prestart", "createRuntime", "createContainer", "startContainer", "poststart", "poststop"],
-        "mountOptions": sorted(set(mountopts.FLAGS) | set(mountopts.PROPAGATION) | mountopts.IGNORED),
+        "mountOptions": sorted(set(mountopts.FLAGS) | set(mountopts.PROPAGATION) | mountopts.IGNORED
+                               | set(mountopts.COPY_UP)),
         "linux": {
             "namespaces": sorted(NS_FLAGS),
             "capabilities": sorted(CAPABILITIES, key=CAPABILITIES.get),

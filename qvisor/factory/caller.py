@@ -42,7 +42,7 @@ def context_refusal(pid: int, mine: tuple) -> str:
         caller, own = resource.prlimit(pid, r)[1], resource.getrlimit(r)[1]
         if own != resource.RLIM_INFINITY and (caller == resource.RLIM_INFINITY or caller > own):
             return f"the caller's hard {RLIMITS[r]} is above the factory's"
-    if any(name.startswith(procfs.RUNC_MANAGERS) for name in _ancestors(pid)):   # they reap the init themselves
+    if runc_manager_above(pid):   # they reap the init themselves
         return "a runc-compatible manager above the caller reaps the container's init"
     return ""
 
@@ -94,6 +94,12 @@ def _lsm(pid: int | str) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+def runc_manager_above(pid: int) -> bool:
+    """Whether a runc-compatible manager (conmon, containerd's runc shim: child subreapers) is
+    `pid` or one of its ancestors."""
+    return any(name.startswith(procfs.RUNC_MANAGERS) for name in _ancestors(pid))
 
 
 def _ancestors(pid: int) -> list[str]:

@@ -23,6 +23,7 @@ class Child:
     client: socket.socket | None = None        # exec: the CLI connection waiting for the pid
     console: list[int] = dataclasses.field(default_factory=list)  # exec: pty master for the client
     pidfd: int = -1  # exec: the process, held until it is reaped; signals go through it, never the pid
+    by_caller: bool = False  # exec: stage 1 is the caller's child, not ours (container.exec_process)
 
 
 def numbered_from(sock: socket.socket, lowest: int) -> socket.socket:

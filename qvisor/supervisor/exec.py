@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 from typing import NoReturn
 
 from qlib import linux as L
+from qlib import procfs
 from qlib.errors import ConfigError, InvalidArgument, InvalidState, NotFound, QuarkError
 from qvisor import channel, sandbox, validate
 from qvisor.spec import parse_process
@@ -28,7 +30,8 @@ class ExecMixin:
 
     def _exec(self, conn: socket.socket, msg: dict, fds: list[int]) -> None:
         """Start an exec'd process; `fds` are its stdio (none with a terminal) then the caller's
-        preserved fds (msg["preserve_fds"] of them)."""
+        preserved fds (msg["preserve_fds"] of them), or, where the caller forked its stage 1
+        (msg["forked"]), that stage 1's channel and pidfd."""
         if self.state.status != RUNNING:
             return self._fail(conn, InvalidState(f"cannot exec in a container in state {self.state.status}"))
         try:
@@ -36,20 +39,26 @@ class ExecMixin:
             validate.check_process(proc, _refuse)
         except Exception as e:  # noqa: BLE001 - any malformed process.json is the caller's error
             return self._fail(conn, e if isinstance(e, QuarkError) else InvalidArgument(f"process.json: {e}"))
-        n = msg.get("preserve_fds", 0)
-        if type(n) is not int or not 0 <= n <= len(fds):
-            return self._fail(conn, InvalidArgument(f"exec: preserve_fds: {n!r} does not fit the {len(fds)} fds sent"))
-        stdio, preserved = fds[:len(fds) - n], fds[len(fds) - n:]
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        child = numbered_from(child, 3 + n)   # the preserved fds take 3.. in the child
-        pid = os.fork()
-        if pid == 0:
-            parent.close()
-            for i, fd in enumerate(stdio):
-                os.dup2(fd, i, inheritable=True)
-            sandbox.run_child(child, lambda: sandbox.exec_stage1(child, self.state.pid, self.spec, proc, preserved))
-        child.close()
-        ex = Child(parent, self._on_exec_msg, stage1_pid=pid, client=conn)
+        if msg.get("forked"):
+            try:
+                parent, pid = self._stage1_of_caller(fds, proc)
+            except (OSError, ValueError) as e:
+                return self._fail(conn, InvalidArgument(f"exec: the caller's stage 1: {e}"))
+        else:
+            n = msg.get("preserve_fds", 0)
+            if type(n) is not int or not 0 <= n <= len(fds):
+                return self._fail(conn, InvalidArgument(f"exec: preserve_fds: {n!r} does not fit the {len(fds)} fds sent"))
+            stdio, preserved = fds[:len(fds) - n], fds[len(fds) - n:]
+            parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            child = numbered_from(child, 3 + n)   # the preserved fds take 3.. in the child
+            pid = os.fork()
+            if pid == 0:
+                parent.close()
+                for i, fd in enumerate(stdio):
+                    os.dup2(fd, i, inheritable=True)
+                sandbox.run_child(child, lambda: sandbox.exec_stage1(child, self.state.pid, self.spec, proc, preserved))
+            child.close()
+        ex = Child(parent, self._on_exec_msg, stage1_pid=pid, client=conn, by_caller=bool(msg.get("forked")))
         self.execs[pid] = ex
         go = {"type": "go"}
         affinity = proc.exec_cpu_affinity or (self.spec.process.exec_cpu_affinity if self.spec.process else None)
@@ -62,6 +71,23 @@ class ExecMixin:
         self._leave_quark_cgroup(pid)
         channel.send(parent, go)
         self.loop.add_reader(parent.fileno(), lambda: self._on_child_readable(ex))
+
+    def _stage1_of_caller(self, fds: list[int], proc) -> tuple[socket.socket, int]:
+        """An exec whose stage 1 the caller forked (`fds`: its channel and its pidfd), as runc's
+        process tree has it where the caller reaps (container.exec_process): it gets what a fork of
+        ours would have had, the init's pid, the spec and the process, as its first message."""
+        if len(fds) != 2:
+            raise ValueError(f"{len(fds)} fds sent, not its channel and its pidfd")
+        pid = int(procfs.fdinfo(fds[1]).get("Pid", "0"))
+        if pid <= 0:
+            raise ValueError("it has exited")
+        parent = socket.socket(fileno=os.dup(fds[0]))   # (the request's fds are closed after it)
+        try:
+            parent.send(pickle.dumps((self.state.pid, self.spec, proc), pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            parent.close()
+            raise
+        return parent, pid
 
     def _leave_quark_cgroup(self, pid: int) -> None:
         """With TSoR's option offload this supervisor sits in quark's own cgroup
@@ -100,6 +126,11 @@ class ExecMixin:
         elif kind == "listener":
             self.kernel.serve_listener(fds[0])
         elif kind in ("error", "eof"):
+            if kind == "eof" and ex.pid == 0 and ex.by_caller:
+                # a stage 1 of the caller's that forked nothing: no exit of it comes to us (the
+                # caller reaps it), so the end of its channel ends the exec
+                del self.execs[ex.stage1_pid]
+                ex.sock.close()
             if ex.client is None:
                 return
             if kind == "error":

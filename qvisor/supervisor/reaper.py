@@ -33,7 +33,7 @@ class ReaperMixin:
     """Reaping, exits and their bookkeeping (part of Supervisor, core.py)."""
 
     def _setup_process(self) -> None:
-        self.caller_reaps = self._choose_reaper()
+        self.caller_reaps = self.state.caller_reaps = self._choose_reaper()
         if not self.caller_reaps:
             L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)
         for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):

@@ -37,6 +37,8 @@ def test_settings_default_to_sandbox_and_are_read_from_the_config(tmp_path):
     ("security: yes\n", "security: expected a mapping"),
     ("security:\n  privileged: allow\n", "security.privileged: 'allow': expected sandbox or refuse"),
     ("security:\n  hostDevices: refuse\n", "security.hostDevices: unknown setting"),
+    ("security:\n  privileged_without_host_devices: 1\n",
+     "security.privileged_without_host_devices: 1: expected true or false"),
 ])
 def test_bad_settings_name_the_file_and_field(tmp_path, text, field):
     p = tmp_path / "config.yaml"
@@ -65,6 +67,32 @@ def test_sandbox_puts_back_what_keeps_the_host_out_and_reports_it():
     assert all("ro" in m.options for m in spec.mounts if m.type in ("sysfs", "cgroup"))
     assert report[security.ANNOTATION_PRIVILEGED].startswith("sandbox: every capability")
     assert report[security.ANNOTATION_SECCOMP].startswith("quark's base policy only")
+
+
+def _with_every_host_device(spec):
+    # what docker and podman write for --privileged: a rule allowing every device, and every host
+    # device node in linux.devices
+    data = default_spec()
+    data["process"]["capabilities"] = {k: sorted(spec.process.capabilities.bounding)
+                                       for k in ("bounding", "effective", "permitted")}
+    data["linux"]["resources"]["devices"] = [{"allow": True, "access": "rwm"}]
+    data["linux"]["devices"] = [{"path": "/dev/vda", "type": "b", "major": 254, "minor": 0},
+                                {"path": "/dev/kmsg", "type": "c", "major": 1, "minor": 11}]
+    return parse_spec(data, "/b/config.json", "/b")
+
+
+def test_every_host_device_is_refused_or_left_out_as_the_operator_sets():
+    with pytest.raises(ConfigError, match=r"linux.resources.devices\[0\]: allows every host device .*"
+                                          r"privileged_without_host_devices: true"):
+        security.apply(_with_every_host_device(_spec(privileged=True)), security.Settings())
+    spec = _with_every_host_device(_spec(privileged=True))
+    report = security.apply(spec, security.Settings(privileged_without_host_devices=True, source="/etc/q.yaml"))
+    # the rule is turned around (a v1 cgroup would otherwise keep its parent's allow-all) and no
+    # host device node is made; the report says so
+    assert [(r.allow, r.type, r.major, r.minor) for r in spec.linux.resources.devices] == [(False, "a", None, None)]
+    assert spec.linux.devices == []
+    assert "no host devices (/etc/q.yaml: security.privileged_without_host_devices; 2 device nodes" in \
+        report[security.ANNOTATION_PRIVILEGED]
 
 
 def test_a_pod_cannot_forge_the_report():
