@@ -251,5 +251,22 @@ def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None], ke
         path = trampoline.resolve(proc.args[0], env)
         trampoline.execve(trampoline.sealed_memfd(), path, proc.args, env)
     except OSError as e:
-        what = "executable file not found in $PATH" if e.errno == errno.ENOENT else e.strerror
-        raise SetupError(f"exec: {proc.args[0]!r}: {what}") from None
+        raise _exec_error(proc, e) from None
+
+
+def check_executable(proc: Process) -> None:
+    """At create, as runc does before it waits for start: a program that is not there fails the
+    create, not the start (podman then says 127, "command not found", as with runc). A path relative
+    to the working directory is left to the exec."""
+    program = proc.args[0]
+    if "/" in program and not program.startswith("/"):
+        return
+    try:
+        trampoline.resolve(program, environment(proc))
+    except OSError as e:
+        raise _exec_error(proc, e) from None
+
+
+def _exec_error(proc: Process, e: OSError) -> SetupError:
+    what = "executable file not found in $PATH" if e.errno == errno.ENOENT else e.strerror
+    return SetupError(f"exec: {proc.args[0]!r}: {what}")

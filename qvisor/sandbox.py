@@ -310,6 +310,7 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preser
     else:
         rootfs.chroot(spec.root.path)   # a shared mount table: only this process's view changes
     process.set_rlimits(spec.process)
+    process.check_executable(spec.process)
     if spec.process.terminal:
         _terminal(sock, spec.process)
     channel.send(sock, {"type": "created", "t": time.monotonic()})

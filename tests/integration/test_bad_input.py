@@ -151,13 +151,28 @@ def test_failed_create_leaves_nothing(quark, bundle, edit, message):
     assert_nothing_left(quark, "half", b)
 
 
-def test_failed_start_reports_the_reason(quark, bundle):
+def test_a_missing_program_fails_the_create_as_with_runc(quark, bundle):
+    # runc looks the program up before it waits for start: podman then says "command not found"
+    # (127) rather than a failed start (126), and docker "OCI runtime create failed"
     b = bundle(["/no/such/binary"])
+    r = quark("create", "--bundle", b, "fs", check=False)
+    assert r.returncode == 1 and "'/no/such/binary': executable file not found" in r.stderr, r.stderr
+    assert_nothing_left(quark, "fs", b)
+
+
+def test_failed_start_reports_the_reason(quark, bundle):
+    b = failing_start_bundle(bundle)
     quark("create", "--bundle", b, "fs")
     r = quark("start", "fs", check=False)
-    assert r.returncode == 1 and "/no/such/binary" in r.stderr
+    assert r.returncode == 1 and "startContainer" in r.stderr, r.stderr
     quark("delete", "fs")
     assert_nothing_left(quark, "fs", b)
+
+
+def failing_start_bundle(bundle) -> str:
+    """A bundle whose create succeeds and whose start fails: its startContainer hook (run in the
+    container once it is started) exits 1."""
+    return bundle(["true"], hooks={"startContainer": [{"path": "/bin/false"}]})
 
 
 def test_terminal_without_console_socket_is_refused(quark, bundle):

@@ -10,6 +10,7 @@ import tempfile
 import pytest
 
 from tests.integration.conftest import edit_config
+from tests.integration.test_bad_input import failing_start_bundle
 
 pytestmark = pytest.mark.root
 FRONT_END = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -67,14 +68,14 @@ def test_start_reaches_the_supervisor_without_python(quark, bundle, tmp_path, en
 def test_a_failed_start_is_reported_as_the_cli_reports_it(quark, bundle, tmp_path, env):
     errors = []
     for cid, e in (("fs2", env), ("fs3", dict(env, QUARK_FACTORY="0"))):   # direct, then the CLI
-        _create(quark, env, bundle(["/nonexistent-prog"]), cid)
+        _create(quark, env, failing_start_bundle(bundle), cid)
         _python_ran(tmp_path)
         r = _run(quark, e, "start", cid)
         assert r.returncode == 1
         errors.append(r.stderr)
         assert _python_ran(tmp_path) == (cid == "fs3")
         quark("delete", "--force", cid)
-    assert errors[0] == errors[1] and "/nonexistent-prog" in errors[0], errors
+    assert errors[0] == errors[1] and "startContainer" in errors[0], errors
 
 
 def test_poststart_hooks_still_run_through_the_cli(quark, bundle, tmp_path, env):
