@@ -9,14 +9,29 @@ APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf
 	iproute2 gcc libc6-dev procps util-linux wrk libibverbs-dev clang libbpf-dev libbpf1 \
 	patchelf mmdebstrap
 
-.PHONY: install apt kubectl payload node-root venv links bytecode fastpath rdma-pump bpf frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
-install: apt kubectl venv links fastpath rdma-pump bpf
+.PHONY: install apt kubectl container-clients payload node-root venv links bytecode fastpath rdma-pump bpf frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
+install: apt kubectl container-clients venv links fastpath rdma-pump bpf
 
 apt:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		echo "installing system packages:" $$missing; \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+# docker and podman for their lanes (tests/integration/test_docker.py, test_podman.py): Debian's
+# docker.io and podman, installed with service starts denied (a policy-rc.d, made only for the
+# install when the machine has none), so no host dockerd starts and the host's firewall stays as it
+# is; the tests start a private dockerd with --iptables=false (tests/support/managers.py)
+CONTAINER_CLIENTS := docker.io podman
+container-clients:
+	@missing=$$(for p in $(CONTAINER_CLIENTS); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing system packages:" $$missing; \
+		made=; if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+			chmod 755 /usr/sbin/policy-rc.d; made=1; fi; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+		rc=$$?; if [ -n "$$made" ]; then rm -f /usr/sbin/policy-rc.d; fi; exit $$rc; \
 	fi
 
 # kubectl, for tests/unit/test_deploy.py's `kubectl kustomize deploy/`: Debian's kubernetes-client,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import socket
 
 from qlib.errors import SupervisorGone, from_kind
-from qvisor import channel
+from qvisor import channel, paths
 from qvisor.state import SOCK_NAME
 
 
@@ -12,7 +12,8 @@ class Connection:
     def __init__(self, state_dir: str) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            self.sock.connect(f"{state_dir}/{SOCK_NAME}")
+            with paths.socket_address(f"{state_dir}/{SOCK_NAME}") as address:
+                self.sock.connect(address)
         except (FileNotFoundError, ConnectionRefusedError):
             self.sock.close()
             raise SupervisorGone("the container's supervisor is not running") from None

@@ -7,12 +7,15 @@ symlink swapped after the check cannot redirect the mount (the CVE-2021-30465 cl
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from collections.abc import Iterator
 
 from qlib import linux as L
 
+SUN_PATH_MAX = 108   # sizeof(sockaddr_un.sun_path), with its NUL
 _MAX_RETRIES = 40   # symlinks followed plus entries that changed under us, as the kernel's MAXSYMLINKS
 
 
@@ -89,6 +92,21 @@ def ensure_in_root(root_fd: int, path: str, is_dir: bool, mode: int = 0o755) -> 
     except BaseException:
         os.close(cur)
         raise
+
+
+@contextlib.contextmanager
+def socket_address(path: str) -> Iterator[str]:
+    """`path` as a unix socket address to bind or connect: itself, or, where it is longer than an
+    address holds (108 bytes: docker's runtime root and a 64-character id come close), the same file
+    through an fd of its directory."""
+    if len(os.fsencode(path)) < SUN_PATH_MAX:
+        yield path
+        return
+    fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield os.path.join(fd_path(fd), os.path.basename(path))
+    finally:
+        os.close(fd)
 
 
 def fd_path(fd: int) -> str:

@@ -95,7 +95,7 @@ def _switch_user(proc: Process) -> None:
     os.setresuid(u.uid, u.uid, u.uid)
 
 
-def _not_held(names: list[str], last: int) -> list[str]:
+def not_held(names: list[str], last: int) -> list[str]:
     """Those of `names` outside this process's permitted set (capset may not add them)."""
     try:
         held = procfs.permitted_caps()
@@ -236,7 +236,7 @@ def finish_and_exec(proc: Process, *, install_filter: Callable[[bool], None], ke
         try:
             _set_caps(caps, last)
         except OSError as e:
-            missing = _not_held(caps.permitted + caps.effective + caps.inheritable, last)
+            missing = not_held(caps.permitted + caps.effective + caps.inheritable, last)
             why = (f"; not held by the runtime: {', '.join(missing)} (an exec'd process gets at most "
                    "the capabilities the container's process was configured with, or the host withholds "
                    "them)") if missing else ""

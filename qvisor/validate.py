@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 from typing import Callable, NoReturn
 
+from qlib import linux as L
 from qlib.errors import ConfigError, QuarkError
+from qvisor.process import not_held
 from qvisor.spec import PROC_NS_NAMES, Process, Spec, sysctl_key
 
 # sysctls that belong to a namespace (runc's list): anything else would change the host
@@ -116,6 +118,13 @@ def check_supported(spec: Spec) -> None:
     if spec.process is None:
         fail("process", "is required to create a container")
     check_process(spec.process, fail)
+    caps = spec.process.capabilities
+    if caps is not None:
+        # capset cannot give what this process does not hold: runc's create fails there too
+        missing = not_held(caps.permitted + caps.effective + caps.inheritable, L.last_cap())
+        if missing:
+            fail("process.capabilities", f"{', '.join(missing)}: not held by the runtime on this host, so the "
+                                         "container's process cannot be given them")
     if spec.linux.mount_label:
         fail("linux.mountLabel", "quark does not apply SELinux labels" if lsm_enabled("selinux")
              else "SELinux is not enabled on this host: the mount label cannot be applied")

@@ -9,7 +9,7 @@ import os
 import socket
 
 from qlib.errors import InvalidArgument, InvalidState, QuarkError
-from qvisor import channel
+from qvisor import channel, paths
 from qvisor.state import CREATED, RUNNING, SOCK_NAME
 
 log = logging.getLogger("quark.supervisor")
@@ -21,7 +21,8 @@ class ControlMixin:
     def _open_control(self) -> None:
         path = self.store.path(self.state.id, SOCK_NAME)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        s.bind(path)
+        with paths.socket_address(path) as address:
+            s.bind(address)
         os.chmod(path, 0o600)
         s.listen(16)
         s.setblocking(False)

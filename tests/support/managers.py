@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -138,14 +139,15 @@ class Dockerd(_Tree):
 
 
 class Podman(_Tree):
-    def __init__(self) -> None:
+    def __init__(self, runtimes: dict[str, str]) -> None:
         super().__init__("qpm-")
+        self.runtimes = runtimes   # name -> the runtime's path, for --runtime
         self.conf = self.base / "containers.conf"
-        # the host's hard limits are below podman's defaults for root (1048576 files and processes),
-        # which runc and quark both refuse to raise
-        nofile, nproc = (os.sysconf(n) for n in ("SC_OPEN_MAX", "SC_CHILD_MAX"))
+        # podman's defaults for root (1048576 files and processes) are above this host's hard limits,
+        # which runc and quark both refuse to raise (runc refuses the hard limit itself under conmon)
+        nofile, nproc = (min(resource.getrlimit(r)[1], 4096) for r in (resource.RLIMIT_NOFILE, resource.RLIMIT_NPROC))
         self.conf.write_text(f"""[containers]
-default_ulimits = ["nofile={min(nofile, 65536)}:{min(nofile, 65536)}", "nproc={min(nproc, 65536)}:{min(nproc, 65536)}"]
+default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]
 [engine]
 cgroup_manager = "cgroupfs"
 events_logger = "file"
