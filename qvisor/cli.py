@@ -123,8 +123,11 @@ def main(argv: list[str] | None = None, in_factory: bool = False) -> int:
         # the sandbox factory (qvisor/factory/) has the supervisor's imports loaded already and
         # its forks share them; without one, this create runs here and starts one for the next.
         # Imported here: every other verb's start would pay for it
-        from qvisor.factory import client, wire
-        if wire.enabled():
+        from qvisor.factory import caller, client, wire
+        # under a runc-compatible manager (a child subreaper) the factory declines a create, and one
+        # started from here would be the manager's child, keeping it waiting after its container ended
+        # (conmon waits for its children before it exits)
+        if wire.enabled() and not caller.runc_manager_above(os.getpid()):
             if _delegated(verb, argv):
                 code = client.request(argv)
                 if code is not None:

@@ -34,7 +34,8 @@ def identity(pid: int) -> tuple:
 
 
 def context_refusal(pid: int, mine: tuple) -> str:
-    """Why the caller's context keeps the factory from acting for it ("" when it does not).
+    """Why the caller's context keeps the factory from acting for it ("" when it does not); a
+    runc-compatible manager above the caller is the factory's refusal of a create (server.py).
     OSError or KeyError: the caller went away."""
     if identity(pid) != mine:
         return "the caller's namespaces, root, credentials or security context differ from the factory's"
@@ -42,8 +43,6 @@ def context_refusal(pid: int, mine: tuple) -> str:
         caller, own = resource.prlimit(pid, r)[1], resource.getrlimit(r)[1]
         if own != resource.RLIM_INFINITY and (caller == resource.RLIM_INFINITY or caller > own):
             return f"the caller's hard {RLIMITS[r]} is above the factory's"
-    if runc_manager_above(pid):   # they reap the init themselves
-        return "a runc-compatible manager above the caller reaps the container's init"
     return ""
 
 

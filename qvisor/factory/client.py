@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from qlib.errors import QuarkError
-from qvisor.factory.caller import current_umask, runc_manager_above
+from qvisor.factory.caller import current_umask
 from qvisor.factory.wire import (LOCK_NAME, LOG_NAME, MAX_REQUEST, PID_NAME, directory, enabled, encode_request,
                                  socket_path)
 
@@ -62,10 +62,8 @@ def request(argv: list[str], stdio: tuple[int, int, int] = (0, 1, 2), env: dict[
 
 def ensure_running(where: str | None = None) -> None:
     """Start a factory in the background unless one answers (called by a create that ran without
-    one). Never waits for it: this create goes on by itself, the next one uses it. Not under a
-    runc-compatible manager: it is a child subreaper, so the factory would be its child and keep it
-    waiting after its container ended (conmon waits for its children before it exits)."""
-    if not enabled() or runc_manager_above(os.getpid()):
+    one). Never waits for it: this create goes on by itself, the next one uses it."""
+    if not enabled():
         return
     path = socket_path(where)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)

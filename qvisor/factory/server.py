@@ -173,6 +173,10 @@ class Factory:
             self.stale = True
             return "quark's code changed since the factory started: it exits"
         try:
+            # conmon and containerd's runc shim wait for the container's processes as their children,
+            # which those a create here would fork could never be; the other verbs fork none
+            if program["adopts_cgroups"](argv) and caller.runc_manager_above(pid):
+                return "a runc-compatible manager above the caller reaps the container's init"
             return caller.context_refusal(pid, self.me)
         except (OSError, KeyError):
             return "the caller went away"

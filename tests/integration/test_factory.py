@@ -231,7 +231,8 @@ def test_a_caller_in_another_mount_namespace_is_declined_and_the_cli_runs_the_ve
 
 def test_a_runc_style_manager_above_the_caller_is_declined_so_it_reaps_the_init(served, quark, bundle, tmp_path):
     """conmon (and containerd's runc shim) wait for the init themselves: the supervisor must be
-    re-parented to them, which only a create forked from their own child gives."""
+    re-parented to them, which only a create forked from their own child gives. The other verbs
+    fork nothing and are served."""
     where, _, env = served
     conmon = tmp_path / "conmon"
     shutil.copy(os.path.realpath(sys.executable), conmon)
@@ -241,12 +242,43 @@ def test_a_runc_style_manager_above_the_caller_is_declined_so_it_reaps_the_init(
               " '--pid-file', sys.argv[2], 'cr'], check=True)\n"
               f"subprocess.run([{FRONT_END!r}, '--root', {quark.root!r}, 'start', 'cr'], check=True)\n"
               "_, status = os.waitpid(int(open(sys.argv[2]).read()), 0)\n"
-              "print(os.waitstatus_to_exitcode(status), flush=True)\n")
+              "print(os.waitstatus_to_exitcode(status), flush=True)\n"
+              f"for verb in ('state', 'delete'):\n"
+              f"    subprocess.run([{FRONT_END!r}, '--root', {quark.root!r}, verb, 'cr'], check=True,"
+              " stdout=subprocess.DEVNULL)\n")
     r = _run(dict(env, PYTHONHOME=sys.base_prefix), "-c", caller, bundle(["sh", "-c", "exit 7"]),
              str(tmp_path / "pid"), argv0=(str(conmon),))
     assert (r.returncode, r.stdout) == (0, "7\n"), r.stderr
-    assert "declined: a runc-compatible manager" in _log(tmp_path)
-    quark("delete", "--force", "cr", check=False)
+    # the create alone: the verbs that fork nothing (state, delete) are the factory's under conmon too
+    assert _log(tmp_path).count("declined: a runc-compatible manager") == 1, _log(tmp_path)
+    assert "cr" not in quark.ids()
+
+
+def test_no_factory_is_started_under_a_runc_style_manager(quark, bundle, tmp_path):
+    """A factory started from a create under conmon would be conmon's child (it is a subreaper),
+    and conmon waits for its children before it exits: it outlived its container."""
+    where = tmp_path / "factory"
+    conmon = tmp_path / "conmon"
+    shutil.copy(os.path.realpath(sys.executable), conmon)
+    caller = ("import ctypes, subprocess, sys\n"
+              "ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n"
+              f"subprocess.run([{FRONT_END!r}, '--root', {quark.root!r}, 'create', '--bundle', sys.argv[1], 'nf'],"
+              " check=True)\n")
+    env = dict(os.environ, QUARK_FACTORY_DIR=str(where), QUARK_FACTORY="1", PYTHONHOME=sys.base_prefix)
+    r = _run(env, "-c", caller, bundle(["true"]), argv0=(str(conmon),))
+    assert r.returncode == 0, r.stderr
+    time.sleep(1)   # a factory, had one been started, would be serving by now
+    assert not (where / wire.SOCK_NAME).exists()
+    quark("delete", "--force", "nf")
+    # the same create from a shell starts one, for the next create
+    r = _run(env, "--root", quark.root, "create", "--bundle", bundle(["true"]), "nf2")
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 30
+    while not (where / wire.SOCK_NAME).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (where / wire.SOCK_NAME).exists()
+    quark("delete", "--force", "nf2")
+    client.stop(str(where))
 
 
 def test_only_root_may_connect(served):
