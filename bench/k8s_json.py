@@ -54,7 +54,7 @@ def decoders() -> dict:
         import orjson
         out["orjson"] = whole(orjson.loads)
     except ImportError:
-        pass
+        print("orjson is not installed: its row is skipped", file=sys.stderr)
     try:
         import simdjson
         parser = simdjson.Parser()
@@ -68,7 +68,7 @@ def decoders() -> dict:
             return n
         out["simdjson"] = simd
     except ImportError:
-        pass
+        print("pysimdjson is not installed: its row is skipped", file=sys.stderr)
     dec = Decoder("pods")
     out["msgspec"] = whole(dec.page)
     return out

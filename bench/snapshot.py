@@ -338,7 +338,10 @@ def main() -> int:
     result["summary"] = summarize(result["per_run"])
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
-    chart(result, Path(a.png))
+    try:
+        chart(result, Path(a.png))
+    except ImportError:
+        print(f"no chart: matplotlib is missing (make bench installs it); {a.png} not written", file=sys.stderr)
     report(result)
     return 0
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -72,7 +73,7 @@ class FakeKubeAPI:
         self._open: set[socket.socket] = set()
         self._watching: dict[str, int] = dict.fromkeys(COLLECTIONS, 0)
         self.port = 0
-        self.httpd: ThreadingHTTPServer | None = None
+        self.httpd: _Server | None = None
         self.start()
 
     # ---- life cycle ----------------------------------------------------------------------------
@@ -83,11 +84,11 @@ class FakeKubeAPI:
         class Handler(_Handler):
             fake = api
         if self.listener is not None:
-            httpd = ThreadingHTTPServer(self.listener.getsockname()[:2], Handler, bind_and_activate=False)
+            httpd = _Server(self.listener.getsockname()[:2], Handler, bind_and_activate=False)
             httpd.socket.close()
             httpd.socket = self.listener
         else:
-            httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+            httpd = _Server(("127.0.0.1", self.port), Handler)
         httpd.daemon_threads = True
         self.port = httpd.server_address[1]
         self.httpd = httpd
@@ -222,6 +223,14 @@ class FakeKubeAPI:
     def lists(self, kind: str) -> int:
         with self.cond:
             return sum(1 for k, q in self.requests if k == kind and q.get("watch") != "true" and "continue" not in q)
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        # a client that went away, or a connection the test cut, is nothing to print a traceback for
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return
+        super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
