@@ -119,8 +119,9 @@ def check_supported(spec: Spec) -> None:
         fail("process", "is required to create a container")
     check_process(spec.process, fail)
     caps = spec.process.capabilities
-    if caps is not None:
-        # capset cannot give what this process does not hold: runc's create fails there too
+    if caps is not None and not spec.linux.new_namespace("user"):
+        # capset cannot give what this process does not hold: runc's create fails there too (a new
+        # user namespace starts with every capability in it)
         missing = not_held(caps.permitted + caps.effective + caps.inheritable, L.last_cap())
         if missing:
             fail("process.capabilities", f"{', '.join(missing)}: not held by the runtime on this host, so the "

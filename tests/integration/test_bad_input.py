@@ -190,3 +190,28 @@ def test_exec_in_stopped_container_is_refused(quark, bundle):
             r = quark("exec", "st", "true", check=False)
             break
     assert r is not None and r.returncode == 1 and "stopped" in r.stderr
+
+
+def _withheld() -> list[str]:
+    from qlib import linux as L
+    from qvisor.process import not_held
+    from qvisor.spec import CAPABILITIES
+    return not_held(list(CAPABILITIES), L.last_cap())
+
+
+@pytest.mark.skipif(not _withheld(), reason="this host withholds no capability from root")
+def test_a_capability_the_host_withholds_fails_the_create_naming_it(quark, bundle):
+    # runc's create fails there too ("unable to apply caps"); docker's --privileged lists such ones
+    cap = _withheld()[0]
+    b = bundle(["true"])
+    edit_config(b, lambda s: s["process"]["capabilities"]["permitted"].append(cap))
+    r = quark("create", "--bundle", b, "wc", check=False)
+    assert r.returncode == 1 and f"process.capabilities: {cap}: not held by the runtime" in r.stderr, r.stderr
+    assert_nothing_left(quark, "wc", b)
+    # in a user namespace of its own the container holds every capability there: allowed
+    edit_config(b, lambda s: s["linux"]["namespaces"].append({"type": "user"}) or s["linux"].update(
+        uidMappings=[{"containerID": 0, "hostID": 100000, "size": 65536}],
+        gidMappings=[{"containerID": 0, "hostID": 100000, "size": 65536}]))
+    r = quark("create", "--bundle", b, "wc", check=False)
+    assert "not held" not in r.stderr, r.stderr
+    quark("delete", "--force", "wc", check=False)
