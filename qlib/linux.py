@@ -315,6 +315,11 @@ def pidfd_exit_status(pidfd: int) -> int | None:
     return struct.unpack_from("i", buf, _EXIT_CODE_OFFSET)[0]
 
 
+def exit_code(status: int) -> int:
+    """A wait status as runtimes report it: the exit code, or 128 + the signal that ended it."""
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
 def pidfd_exit_status_supported() -> bool:
     """Whether this kernel reports exit statuses through pidfds (PIDFD_GET_INFO)."""
     fd = pidfd_open(os.getpid())

@@ -6,6 +6,7 @@ any fds attached to the line's first byte).
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import socket
 from typing import Any
@@ -24,6 +25,16 @@ def send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | tuple[int, .
     sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
     if sent < len(data):
         sock.sendall(data[sent:])
+
+
+def numbered_from(sock: socket.socket, lowest: int) -> socket.socket:
+    """`sock`, moved to an fd number >= lowest if it has a lower one (a child's channel, above the
+    fds it passes on at 3, 4, ...)."""
+    if sock.fileno() >= lowest:
+        return sock
+    moved = socket.socket(fileno=fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD_CLOEXEC, lowest))
+    sock.close()
+    return moved
 
 
 def recv_packet(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:

@@ -259,14 +259,17 @@ def start(root: str, container_id: str) -> None:
 
 def wait(root: str, container_id: str, pid: int = 0) -> dict:
     """Block until the init (or the exec'd process `pid`) exits; its exit status and time."""
-    if pid and procfs.parent_pid(pid) == os.getpid():
-        os.waitpid(pid, 0)   # ours to reap (exec_process with wait_here), then the supervisor has its status
+    ours = None
+    if pid and procfs.parent_pid(pid) == os.getpid():   # ours to reap (exec_process with wait_here)
+        ours = L.exit_code(os.waitpid(pid, 0)[1])
     store = StateStore(root)
     st = store.load(container_id)
     try:
         with Connection(store.dir(container_id)) as c:
             reply, _ = c.call({"op": "wait", "pid": pid or st.pid})
-            return reply
+            # the status we reaped is the exact one: before Linux 6.15 the supervisor learns only
+            # that the process ended (supervisor/reaper.py)
+            return reply if ours is None else dict(reply, exit_status=ours)
     except SupervisorGone:
         pass
     st = store.load_raw(container_id)  # the supervisor is gone: the state file has the last word
@@ -495,9 +498,8 @@ def _exec_forked_here(state_dir: str, request: dict, stdio: list[int], preserved
     from qvisor import sandbox
     if wait_here:   # stage 1's orphan comes to us, to be reaped by `wait`
         L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)
-    from qvisor.supervisor.child import numbered_from
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    child = numbered_from(child, 3 + len(preserved))   # the preserved fds stay at 3..
+    child = channel.numbered_from(child, 3 + len(preserved))   # the preserved fds stay at 3..
     pid = os.fork()
     if pid == 0:
         parent.close()

@@ -5,7 +5,6 @@ channel the supervisor reads its set-up messages on; the part's mixin dispatches
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import logging
 import socket
 from typing import Any
@@ -24,15 +23,6 @@ class Child:
     console: list[int] = dataclasses.field(default_factory=list)  # exec: pty master for the client
     pidfd: int = -1  # exec: the process, held until it is reaped; signals go through it, never the pid
     by_caller: bool = False  # exec: stage 1 is the caller's child, not ours (container.exec_process)
-
-
-def numbered_from(sock: socket.socket, lowest: int) -> socket.socket:
-    """`sock`, moved to an fd number >= lowest if it has a lower one."""
-    if sock.fileno() >= lowest:
-        return sock
-    moved = socket.socket(fileno=fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD_CLOEXEC, lowest))
-    sock.close()
-    return moved
 
 
 def child_log(msg: dict) -> None:

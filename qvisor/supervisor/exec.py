@@ -16,7 +16,7 @@ from qlib.errors import ConfigError, InvalidArgument, InvalidState, NotFound, Qu
 from qvisor import channel, sandbox, validate
 from qvisor.spec import parse_process
 from qvisor.state import RUNNING
-from qvisor.supervisor.child import Child, child_log, numbered_from
+from qvisor.supervisor.child import Child, child_log
 
 log = logging.getLogger("quark.supervisor")
 
@@ -50,7 +50,7 @@ class ExecMixin:
                 return self._fail(conn, InvalidArgument(f"exec: preserve_fds: {n!r} does not fit the {len(fds)} fds sent"))
             stdio, preserved = fds[:len(fds) - n], fds[len(fds) - n:]
             parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            child = numbered_from(child, 3 + n)   # the preserved fds take 3.. in the child
+            child = channel.numbered_from(child, 3 + n)   # the preserved fds take 3.. in the child
             pid = os.fork()
             if pid == 0:
                 parent.close()

@@ -25,10 +25,6 @@ UNKNOWN_EXIT = 255   # the exit status of a process reaped by the caller on a ke
 MAX_KEPT_EXITS = 1024
 
 
-def exit_code(status: int) -> int:
-    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
-
-
 class ReaperMixin:
     """Reaping, exits and their bookkeeping (part of Supervisor, core.py)."""
 
@@ -108,7 +104,7 @@ class ReaperMixin:
             self.loop.remove_reader(fd)
         os.close(fd)
         if self._running(pid):   # the ptrace platform may have seen the exit first
-            self._exited(pid, exit_code(status))
+            self._exited(pid, L.exit_code(status))
 
     @staticmethod
     def _drain(fd: int) -> None:
@@ -152,7 +148,7 @@ class ReaperMixin:
                 continue
             if os.WIFSTOPPED(status):
                 continue
-            self._exited(pid, exit_code(status))
+            self._exited(pid, L.exit_code(status))
 
     def _kill_rest(self) -> None:
         """Kill what is left in the cgroup without holding the loop: freezing can take seconds to
