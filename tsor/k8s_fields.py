@@ -141,15 +141,21 @@ class Decoder:
 
     def __init__(self, kind: str) -> None:
         obj = OBJECTS[kind]
-        self._page = self._event = None
+        self._page = self._event = self._list_meta = None
         if msgspec is not None:
             list_meta = TypedDict("ListMeta", {"resourceVersion": Any, "continue": Any}, total=False)
             page = TypedDict("Page", {"metadata": Optional[list_meta], "items": Optional[list[obj]]}, total=False)
             event = TypedDict("Event", {"type": Any, "object": Optional[obj]}, total=False)
             self._page, self._event = msgspec.json.Decoder(page), msgspec.json.Decoder(event)
+            self._list_meta = msgspec.json.Decoder(TypedDict("ListOnly", {"metadata": Optional[list_meta]},
+                                                             total=False))
 
     def page(self, data: bytes) -> Any:
         return _decode(self._page, data)
+
+    def list_meta(self, data: bytes) -> Any:
+        """A list page's metadata alone (its continue token): msgspec skips the items unbuilt."""
+        return _decode(self._list_meta, data)
 
     def event(self, line: bytes | str) -> Any:
         return _decode(self._event, line)

@@ -34,15 +34,18 @@ them, for nothing here (same section).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import ipaddress
 import json
 import logging
+import queue
 import random
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tsor.config import HostPort, Kubernetes
@@ -157,9 +160,28 @@ def pod_entry(obj: dict, runtime_class: str) -> Pod | None:
         return None
     ports = {p["name"]: p["containerPort"] for c in spec.get("containers") or () for p in c.get("ports") or ()
              if p.get("name") and isinstance(p.get("containerPort"), int) and (p.get("protocol") or "TCP") == "TCP"}
-    labels = {_intern(k): _intern(v) for k, v in dict(meta.get("labels") or {}).items()}
     return Pod(_intern(meta.get("namespace", "")), meta.get("name", ""), _intern(spec["nodeName"]), tuple(valid),
-               labels, ports)
+               _labels(meta.get("labels") or {}), ports)
+
+
+_LABEL_SETS: dict[tuple, dict] = {}
+_MAX_LABEL_SETS = 1 << 16   # then it starts again: label sets come and go with Deployments' revisions
+
+
+def _labels(value: Any) -> dict:
+    """A pod's labels: one dict for each distinct set, shared by the pods that carry it (a
+    ReplicaSet's pods carry the same), read-only by the table's convention. At 150,000 pods this is
+    less memory and less time than a dict of interned strings per pod."""
+    items = tuple((value if type(value) is dict else dict(value)).items())
+    try:
+        shared = _LABEL_SETS.get(items)
+    except TypeError:   # an odd, unhashable value: that pod's own dict, as before
+        return {_intern(k): _intern(v) for k, v in items}
+    if shared is None:
+        if len(_LABEL_SETS) >= _MAX_LABEL_SETS:
+            _LABEL_SETS.clear()
+        shared = _LABEL_SETS[items] = {_intern(k): _intern(v) for k, v in items}
+    return shared
 
 
 def service_entry(obj: dict) -> dict[tuple[str, int], ServicePort] | None:
@@ -403,7 +425,8 @@ class KubernetesSource:
     def _list(self, kind: Kind) -> None:
         from kubernetes.client.rest import ApiException
         try:
-            self._list_pages(kind)
+            with _collection_paused():
+                self._list_pages(kind)
         except ApiException as e:
             if e.status == 410:   # a continue token expired between pages: list again from the start
                 raise Gone() from None
@@ -433,23 +456,12 @@ class KubernetesSource:
 
     def _list_pages(self, kind: Kind) -> None:
         entries: dict[Key, Any] = {}
-        cont, rv = None, None
-        while True:
-            query = {"limit": str(PAGE)}
-            if cont:
-                query["continue"] = cont
-            resp = self._get(kind, query)
-            try:
-                page = kind.decoder.page(resp.data)
-            finally:
-                resp.release_conn()
+        rv = None
+        for data in self._pages(kind):
+            page = kind.decoder.page(data)
             for obj in page.get("items") or ():
                 entries[_key(obj)] = kind.entry(obj)
-            meta = page.get("metadata") or {}
-            rv = meta.get("resourceVersion") or rv
-            cont = meta.get("continue")
-            if not cont:
-                break
+            rv = (page.get("metadata") or {}).get("resourceVersion") or rv
         if kind.retired.is_set():
             return
         kind.sync(entries)
@@ -458,6 +470,49 @@ class KubernetesSource:
         kind.synced.set()
         log.info("routes from Kubernetes: %s listed at resourceVersion %s: %d objects",
                  kind.name, rv, len(entries))
+
+    def _pages(self, kind: Kind) -> Iterator[bytes]:
+        """The list's pages as the API server sent them, each next one fetched (by a thread of its
+        own) while this one is read: the server's time and ours overlap, about a third of a list of
+        150,000 pods (bench/README.md, "Routes from Kubernetes"). Its errors are raised here."""
+        pages: queue.Queue = queue.Queue(maxsize=2)
+        done = threading.Event()
+
+        def put(item: Any) -> None:
+            while not done.is_set():
+                try:
+                    return pages.put(item, timeout=0.5)
+                except queue.Full:
+                    continue
+
+        def fetch() -> None:
+            cont = None
+            try:
+                while not done.is_set():
+                    query = {"limit": str(PAGE)}
+                    if cont:
+                        query["continue"] = cont
+                    resp = self._get(kind, query)
+                    try:
+                        data = resp.data
+                    finally:
+                        resp.release_conn()
+                    put(data)
+                    cont = (kind.decoder.list_meta(data).get("metadata") or {}).get("continue")
+                    if not cont:
+                        break
+                put(None)
+            except BaseException as e:   # noqa: BLE001 - the list's own thread raises it
+                put(e)
+
+        threading.Thread(target=fetch, name=f"k8s-{kind.name}-pages", daemon=True).start()
+        try:
+            while (item := pages.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            done.set()   # a list given up (an error while reading a page): the fetch ends too
 
     def _watch(self, kind: Kind) -> bool:
         """Apply one watch's events. True: it ended at its timeout or delivered something (resume at
@@ -511,6 +566,31 @@ class KubernetesSource:
         kind.events += 1
         if rv:
             kind.resource_version = rv
+
+
+_paused = [0, False]   # lists under way, whether the collector was on before the first
+_paused_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """CPython's cyclic collector off while lists are under way (any kind's thread). A list allocates
+    millions of small objects (decoded pages, entries), each 700 of which start a collection that
+    scans what is young, and the growing table triggers full ones over it all: about half of a list
+    of 150,000 pods (bench/README.md, "Routes from Kubernetes"). What a list builds holds no cycles,
+    so reference counting frees it as before; the collector runs again once the last list is done."""
+    with _paused_lock:
+        if _paused[0] == 0:
+            _paused[1] = gc.isenabled()
+            gc.disable()
+        _paused[0] += 1
+    try:
+        yield
+    finally:
+        with _paused_lock:
+            _paused[0] -= 1
+            if _paused[0] == 0 and _paused[1]:
+                gc.enable()
 
 
 def _shutdown(resp: Any) -> None:

@@ -68,6 +68,7 @@ class FakeKubeAPI:
         self._encoded: dict[str, list[bytes] | None] = dict.fromkeys(COLLECTIONS)   # each kind's items, sorted
         self.log: list[tuple[int, str, str, dict]] = []   # (rv, kind, type, object)
         self.compacted = 0          # watches from a version below this get 410
+        self.expired_continues = 0  # this many next list requests with a continue token get 410
         self.generation = {"bookmark": 0, "expire": 0, "drop": 0}
         self.requests: list[tuple[str, dict[str, str]]] = []   # (kind, query) of every request
         self._open: set[socket.socket] = set()
@@ -204,6 +205,12 @@ class FakeKubeAPI:
             self.generation["expire"] += 1
             self.cond.notify_all()
 
+    def expire_continues(self, count: int = 1) -> None:
+        """The next `count` list requests that carry a continue token get 410 Gone, as the API server
+        answers a token whose version was compacted away between two pages."""
+        with self.cond:
+            self.expired_continues = count
+
     def drop_watches(self) -> None:
         """Cut every open watch's connection mid-stream (no end chunk)."""
         with self.cond:
@@ -331,6 +338,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _list(self, kind: str, query: dict[str, str]) -> None:
         fake = self.fake
         _, list_kind, version = fake.collections[kind]
+        with fake.cond:
+            expired = "continue" in query and fake.expired_continues > 0
+            fake.expired_continues -= expired
+        if expired:
+            return self._json(410, _status(410, "Expired", "The provided continue parameter is too old"))
         with fake.cond:
             if "continue" in query:
                 rv, start = (int(x) for x in query["continue"].split(":"))

@@ -88,6 +88,19 @@ def test_the_initial_list_fills_the_table(api, source):
     assert any("continue" in q for k, q in api.requests if k == "pods")
 
 
+def test_a_continue_token_expired_between_pages_lists_again(api, source):
+    # the pages are fetched by a thread of their own while the list reads them: the API server's
+    # 410 for the second page reaches the list, which starts over, as client-go's reflector does
+    for i in range(2 * PAGE + 10):
+        api.put("pods", k8s.pod(f"p{i}", [f"10.1.{i // 250}.{i % 250 + 1}"], "node-a", labels={"app": f"a{i % 3}"}))
+    api.expire_continues()
+    src, table = source()
+    assert len(table.pods) == 2 * PAGE + 10 and kind(src, "pods").relists == 1
+    assert sum(1 for k, q in api.requests if k == "pods" and "continue" not in q and q.get("watch") != "true") == 2
+    # pods with the same labels share one mapping of them
+    assert table.pods["10.1.0.1"].labels is table.pods["10.1.0.4"].labels == {"app": "a0"}
+
+
 def test_watch_events_add_change_and_remove_routes(api, source):
     _, table = source()
     api.put("pods", k8s.pod("p", ["10.2.0.5"], "node-b"))
@@ -615,3 +628,24 @@ def test_the_stand_in_prints_no_traceback_for_a_client_that_went_away(api, capfd
     assert urllib.request.urlopen(api.url + "/api/v1/nodes", timeout=10).status == 200   # it still serves
     err = capfd.readouterr().err
     assert "Traceback" not in err and "ConnectionResetError" not in err, err
+
+
+def test_the_collector_is_off_while_any_list_runs_and_back_after():
+    import gc
+    import threading
+    assert gc.isenabled()
+    inside, leave = threading.Event(), threading.Event()
+
+    def other_list():
+        with routes_k8s._collection_paused():
+            inside.set()
+            leave.wait(10)
+    t = threading.Thread(target=other_list)
+    t.start()
+    inside.wait(10)
+    with routes_k8s._collection_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()   # the other list still runs
+    leave.set()
+    t.join()
+    assert gc.isenabled()
