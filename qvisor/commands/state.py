@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from qlib.errors import ContainerNotFound
 from qvisor import container
+from qvisor.state import CREATING
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -12,5 +14,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    print(json.dumps(container.state(args.root, args.id).oci(), indent=2))
+    st = container.state(args.root, args.id)
+    if st.status == CREATING:
+        # as runc: a container is there for `state` once its create is done (tools poll `state` after
+        # starting `create` until it answers, then expect "created")
+        raise ContainerNotFound(args.id)
+    print(json.dumps(st.oci(), indent=2))
     return 0

@@ -238,3 +238,33 @@ def test_refused_exec_leaves_the_callers_stdio(quark, bundle, tmp_path):
     wait_status(quark, "rx", "stopped")
     rc, err = _refused_exec(quark, "rx", "true")
     assert rc == 1 and "stopped" in err
+
+
+def test_state_during_create_errors_until_created_as_runc(quark, bundle, tmp_path):
+    # a tool that starts `create` and polls `state` until it answers must read "created" (runc's
+    # state errors until its create is done); quark answered "creating" and the tool gave up
+    hook = tmp_path / "slow.sh"
+    hook.write_text("#!/bin/sh\ncat > /dev/null\nsleep 1\n")
+    hook.chmod(0o755)
+    b = bundle(["sleep", "30"])
+    edit_config(b, lambda s: s.__setitem__("hooks", {"createRuntime": [{"path": str(hook)}]}))
+    create = subprocess.Popen(QUARK + ["--root", quark.root, "create", "--bundle", b, "polled"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    answers = []
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            r = quark("state", "polled", check=False)
+            if r.returncode == 0:
+                answers.append(json.loads(r.stdout)["status"])
+                break
+            assert "does not exist" in r.stderr, r.stderr
+            answers.append("error")
+        assert create.wait(30) == 0
+    finally:
+        if create.poll() is None:
+            create.kill()
+            create.wait()
+    assert answers[-1] == "created" and "creating" not in answers, answers
+    assert "error" in answers   # it was polled while the create ran
+    quark("delete", "--force", "polled")
