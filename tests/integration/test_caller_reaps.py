@@ -10,6 +10,8 @@ import sys
 import time
 import uuid
 
+from tests.integration.test_lifecycle import wait_status
+
 CALLER = r"""
 import ctypes, json, os, subprocess, sys
 quark, bundle, cid, pidfile = json.loads(sys.argv[1])
@@ -57,9 +59,7 @@ def test_an_exec_goes_to_its_own_callers_subreaper(quark, bundle, tmp_path) -> N
     init_caller = subprocess.Popen([sys.executable, "-c", CALLER, json.dumps(args)], stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while (cid not in quark.ids() or quark.state(cid)["status"] != "running") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert wait_status(quark, cid, "running", timeout=30)["status"] == "running"
         for command, status in ((["sh", "-c", "exit 6"], "6\n"), (["sh", "-c", "kill -9 $$"], "-9\n")):
             r = subprocess.run([sys.executable, "-c", EXEC_CALLER,
                                 json.dumps([args[0], cid, str(tmp_path / "exec.pid"), command])],

@@ -22,6 +22,7 @@ import pytest
 from qlib import cgroupfs
 from qlib.procfs import parent_pid, smaps_rollup
 from qvisor.factory import client, programs, server, wire
+from tests.integration.test_lifecycle import wait_status
 
 REPO = Path(__file__).resolve().parents[2]
 FRONT_END = str(REPO / "qvisor" / "_quark")
@@ -513,7 +514,7 @@ def test_a_foreground_run_is_served_with_its_stdio_and_exit_status_and_removed(s
     b = bundle(["sh", "-c", "read line; echo out:$line; echo err >&2; exit 3"])
     p = _front_end_run(env, quark.root, b, "fg", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE)
-    assert _until(lambda: "fg" in quark.ids() and quark.state("fg")["status"] == "running"), _log(tmp_path)
+    assert wait_status(quark, "fg", "running")["status"] == "running", _log(tmp_path)
     assert smaps_rollup(_supervisor(quark.root, "fg"))["Shared_Dirty"] > 2048   # the factory's, not a CLI's
     assert os.readlink(f"/proc/{p.pid}/exe") == os.path.realpath(FRONT_END)   # no Python in the caller's place
     out, err = p.communicate(b"hello\n", timeout=30)
@@ -578,7 +579,7 @@ def test_a_signal_before_the_container_runs_does_not_cut_the_run_short(served, q
     p = _front_end_run(env, quark.root, bundle(["sleep", "100"]), "early", stderr=subprocess.PIPE)
     assert _until(lambda: os.path.isdir(os.path.join(quark.root, "early")), timeout=10)
     p.send_signal(signal.SIGTERM)
-    assert _until(lambda: "early" in quark.ids() and quark.state("early")["status"] == "running"), _log(tmp_path)
+    assert wait_status(quark, "early", "running")["status"] == "running", _log(tmp_path)
     time.sleep(0.3)
     assert p.poll() is None   # still running its container
     quark("kill", "early", "KILL")
