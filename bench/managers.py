@@ -71,7 +71,7 @@ def main() -> int:
     dockerd = managers.Dockerd({"quark": QUARK[0]})
     results: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                      "runs": args.runs, "command": f"python bench/managers.py --runs {args.runs}"}
-    stopped = client.stop()   # start from no factory, whoever started one
+    client.stop()   # start from no factory, whoever started one (the next quark call starts one again)
     try:
         podman(["import", str(tar), managers.IMAGE])
         dockerd.start()
@@ -96,8 +96,7 @@ def main() -> int:
     finally:
         dockerd.close()
         podman.close()
-        if not stopped:
-            client.stop()   # the one this bench started
+        client.stop()   # the one this bench started
         subprocess.run(["rm", "-rf", str(workdir)])
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "managers.json").write_text(json.dumps(results, indent=2) + "\n")
