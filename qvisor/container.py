@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import time
+from typing import TYPE_CHECKING
 
 from qlib import linux as L
 from qlib import procfs
@@ -33,6 +34,9 @@ from qvisor.state import (
     init_alive,
     now_rfc3339,
 )
+
+if TYPE_CHECKING:   # imported by create itself: the other verbs would pay for it
+    from qvisor.spec import Spec
 
 log = logging.getLogger("quark")
 CONFIG_COPY = "config.json"
@@ -87,7 +91,8 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
                             platform=platform, cgroup_path=cgroup.path)
         r, w = os.pipe2(os.O_CLOEXEC)
         pid = 0
-        args = (store, st, spec, platform, console_socket, preserve_fds, log_file, log_format, cgroup, merge_pages)
+        args = SupervisorArgs(store, st, spec, platform, console_socket, preserve_fds, log_file, log_format, cgroup,
+                              merge_pages)
         if not (in_factory and hand_over(w, args)):   # (handed over: a seed of the factory's is the supervisor)
             grace.join()   # a fork while it writes would give the supervisor its open cgroup.procs
             pid = os.fork()
@@ -96,10 +101,10 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
                     os.close(r)
                     os.setsid()   # detach: a new session
                     if in_factory:
-                        _supervise(w, 0, *args)
+                        _supervise(w, 0, args)
                     launcher = os.getpid()
                     if os.fork() == 0:   # the supervisor is the grandchild
-                        _supervise(w, launcher, *args)
+                        _supervise(w, launcher, args)
                 finally:
                     os._exit(0)
         os.close(w)
@@ -119,9 +124,9 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     return store.load(container_id)
 
 
-def hand_over(ready_fd: int, args: tuple) -> bool:
+def hand_over(ready_fd: int, args: SupervisorArgs) -> bool:
     """In a factory worker that was given a seed (qvisor/factory/seeds.py): hand it what a fork of this
-    worker would give the supervisor (the arguments of _supervise; stdio, cwd, environment, umask,
+    worker would give the supervisor (its SupervisorArgs; stdio, cwd, environment, umask,
     rlimits, oom score, scheduling attributes, cgroups and command line), and it becomes the
     supervisor. False when there is no seed, or it cannot take the hand-over: the caller forks the
     supervisor itself."""
@@ -199,24 +204,38 @@ def supervise_handed_over(data: bytes, fds: list[int]) -> None:
                 pass
         os._exit(1)
     try:
-        _supervise(ready_fd, 0, *args)
+        _supervise(ready_fd, 0, args)
     finally:
         os._exit(0)
 
 
-def _supervise(ready_fd: int, launcher: int, store: StateStore, st: ContainerState, spec, platform: str,
-               console_socket: str, preserve_fds: int, log_file: str, log_format: str,
-               cgroup: cgroups.Cgroup | None = None, merge_pages: bool = False) -> None:
-    if merge_pages:   # first: every page written from here on is offered (qvisor/page_merge.py)
+@dataclasses.dataclass
+class SupervisorArgs:
+    """What a supervisor is born with, whether a fork of the create's process or a seed of the
+    factory's that it is handed over to (pickled: hand_over)."""
+    store: StateStore
+    state: ContainerState
+    spec: Spec
+    platform: str
+    console_socket: str
+    preserve_fds: int
+    log_file: str                   # --log, else the state directory's supervisor.log
+    log_format: str                 # --log-format, for --log
+    cgroup: cgroups.Cgroup | None   # the one the create opened, taken on rather than opened again
+    merge_pages: bool               # supervisor.memory_merge
+
+
+def _supervise(ready_fd: int, launcher: int, a: SupervisorArgs) -> None:
+    if a.merge_pages:   # first: every page written from here on is offered (qvisor/page_merge.py)
         from qvisor import page_merge
         page_merge.offer()
     from qvisor.supervisor import Supervisor
-    logfile.log_to(log_file or store.path(st.id, "supervisor.log"), log_format if log_file else "text")
+    logfile.log_to(a.log_file or a.store.path(a.state.id, "supervisor.log"), a.log_format if a.log_file else "text")
     from qvisor import security
-    security.log_report(st.annotations)
-    st.supervisor_pid = os.getpid()
-    Supervisor(store, st, spec, platform, console_socket, ready_fd, launcher, preserve_fds,
-               caller_may_reap=launcher != 0, cgroup=cgroup).main()
+    security.log_report(a.state.annotations)
+    a.state.supervisor_pid = os.getpid()
+    Supervisor(a.store, a.state, a.spec, a.platform, a.console_socket, ready_fd, launcher, a.preserve_fds,
+               caller_may_reap=launcher != 0, cgroup=a.cgroup).main()
 
 
 def _read_line(fd: int) -> dict:
