@@ -3,9 +3,10 @@ alternating in one run, as a user of those clients times them.
 
 podman and dockerd are tests/support/managers.py's (private storage, data and exec roots, no bridge,
 `--iptables=false`); the image is a busybox root imported locally. quark is this checkout's front
-end. Each client is timed in two conditions: with no sandbox factory running (what a host that only
-ever runs quark under these managers has: none is started from under them), and with one started
-from outside them (a shell's `quark` call, quark's containerd shim or a service does it). Median,
+end. Each client is timed in two conditions: with no sandbox factory running when it starts (what a
+host that only ever runs quark under these managers has: none is started from under conmon; under
+containerd's runc shim, docker's, the first create starts one), and with one started from outside
+them (a shell's `quark` call, quark's containerd shim or a service does it). Median,
 p90 and the quark/runc ratio of the medians; JSON to bench/results/managers.json.
 Usage (root): python bench/managers.py [--runs 20]
 """

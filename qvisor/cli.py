@@ -124,15 +124,18 @@ def main(argv: list[str] | None = None, in_factory: bool = False) -> int:
         # its forks share them; without one, this create runs here and starts one for the next.
         # Imported here: every other verb's start would pay for it
         from qvisor.factory import caller, client, wire
-        # under a runc-compatible manager (a child subreaper) the factory declines a create, and one
-        # started from here would be the manager's child, keeping it waiting after its container ended
-        # (conmon waits for its children before it exits)
-        if wire.enabled() and not caller.runc_manager_above(os.getpid()):
-            if _delegated(verb, argv):
+        if wire.enabled():
+            # under a runc-compatible manager (a child subreaper) the factory declines a create
+            managed = caller.runc_manager_above(os.getpid())
+            if _delegated(verb, argv) and not managed:
                 code = client.request(argv)
                 if code is not None:
                     return code
-            client.ensure_running()
+            # and a factory started from here is the manager's child until the manager exits: conmon
+            # then waits for it (for its children) and outlives its container; containerd's runc
+            # shim does not (it serves every verb but create and run from there on)
+            if not managed or not caller.runc_manager_above(os.getpid(), ("conmon",)):
+                client.ensure_running()
     parser = build_parser(verb if verb in COMMANDS else None)
     args = parser.parse_args(argv)
     if not args.verb:

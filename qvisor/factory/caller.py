@@ -95,10 +95,10 @@ def _lsm(pid: int | str) -> bytes:
         return b""
 
 
-def runc_manager_above(pid: int) -> bool:
-    """Whether a runc-compatible manager (conmon, containerd's runc shim: child subreapers) is
-    `pid` or one of its ancestors."""
-    return any(name.startswith(procfs.RUNC_MANAGERS) for name in _ancestors(pid))
+def runc_manager_above(pid: int, managers: tuple[str, ...] = procfs.RUNC_MANAGERS) -> bool:
+    """Whether a runc-compatible manager (conmon, containerd's runc shim: child subreapers), or one
+    of `managers`, is `pid` or one of its ancestors."""
+    return any(name.startswith(managers) for name in _ancestors(pid))
 
 
 def _ancestors(pid: int) -> list[str]:
