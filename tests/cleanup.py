@@ -1,9 +1,12 @@
 """Removing the parent cgroups that quark (`/quark`, its default parent), containerd (`/<namespace>`)
-and the tests (`/quark-*`) create for containers, once they are empty: used by the test session
-and by the benchmarks, which must leave the host as they found it."""
+and the tests (`/quark-*`) create for containers, once they are empty, and what a private containerd,
+dockerd or podman left mounted under its tree: used by the test session and by the benchmarks,
+which must leave the host as they found it."""
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 
@@ -36,3 +39,13 @@ def remove_empty_since(before: set[str]) -> None:
                 os.rmdir(d)
             except OSError:
                 pass
+
+
+def unmount_under(base: Path | str) -> None:
+    """Lazily unmount everything mounted below `base` (deepest first): what a private containerd,
+    dockerd or podman left there (its snapshots, shm and netns binds)."""
+    prefix = str(base) + "/"
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        targets = [line.split()[4] for line in f]
+    for t in sorted((t for t in targets if t.startswith(prefix)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", t], capture_output=True)

@@ -20,6 +20,16 @@ _FRONT_END = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.pat
 QUARK = [_FRONT_END if os.access(_FRONT_END, os.X_OK) else os.path.join(os.path.dirname(sys.executable), "quark")]
 
 
+def withheld_capabilities(last: str = "") -> list[str]:
+    """The capabilities (up to `last`, else all this kernel has) this host withholds from its root
+    (CAP_SYS_RESOURCE on these machines): no runtime can give them to a container."""
+    from qlib import linux as L
+    from qvisor.process import not_held
+    from qvisor.spec import CAPABILITIES
+    top = CAPABILITIES[last] if last else L.last_cap()
+    return not_held([n for n, bit in CAPABILITIES.items() if bit <= top], L.last_cap())
+
+
 def needs_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root: namespaces, mounts and cgroups")

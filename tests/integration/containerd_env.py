@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.cleanup import unmount_under
+
 CONTAINERD = shutil.which("containerd")
 CTR = shutil.which("ctr")
 BUSYBOX = "/bin/busybox"
@@ -153,16 +155,8 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        _unmount_under(self.base)
+        unmount_under(self.base)
         shutil.rmtree(self.base, ignore_errors=True)
-
-
-def _unmount_under(base: Path) -> None:
-    prefix = str(base) + "/"
-    with open("/proc/self/mountinfo", encoding="utf-8") as f:
-        targets = [line.split()[4] for line in f]
-    for t in sorted((t for t in targets if t.startswith(prefix)), key=len, reverse=True):
-        subprocess.run(["umount", "-l", t], capture_output=True)
 
 
 def _tar_add(tar: tarfile.TarFile, name: str, *, data: bytes | None = None, mode: int = 0o755,

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from qvisor import validate
-from tests.integration.conftest import cgroup_dirs, edit_config
+from tests.integration.conftest import cgroup_dirs, edit_config, withheld_capabilities
 
 pytestmark = pytest.mark.root
 
@@ -192,17 +192,10 @@ def test_exec_in_stopped_container_is_refused(quark, bundle):
     assert r is not None and r.returncode == 1 and "stopped" in r.stderr
 
 
-def _withheld() -> list[str]:
-    from qlib import linux as L
-    from qvisor.process import not_held
-    from qvisor.spec import CAPABILITIES
-    return not_held(list(CAPABILITIES), L.last_cap())
-
-
-@pytest.mark.skipif(not _withheld(), reason="this host withholds no capability from root")
+@pytest.mark.skipif(not withheld_capabilities(), reason="this host withholds no capability from root")
 def test_a_capability_the_host_withholds_fails_the_create_naming_it(quark, bundle):
     # runc's create fails there too ("unable to apply caps"); docker's --privileged lists such ones
-    cap = _withheld()[0]
+    cap = withheld_capabilities()[0]
     b = bundle(["true"])
     edit_config(b, lambda s: s["process"]["capabilities"]["permitted"].append(cap))
     r = quark("create", "--bundle", b, "wc", check=False)

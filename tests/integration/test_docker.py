@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import QUARK
+from tests.integration.conftest import QUARK, withheld_capabilities
 from tests.support import managers
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(managers.docker_skip_reason() is not None,
@@ -131,12 +131,8 @@ def test_cap_add_and_init(docker):
 
 
 def _withheld_capabilities() -> list[str]:
-    """Capabilities docker 20.10's --privileged lists (those up to CAP_AUDIT_READ) that this host
-    withholds from its root (CAP_SYS_RESOURCE here): no runtime can give them."""
-    from qlib import linux as L
-    from qvisor.process import not_held
-    from qvisor.spec import CAPABILITIES
-    return not_held([n for n, bit in CAPABILITIES.items() if bit <= CAPABILITIES["CAP_AUDIT_READ"]], L.last_cap())
+    # of those docker 20.10's --privileged lists: none after CAP_AUDIT_READ
+    return withheld_capabilities("CAP_AUDIT_READ")
 
 
 @pytest.mark.skipif(not _withheld_capabilities(), reason="this host holds every capability docker's --privileged lists")

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.cleanup import unmount_under
 from tests.support.busybox import make_rootfs
 
 DOCKER = "/usr/bin/docker"   # Debian's client (another docker may come first on PATH)
@@ -76,11 +77,7 @@ class _Tree:
         self.base = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))   # short: unix socket paths
 
     def _remove_tree(self) -> None:
-        prefix = str(self.base) + "/"
-        with open("/proc/self/mountinfo", encoding="utf-8") as f:
-            targets = [line.split()[4] for line in f]
-        for t in sorted((t for t in targets if t.startswith(prefix)), key=len, reverse=True):
-            subprocess.run(["umount", "-l", t], capture_output=True)
+        unmount_under(self.base)
         shutil.rmtree(self.base, ignore_errors=True)
 
 
