@@ -126,15 +126,15 @@ def main(argv: list[str] | None = None, in_factory: bool = False) -> int:
         from qvisor.factory import caller, client, wire
         if wire.enabled():
             # under a runc-compatible manager (a child subreaper) the factory declines a create
-            managed = caller.runc_manager_above(os.getpid())
-            if _delegated(verb, argv) and not managed:
+            managers = caller.runc_managers_above(os.getpid())
+            if _delegated(verb, argv) and not managers:
                 code = client.request(argv)
                 if code is not None:
                     return code
             # and a factory started from here is the manager's child until the manager exits: conmon
             # then waits for it (for its children) and outlives its container; containerd's runc
             # shim does not (it serves every verb but create and run from there on)
-            if not managed or not caller.runc_manager_above(os.getpid(), ("conmon",)):
+            if not any(name.startswith("conmon") for name in managers):
                 client.ensure_running()
     parser = build_parser(verb if verb in COMMANDS else None)
     args = parser.parse_args(argv)

@@ -95,10 +95,10 @@ def _lsm(pid: int | str) -> bytes:
         return b""
 
 
-def runc_manager_above(pid: int, managers: tuple[str, ...] = procfs.RUNC_MANAGERS) -> bool:
-    """Whether a runc-compatible manager (conmon, containerd's runc shim: child subreapers), or one
-    of `managers`, is `pid` or one of its ancestors."""
-    return any(name.startswith(managers) for name in _ancestors(pid))
+def runc_managers_above(pid: int) -> list[str]:
+    """The runc-compatible managers (conmon, containerd's runc shim: child subreapers) among `pid`
+    and its ancestors, by their programs' names, nearest first."""
+    return [name for name in _ancestors(pid) if name.startswith(procfs.RUNC_MANAGERS)]
 
 
 def _ancestors(pid: int) -> list[str]:

@@ -175,7 +175,7 @@ class Factory:
         try:
             # conmon and containerd's runc shim wait for the container's processes as their children,
             # which those a create here would fork could never be; the other verbs fork none
-            if program["adopts_cgroups"](argv) and caller.runc_manager_above(pid):
+            if program["adopts_cgroups"](argv) and caller.runc_managers_above(pid):
                 return "a runc-compatible manager above the caller reaps the container's init"
             return caller.context_refusal(pid, self.me)
         except (OSError, KeyError):
