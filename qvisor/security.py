@@ -10,8 +10,8 @@ create, naming the field. The operator chooses in /etc/quark/config.yaml ($QUARK
 
 Both modes default to `sandbox` (SECURITY.md says why). A privileged spec that allows every host
 device is refused, unless privileged_without_host_devices is true: then it gets none of the host's
-devices, as containerd's option of that name does for CRI (docker and podman have no such option). Checked before anything is made, so a refusal
-leaves no state, cgroup, mount or process behind.
+devices, as containerd's option of that name does for CRI (docker and podman have no such option).
+Checked before anything is made, so a refusal leaves no state, cgroup, mount or process behind.
 """
 from __future__ import annotations
 

@@ -170,8 +170,8 @@ _MAX_LABEL_SETS = 1 << 16   # then it starts again: label sets come and go with 
 
 def _labels(value: Any) -> dict:
     """A pod's labels: one dict for each distinct set, shared by the pods that carry it (a
-    ReplicaSet's pods carry the same), read-only by the table's convention. At 150,000 pods this is
-    less memory and less time than a dict of interned strings per pod."""
+    ReplicaSet's pods carry the same), read-only by the table's convention: less memory than a dict
+    of interned strings per pod."""
     items = tuple((value if type(value) is dict else dict(value)).items())
     try:
         shared = _LABEL_SETS.get(items)
@@ -473,8 +473,8 @@ class KubernetesSource:
 
     def _pages(self, kind: Kind) -> Iterator[bytes]:
         """The list's pages as the API server sent them, each next one fetched (by a thread of its
-        own) while this one is read: the server's time and ours overlap, about a third of a list of
-        150,000 pods (bench/README.md, "Routes from Kubernetes"). Its errors are raised here."""
+        own) while this one is read, so that the server's time and ours overlap (measured:
+        bench/README.md, "Routes from Kubernetes"). Its errors are raised here."""
         pages: queue.Queue = queue.Queue(maxsize=2)
         done = threading.Event()
 
@@ -576,8 +576,8 @@ _paused_lock = threading.Lock()
 def _collection_paused() -> Iterator[None]:
     """CPython's cyclic collector off while lists are under way (any kind's thread). A list allocates
     millions of small objects (decoded pages, entries), each 700 of which start a collection that
-    scans what is young, and the growing table triggers full ones over it all: about half of a list
-    of 150,000 pods (bench/README.md, "Routes from Kubernetes"). What a list builds holds no cycles,
+    scans what is young, and the growing table triggers full ones over it all (their share of a list
+    at cluster scale: bench/README.md, "Routes from Kubernetes"). What a list builds holds no cycles,
     so reference counting frees it as before; the collector runs again once the last list is done."""
     with _paused_lock:
         if _paused[0] == 0:
