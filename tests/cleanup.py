@@ -11,8 +11,9 @@ from pathlib import Path
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 
-def quark_cgroup_dirs() -> set[str]:
-    """Top-level cgroup directories named quark* in every hierarchy (v1) or the unified one (v2)."""
+def quark_cgroup_dirs(prefix: str = "quark") -> set[str]:
+    """Top-level cgroup directories named quark* (or `prefix`*) in every hierarchy (v1) or the
+    unified one (v2)."""
     found: set[str] = set()
     if not os.path.isdir(CGROUP_ROOT):
         return found
@@ -24,16 +25,16 @@ def quark_cgroup_dirs() -> set[str]:
         except OSError:
             continue
         found.update(os.path.join(top, n) for n in names
-                     if n.startswith("quark") and os.path.isdir(os.path.join(top, n)))
+                     if n.startswith(prefix) and os.path.isdir(os.path.join(top, n)))
     return found
 
 
-def remove_empty_since(before: set[str]) -> None:
-    """rmdir, children first, the quark* cgroups that did not exist in `before`; a non-empty one
-    (something still lives there: a leak the tests report) is left alone."""
+def remove_empty_since(before: set[str], prefix: str = "quark") -> None:
+    """rmdir, children first, the quark* (or `prefix`*) cgroups that did not exist in `before`; a
+    non-empty one (something still lives there: a leak the tests report) is left alone."""
     if os.geteuid() != 0:
         return
-    for top in sorted(quark_cgroup_dirs() - before):
+    for top in sorted(quark_cgroup_dirs(prefix) - before):
         for d, _, _ in os.walk(top, topdown=False):
             try:
                 os.rmdir(d)

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.cleanup import unmount_under
+from tests.cleanup import quark_cgroup_dirs, remove_empty_since, unmount_under
 from tests.support.busybox import make_rootfs
 
 DOCKER = "/usr/bin/docker"   # Debian's client (another docker may come first on PATH)
@@ -33,6 +33,7 @@ RUNC = shutil.which("runc") or "/usr/sbin/runc"
 IMAGE = "localhost/quark-busybox:test"
 DOCKER_CGROUP_PARENT = "/quark-docker"
 PODMAN_CGROUP_PARENT = "/quark-podman"
+LIBPOD_CGROUP_PARENT = "libpod_parent"   # podman's own default parent
 
 
 def docker_skip_reason() -> str | None:
@@ -151,6 +152,8 @@ events_logger = "file"
 events_logfile_path = "{self.base}/events.log"
 """)
         self.env = dict(os.environ, CONTAINERS_CONF=str(self.conf))
+        # podman puts the conmons of commands without --cgroup-parent (an exec's) under /libpod_parent
+        self._libpod_before = quark_cgroup_dirs(LIBPOD_CGROUP_PARENT)
         self.globals = ["--root", str(self.base / "storage"), "--runroot", str(self.base / "run"),
                         "--tmpdir", str(self.base / "tmp")]
 
@@ -170,3 +173,4 @@ events_logfile_path = "{self.base}/events.log"
     def close(self) -> None:
         self(["rm", "-a", "-f", "-t", "0"], check=False, timeout=120)
         self._remove_tree()
+        remove_empty_since(self._libpod_before, LIBPOD_CGROUP_PARENT)
