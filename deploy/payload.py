@@ -16,7 +16,12 @@ deploy/install.py copies to /opt/quark. A node needs no Python, no compiler and 
 
 The path /opt/quark is fixed: an ELF interpreter must be an absolute path. Run as
 `.venv/bin/python deploy/payload.py build/payload` (make payload); a directory already there is
-replaced.
+replaced. `--version V` stamps the payload as quark V (its qlib/version.py and its distribution's
+metadata; default: the tree's), as deploy/image.py does for a node image's tag.
+
+The same tree gives the same files (deploy/image.py checks it, byte for byte): the bytecode is
+compiled as unchecked hashes (no source time in it; the payload's sources and their bytecode are
+only ever replaced together), and pip compiles nothing itself.
 """
 from __future__ import annotations
 
@@ -67,7 +72,7 @@ class PayloadError(Exception):
     pass
 
 
-def build(out: str) -> None:
+def build(out: str, version: str | None = None) -> None:
     missing = [c for c in COMPILED if not os.path.exists(os.path.join(REPO, c))]
     if missing:
         raise PayloadError(f"not built: {', '.join(missing)} (run make install first)")
@@ -75,7 +80,7 @@ def build(out: str) -> None:
     try:
         site = os.path.join(stage, "lib", "python3", "dist-packages")
         python = copy_python(stage)
-        install_packages(site)
+        install_packages(site, version)
         write_programs(stage)
         os.makedirs(os.path.join(stage, "share"))
         shutil.copy2(os.path.join(REPO, "deploy", "containerd", "quark.toml"),
@@ -83,7 +88,7 @@ def build(out: str) -> None:
         build_frontend(stage)
         bundle_libraries(stage, python)
         subprocess.run([sys.executable, "-m", "compileall", "-q", "-j0", "-s", stage, "-p", PREFIX,
-                        os.path.join(stage, "lib")], check=True, stdout=subprocess.DEVNULL)
+                        "--invalidation-mode", "unchecked-hash", os.path.join(stage, "lib")], check=True, stdout=subprocess.DEVNULL)
         if os.path.exists(out):
             shutil.rmtree(out)
         os.rename(stage, out)
@@ -105,11 +110,12 @@ def copy_python(stage: str) -> str:
     return python
 
 
-def install_packages(site: str) -> None:
+def install_packages(site: str, version: str | None = None) -> None:
     """quark (its own files, compiled parts included), and its dependencies at the versions the
     venv has (pip, from its cache or PyPI), and the system modules the venv borrows."""
     os.makedirs(site)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                    "--no-compile",
                     "--no-warn-script-location", "--target", site, *pins(DISTRIBUTION, EXTRAS)], check=True)
     shutil.rmtree(os.path.join(site, "bin"), ignore_errors=True)   # scripts for the venv's python
     for pkg in PACKAGES:
@@ -124,11 +130,29 @@ def install_packages(site: str) -> None:
                 if name.split(".")[0] == mod and name.endswith(".so"):
                     shutil.copy2(os.path.join(root, name), os.path.join(site, name))
     dist = importlib.metadata.distribution(DISTRIBUTION)
-    info = os.path.join(site, f"{DISTRIBUTION.replace('-', '_')}-{dist.version}.dist-info")
+    version = version or dist.version
+    if version != dist.version:
+        stamp(os.path.join(site, "qlib", "version.py"), version)
+    info = os.path.join(site, f"{DISTRIBUTION.replace('-', '_')}-{version}.dist-info")
     os.makedirs(info)
     for name in ("METADATA", "entry_points.txt"):
+        text = dist.read_text(name) or ""
+        if name == "METADATA":
+            text = re.sub(r"(?m)^Version: .*$", f"Version: {version}", text, count=1)
         with open(os.path.join(info, name), "w") as f:
-            f.write(dist.read_text(name) or "")
+            f.write(text)
+
+
+def stamp(path: str, version: str) -> None:
+    """qlib/version.py's VERSION set to `version`."""
+    if not re.fullmatch(r"[0-9A-Za-z][0-9A-Za-z.+_-]*", version):
+        raise PayloadError(f"--version {version!r}: letters, digits and . + _ - only")
+    with open(path) as f:
+        text, n = re.subn(r'(?m)^VERSION = ".*"$', f'VERSION = "{version}"', f.read())
+    if n != 1:
+        raise PayloadError(f"{path}: no VERSION line to stamp")
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def pins(name: str, extras: tuple[str, ...] = ()) -> list[str]:
@@ -229,9 +253,10 @@ def bundle_libraries(stage: str, python: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="payload", description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="the directory to build (copied to /opt/quark by deploy/install.py)")
+    p.add_argument("--version", default=None, help="stamp the payload as this quark version (default: the tree's)")
     args = p.parse_args(argv)
     try:
-        build(args.out)
+        build(args.out, args.version)
     except (PayloadError, OSError, subprocess.CalledProcessError) as e:
         print(f"payload: {e}", file=sys.stderr)
         return 1

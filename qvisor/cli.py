@@ -10,6 +10,7 @@ import sys
 import time
 
 from qlib.errors import QuarkError
+from qlib.version import OCI_SPEC, VERSION
 
 # verb -> (module under qvisor.commands, one-line help). The table is the CLI.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -94,7 +95,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--rootless", default="auto", help="accepted for runc compatibility; ignored")
     p.add_argument("--platform", default=None, choices=("seccomp", "ptrace"),
                    help="syscall interception platform (default: /etc/quark/config.yaml, else seccomp)")
-    p.add_argument("-v", "--version", action="version", version="quark 0.1.0 (spec 1.0.2)")
+    p.add_argument("-v", "--version", action="version", version=f"quark {VERSION} (spec {OCI_SPEC})")
     sub = p.add_subparsers(dest="verb", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         if verb is not None and verb != name:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from qlib import linux as L
 from qlib import procfs
 from qlib.errors import InvalidArgument, InvalidState, NotFound, QuarkError, SupervisorGone, from_kind
+from qlib.version import VERSION
 from qvisor import cgroups, channel, logfile
 from qvisor.client import Connection
 from qvisor.factory import caller, seeds
@@ -88,7 +89,7 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
         cgroup = cgroups.open_cgroup(spec.linux.cgroups_path or cgroups.default_path(container_id))
         st = ContainerState(id=container_id, bundle=bundle, created=now_rfc3339(),
                             annotations=security.reported(spec.annotations, report), rootfs=spec.root.path,
-                            platform=platform, cgroup_path=cgroup.path)
+                            platform=platform, cgroup_path=cgroup.path, version=VERSION)
         r, w = os.pipe2(os.O_CLOEXEC)
         pid = 0
         args = SupervisorArgs(store, st, spec, platform, console_socket, preserve_fds, log_file, log_format, cgroup,

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from qlib import procfs
 from qlib.errors import ContainerExists, ContainerNotFound, QuarkError
+from qlib.version import OCI_SPEC
 
-OCI_VERSION = "1.0.2"
+OCI_VERSION = OCI_SPEC
 _VALID_ID = re.compile(r"^[\w+\-.]+$")
 
 SOCK_NAME = "sv.sock"  # the supervisor's control socket, in the container's state directory
@@ -42,6 +43,7 @@ class ContainerState:
     exited_at: str = ""
     platform: str = "seccomp"
     caller_reaps: bool = False      # the caller's subreaper reaps the container's processes (supervisor/reaper.py)
+    version: str = ""               # the quark that created it (qlib/version.py): after a node upgrade, which run the old one
 
     def oci(self) -> dict:
         """The OCI runtime-spec state object, as `quark state` prints it."""
