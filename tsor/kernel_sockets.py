@@ -22,6 +22,18 @@ def socket_in_netns(netns_fd: int, family: int) -> socket.socket:
     return sockets_in_netns(netns_fd, family, 1)[0]
 
 
+def socket_at(netns_path: str, family: int = socket.AF_INET) -> socket.socket:
+    """A blocking TCP socket created in the network namespace at `netns_path` (/proc/PID/ns/net,
+    /var/run/netns/NAME)."""
+    fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        s = socket_in_netns(fd, family)
+    finally:
+        os.close(fd)
+    s.setblocking(True)
+    return s
+
+
 SO_NETNS_COOKIE = 71
 
 

@@ -48,7 +48,7 @@ def bed():
     needs_root()
     needs_tsor_in_qkernel()
     from tests.support.testbed import Testbed
-    from tsor.kernel_sockets import socket_in_netns
+    from tsor.kernel_sockets import socket_at
     b = Testbed(prefix="qk15c", octet=OCTET)
     api = None
     try:
@@ -56,12 +56,7 @@ def bed():
         b.link(a, bn)
         # the stand-in listens in node a's namespace: its tsord reaches it on loopback, node b's
         # tsord over the link
-        fd = os.open(f"/var/run/netns/{a.netns}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            listener = socket_in_netns(fd, 2)
-        finally:
-            os.close(fd)
-        listener.setblocking(True)
+        listener = socket_at(f"/var/run/netns/{a.netns}")
         listener.bind(("0.0.0.0", 0))
         listener.listen(16)
         api = k8s.FakeKubeAPI(listener)

@@ -50,18 +50,8 @@ def path():
         p.remove()
 
 
-def _netns_fd(pod: testbed.Pod) -> int:
-    return os.open(pod.netns_path, os.O_RDONLY | os.O_CLOEXEC)
-
-
 def _socket_in(pod: testbed.Pod, family: int = socket.AF_INET) -> socket.socket:
-    fd = _netns_fd(pod)
-    try:
-        s = kernel_sockets.socket_in_netns(fd, family)
-    finally:
-        os.close(fd)
-    s.setblocking(True)
-    return s
+    return kernel_sockets.socket_at(pod.netns_path, family)
 
 
 def _cookie(pod: testbed.Pod) -> int:

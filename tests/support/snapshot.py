@@ -41,13 +41,8 @@ def python_bundle(bundle: str, args: list[str], annotations: dict[str, str] | No
 
 def connect(pid: int, port: int, timeout: float = 10.0) -> socket.socket:
     """A TCP connection to 127.0.0.1:port in the network namespace of process `pid`."""
-    from tsor.kernel_sockets import socket_in_netns
-    netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        s = socket_in_netns(netns, socket.AF_INET)
-    finally:
-        os.close(netns)
-    s.setblocking(True)
+    from tsor.kernel_sockets import socket_at
+    s = socket_at(f"/proc/{pid}/ns/net")
     s.settimeout(timeout)
     s.connect(("127.0.0.1", port))
     return s
