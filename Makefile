@@ -9,7 +9,7 @@ APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf
 	iproute2 gcc libc6-dev procps util-linux wrk libibverbs-dev clang libbpf-dev libbpf1 \
 	patchelf mmdebstrap
 
-.PHONY: install apt kubectl container-clients payload node-root venv links bytecode fastpath rdma-pump bpf frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
+.PHONY: install apt kubectl container-clients payload image node-root venv links bytecode fastpath rdma-pump bpf frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
 install: apt kubectl container-clients venv links fastpath rdma-pump bpf
 
 apt:
@@ -46,6 +46,16 @@ venv: $(VENV)/.installed
 # /var/cache/quark-node, made once: tests/support/fresh_node.py)
 node-root: apt venv
 	@$(PY) -m tests.support.fresh_node --build >/dev/null
+	@$(PY) -c 'from deploy import image; image.base_tarball()'
+
+# The node image of deploy/daemonset.yaml (deploy/image.py): Debian 12 minbase (mmdebstrap, made
+# once) and the payload at /opt/quark, as an OCI archive build/quark-node-VERSION.oci.tar that
+# `ctr images import`, `podman load`, `docker load` and `skopeo copy oci-archive:...` read. The same
+# tree gives the same archive; IMAGE_VERSION=V stamps another version (the tag)
+IMAGE_VERSION := $(shell sed -n 's/^VERSION = "\(.*\)"$$/\1/p' qlib/version.py)
+image: apt venv fastpath bpf
+	$(PY) deploy/payload.py --version $(IMAGE_VERSION) build/image-payload
+	$(PY) -m deploy.image --payload build/image-payload --version $(IMAGE_VERSION)
 
 # The node payload deploy/install.py copies to /opt/quark (deploy/payload.py): quark with its own
 # Python and libraries, for nodes with no Python and no package manager run on them; PAYLOAD=DIR

@@ -7,6 +7,9 @@ payload, and uninstalled (every file as it was); tests/integration/test_node_ins
 a fresh node and runs pods there."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
 import os
 import shutil
@@ -475,7 +478,7 @@ def test_label_node_says_what_the_api_server_answered(kube):
 
 
 def test_the_init_containers_run_the_images_payload_which_has_the_kubernetes_client():
-    """The image is the payload at /opt/quark (deploy/Dockerfile); the installer and tsord run with
+    """The image holds the payload at /opt/quark (deploy/image.py); the installer and tsord run with
     its Python, which has the kubernetes client label_node and the route source import."""
     from deploy import payload
     for ds, verb in (("quark-node", []), ("quark-cleanup", ["--uninstall"])):
@@ -484,4 +487,26 @@ def test_the_init_containers_run_the_images_payload_which_has_the_kubernetes_cli
     assert manifests()["DaemonSet/quark-node"].spec.template.spec.containers[0].command[0] == "/opt/quark/bin/tsord"
     assert {"bin/quark-install", "bin/tsord"} <= set(payload.PROGRAMS)
     assert "k8s" in payload.EXTRAS
-    assert "make -C /quark-src payload PAYLOAD=/opt/quark" in (DEPLOY / "Dockerfile").read_text()
+    from deploy import image
+    assert image.PAYLOAD_DIR == "opt/quark" and f"{image.REPOSITORY}:" in \
+        manifests()["DaemonSet/quark-node"].spec.template.spec.containers[0].image
+
+
+def test_the_version_is_written_in_one_place_and_a_payload_is_stamped_with_its_own(tmp_path):
+    """pyproject's version is qlib/version.py's; `quark --version` and a sandbox's state say it; a
+    payload (and so a node image) stamped V says V, and a version with other characters is refused."""
+    from deploy import payload
+    from qlib.version import VERSION
+    from qvisor import cli
+    from qvisor.state import ContainerState
+    assert tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]["version"] == VERSION
+    with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:
+        cli.build_parser().parse_args(["--version"])
+    assert out.getvalue().startswith(f"quark {VERSION} ")
+    assert "version" in {f.name for f in dataclasses.fields(ContainerState)}
+    version_py = tmp_path / "version.py"
+    version_py.write_text((DEPLOY.parent / "qlib/version.py").read_text())
+    payload.stamp(str(version_py), "1.2.3.post1")
+    assert 'VERSION = "1.2.3.post1"' in version_py.read_text() and 'OCI_SPEC = "1.0.2"' in version_py.read_text()
+    with pytest.raises(payload.PayloadError, match="letters, digits"):
+        payload.stamp(str(version_py), '1"; import os')
