@@ -21,12 +21,20 @@ older versions get an ERROR event with a 410 Status, as after etcd's compaction)
 `stop()` / `start()` (the server gone, then back on the same port), `unserve_kind()` (a CRD deleted: it
 leaves discovery, its collection answers 404 and its open watches end), `forbid()` (the collection
 answers 403, as RBAC does to a client without the grant). Nothing else of the API
-(no writes, selectors, auth, admission) exists here.
+(no writes but a merge PATCH of an object, selectors, auth, admission) exists here.
+
+With `tls` (a certificate and key: `make_tls` makes a self-signed pair for an IP) it speaks HTTPS,
+as an API server does to pods: `write_service_account` then writes what kubelet mounts at
+/var/run/secrets/kubernetes.io/serviceaccount, and the client's in-cluster configuration
+(KUBERNETES_SERVICE_HOST and _PORT) reaches it; the token is not checked.
 """
 from __future__ import annotations
 
 import json
+import os
 import socket
+import ssl
+import subprocess
 import sys
 import threading
 import time
@@ -55,10 +63,11 @@ def _key(obj: dict) -> tuple[str, str]:
 
 
 class FakeKubeAPI:
-    def __init__(self, listener: socket.socket | None = None) -> None:
+    def __init__(self, listener: socket.socket | None = None, tls: tuple[str, str] | None = None) -> None:
         """`listener`: a bound, listening TCP socket to serve on (one made in another network
-        namespace, say); default: a port of 127.0.0.1 here."""
+        namespace, say); default: a port of 127.0.0.1 here. `tls`: (certificate, key) files."""
         self.listener = listener
+        self.tls = tls
         self.cond = threading.Condition()
         self.rv = 1
         self.collections = dict(COLLECTIONS)
@@ -90,6 +99,11 @@ class FakeKubeAPI:
             httpd.socket = self.listener
         else:
             httpd = _Server(("127.0.0.1", self.port), Handler)
+        if self.tls is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(*self.tls)
+            # the handshake in the handler's thread, not in accept(): one slow client holds no other
+            httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
         httpd.daemon_threads = True
         self.port = httpd.server_address[1]
         self.httpd = httpd
@@ -108,7 +122,7 @@ class FakeKubeAPI:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def kubeconfig(self, path: str) -> str:
         return write_kubeconfig(path, self.url)
@@ -235,7 +249,7 @@ class FakeKubeAPI:
 class _Server(ThreadingHTTPServer):
     def handle_error(self, request, client_address) -> None:
         # a client that went away, or a connection the test cut, is nothing to print a traceback for
-        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError, ssl.SSLEOFError)):
             return
         super().handle_error(request, client_address)
 
@@ -252,6 +266,8 @@ class _Handler(BaseHTTPRequestHandler):
         # headers and body go out in separate writes: without this, Nagle and the client's delayed
         # ACK hold every second response on a kept-alive connection for 40 ms (Go's server sets it too)
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if isinstance(self.connection, ssl.SSLSocket):
+            self.connection.do_handshake()
         with self.fake.cond:
             self.fake._open.add(self.connection)
 
@@ -441,6 +457,28 @@ def write_kubeconfig(path: str, server: str) -> str:
                    "users": [{"name": "fake", "user": {}}],
                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}]}, f)
     return path
+
+
+def make_tls(directory: str, ip: str = "127.0.0.1") -> tuple[str, str]:
+    """A self-signed certificate for `ip` (openssl) and its key: (certificate, key) paths. The
+    certificate is its own CA: it is the ca.crt a service account is given."""
+    cert, key = os.path.join(directory, "apiserver.crt"), os.path.join(directory, "apiserver.key")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-days", "2", "-subj", "/CN=kube-apiserver", "-addext", f"subjectAltName=IP:{ip}",
+                    "-keyout", key, "-out", cert], check=True, capture_output=True)
+    return cert, key
+
+
+def write_service_account(directory: str, ca_cert: str, namespace: str) -> str:
+    """What kubelet mounts at /var/run/secrets/kubernetes.io/serviceaccount: token, ca.crt,
+    namespace. Answers `directory`."""
+    os.makedirs(directory, exist_ok=True)
+    with open(ca_cert) as f:
+        ca = f.read()
+    for name, text in (("token", "stand-in-token"), ("ca.crt", ca), ("namespace", namespace)):
+        with open(os.path.join(directory, name), "w") as f:
+            f.write(text)
+    return directory
 
 
 def _cut(s: socket.socket) -> None:

@@ -12,7 +12,9 @@ Two suites: Debian 12 (bookworm: containerd 1.6, the glibc the payload is built 
 plugin would (bridge + host-local), and boots it: new mount, pid, network, UTS, IPC and cgroup
 namespaces, the root pivoted to that directory, fresh proc, sysfs and cgroup hierarchies (the
 cgroup namespace's root is a cgroup of its own on the host, so the node's pods and anything tsord
-attaches stay inside it), tmpfs /run and /tmp, and /bin/sh as its init: it runs the node's containerd
+attaches stay inside it), tmpfs /run and /tmp, its mounts shared among themselves as systemd makes a
+node's (a pod's HostToContainer volume needs it; nothing propagates to or from the host's
+namespace), and /bin/sh as its init: it runs the node's containerd
 and restarts it on SIGHUP, as systemd would on `systemctl restart containerd` (the node has no
 systemd; the installer is told this command with --restart-containerd). `stop` ends the node (its pid
 namespace goes with its init, its mounts and network with its last process) and removes its
@@ -39,9 +41,19 @@ MIRROR = "http://deb.debian.org/debian"
 PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iproute2")
 CACHE = Path("/var/cache/quark-node")
 # what the node itself writes at run time, not the installer: left out of snapshots
-RUNTIME_DIRS = ("proc", "sys", "dev", "run", "tmp", "mnt", "var/lib/containerd", "var/lib/cni", "var/log")
+RUNTIME_DIRS = ("proc", "sys", "dev", "run", "tmp", "mnt", "var/lib/containerd", "var/lib/cni", "var/log",
+                "var/lib/kubelet")
 RESTART = "sh -c 'kill -HUP 1'"   # the node init's restart of containerd (--restart-containerd)
+# `systemctl restart containerd`, the installer's default restart (what the DaemonSet's init
+# container runs), as this node's init does it: a stand-in for systemd's command for that one use
+SYSTEMCTL = """#!/bin/sh
+# systemctl stand-in of a test node (tests/support/fresh_node.py): its init restarts containerd on SIGHUP
+if [ "$*" = "restart containerd" ]; then kill -HUP 1; exit $?; fi
+echo "systemctl stand-in: only 'restart containerd' is done here, not: $*" >&2
+exit 1
+"""
 NODE_INIT = r"""
+mount --make-rshared /
 ip link set lo up
 start() { containerd >>/run/containerd.log 2>&1 & echo $! >/run/containerd.pid; }
 stop() { p=$(cat /run/containerd.pid); kill $p; wait $p; }
@@ -50,6 +62,15 @@ trap 'stop; exit 0' TERM
 start
 while :; do sleep 1 & wait $!; done
 """
+
+
+CAP_SYS_RESOURCE = 24
+
+
+def has_capability(cap: int) -> bool:
+    with open("/proc/self/status") as f:
+        eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    return bool(eff >> cap & 1)
 
 
 def tarball(suite: str) -> Path:
@@ -129,6 +150,20 @@ class FreshNode:
     def unpack(self) -> None:
         self.root.mkdir(parents=True)
         subprocess.run(["tar", "-xf", str(tarball(self.suite)), "--numeric-owner", "-C", str(self.root)], check=True)
+
+    def restrict_oom_score_adj(self) -> None:
+        """Where this host withholds CAP_SYS_RESOURCE (this machine does), no process of the node
+        may lower its OOM score below containerd's, and CRI gives a runc pod's sandbox -998: set
+        containerd's own option for such hosts (restrict_oom_score_adj, as rootless and nested
+        nodes do), which clamps it to containerd's score. quark's pods never asked for it."""
+        if has_capability(CAP_SYS_RESOURCE):
+            return
+        path = self.root / "etc/containerd/config.toml"
+        section = '[plugins."io.containerd.grpc.v1.cri"]\n'
+        text = path.read_text()
+        if section not in text:
+            raise RuntimeError(f"{path}: no CRI section to add restrict_oom_score_adj to")
+        path.write_text(text.replace(section, section + "    restrict_oom_score_adj = true\n", 1))
 
     def write(self, path: str, text: str, mode: int = 0o644) -> None:
         dest = self.root / path.lstrip("/")
