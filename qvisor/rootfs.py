@@ -2,6 +2,9 @@
 
 Order (as runc): propagation of / -> bind the rootfs onto itself -> the spec's mounts -> device
 nodes -> pivot_root -> sysctls (by the caller) -> masked and read-only paths -> read-only root.
+For a container that may mount, the binds qvisor/rootfs_lock.py keeps out of its lock are only
+made ready before pivot_root (their destinations, detached copies of their sources) and attached
+after the lock (attach_unlocked).
 Targets inside the rootfs are always opened with paths.open_in_root, never joined as strings.
 
 The mounts themselves are in qvisor/rootfs_mounts.py, the device nodes in qvisor/rootfs_devices.py,
@@ -12,10 +15,11 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 from qlib.errors import SetupError
 from qlib import linux as L
-from qvisor import mountopts
+from qvisor import mountopts, paths
 from qvisor.rootfs_devices import create_devices
 from qvisor.rootfs_mounts import (
     bind_source,
@@ -25,15 +29,19 @@ from qvisor.rootfs_mounts import (
     parent_mount_private,
 )
 from qvisor.rootfs_procview import attach_procview, procview_wanted
-from qvisor.spec import Spec
+from qvisor.spec import Mount, Spec
 
-__all__ = ["attach_procview", "bind_sources", "chroot", "finalize", "pivot", "prepare", "procview_wanted"]
+__all__ = ["attach_procview", "attach_unlocked", "bind_sources", "chroot", "finalize", "pivot", "prepare",
+           "procview_wanted"]
 
 
-def prepare(spec: Spec, cgroup_path: str, in_userns: bool, source_fds: dict[int, int]) -> None:
+def prepare(spec: Spec, cgroup_path: str, in_userns: bool, source_fds: dict[int, int],
+            later: frozenset[int] = frozenset()) -> dict[int, int]:
     """Everything before pivot_root. Runs in the container's new mount namespace. `source_fds`
     maps the index of a bind mount in spec.mounts to an O_PATH fd of its source that the runtime
-    opened as host root (see bind_sources)."""
+    opened as host root (see bind_sources). The binds indexed in `later` are not mounted: their
+    destinations are made and their sources copied (open_tree), for attach_unlocked; returns those
+    copies, index -> fd."""
     rootfs = spec.root.path
     prop = mountopts.PROPAGATION.get(spec.linux.rootfs_propagation or "rslave")
     if prop is None:
@@ -45,16 +53,62 @@ def prepare(spec: Spec, cgroup_path: str, in_userns: bool, source_fds: dict[int,
     except OSError as e:
         raise fail("mount root.path", rootfs, e) from None
     root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    pending: dict[int, int] = {}
     try:
         for i, m in enumerate(spec.mounts):
+            if i in later:
+                pending[i] = _detached(root_fd, m, spec.bundle, source_fds.get(i))
+                continue
             mount_one(root_fd, m, spec.bundle, cgroup_path, rootfs, source_fds.get(i))
             if os.path.normpath(m.destination) == "/":
                 # a mount onto / replaces the root: later mounts (and pivot_root) go onto it
                 os.close(root_fd)
                 root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         create_devices(root_fd, spec.linux.devices, in_userns)
+    except BaseException:
+        for fd in pending.values():
+            os.close(fd)
+        raise
     finally:
         os.close(root_fd)
+    return pending
+
+
+def _detached(root_fd: int, m: Mount, bundle: str, source_fd: int | None) -> int:
+    """A bind mount made ready for attach_unlocked: its destination created in the rootfs (which
+    may turn read-only before the attach) and a detached copy of its source."""
+    opts = mountopts.parse(m.options)
+    source = bind_source(m, bundle)
+    try:
+        if source_fd is not None:
+            tree = os.dup(source_fd)
+        else:
+            tree = L.open_tree_clone(source, bool(opts.flags & L.MS_REC))
+    except OSError as e:
+        raise fail("bind mount source", source, e) from None
+    try:
+        is_dir = stat.S_ISDIR(os.stat(tree).st_mode)
+        os.close(paths.ensure_in_root(root_fd, m.destination, is_dir))
+    except OSError as e:
+        os.close(tree)
+        raise fail("mount destination", m.destination, e) from None
+    except BaseException:
+        os.close(tree)
+        raise
+    return tree
+
+
+def attach_unlocked(spec: Spec, pending: dict[int, int]) -> None:
+    """After pivot_root and the lock: the binds prepare() left detached attached where the spec
+    puts them, in its order, with their flags and propagation (mount_one). Closes every fd."""
+    root_fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i in sorted(pending):
+            mount_one(root_fd, spec.mounts[i], spec.bundle, "", "/", pending[i])
+    finally:
+        os.close(root_fd)
+        for fd in pending.values():
+            os.close(fd)
 
 
 def bind_sources(spec: Spec) -> dict[int, int]:

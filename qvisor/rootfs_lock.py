@@ -17,6 +17,14 @@ unchanged; only its mount namespace is now owned by the helper's user namespace.
 makes afterwards are its own and unlocked. One consequence, stated in docs/security.md: shared mounts become
 slaves in the copy (the kernel's CL_SHARED_TO_SLAVE), so nothing the container mounts propagates
 back out of its mount namespace.
+
+What is locked is what guards the host: the masks, the read-only paths and the kernel's trees
+(/proc, /sys, /dev) with whatever is mounted in them. The spec's other bind mounts (containerd's
+/etc/hosts, /etc/resolv.conf, /etc/hostname, a pod's volumes) are attached after the lock
+(`unlocked_binds`, qvisor/rootfs.py's attach_unlocked), as the container's own mounts would be: a
+non-recursive bind of a directory holding them (`mount --bind /etc /x`, which Kubernetes'
+mount-propagation checks make) works as with runc. Their read-only flag holds all the same: QKernel
+refuses read-write bind remounts (EPERM), whatever is locked.
 """
 from __future__ import annotations
 
@@ -25,6 +33,43 @@ import socket
 
 from qlib import linux as L
 from qlib.errors import SetupError
+from qvisor import mountopts
+from qvisor.spec import Spec
+
+KERNEL_TREES = ("/proc", "/sys", "/dev")   # what the masks and read-only paths guard
+
+
+def unlocked_binds(spec: Spec) -> list[int]:
+    """Indexes of spec.mounts that stay out of the lock: bind mounts outside the kernel's trees,
+    with no masked or read-only path at, above or below them, and attached after the lock without
+    changing what covers what: no mount listed after one lands at or above it (it would cover it,
+    as in runc), and none that stays locked lies beneath it (it would be covered). None when
+    createContainer hooks run: they see the rootfs before pivot_root with every mount in place."""
+    if spec.hooks.create_container:
+        return []
+    dests = [os.path.normpath("/" + m.destination.lstrip("/")) for m in spec.mounts]
+    guarded = [os.path.normpath("/" + p.lstrip("/")) for p in (*spec.linux.masked_paths, *spec.linux.readonly_paths)]
+    found = set()
+    for i, m in enumerate(spec.mounts):
+        opts = mountopts.parse(m.options)
+        d = dests[i]
+        if m.type in ("cgroup", "cgroup2") or not (m.type == "bind" or opts.is_bind) or d == "/":
+            continue
+        if any(_within(d, k) for k in KERNEL_TREES) or any(_within(d, g) or _within(g, d) for g in guarded):
+            continue
+        if any(_within(d, dests[j]) for j in range(i + 1, len(dests))):
+            continue
+        found.add(i)
+    while True:
+        covering = {i for i in found if any(j not in found and dests[j] != dests[i] and _within(dests[j], dests[i])
+                                            for j in range(len(dests)))}
+        if not covering:
+            return sorted(found)
+        found -= covering
+
+
+def _within(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
 
 
 def lock_mounts() -> None:

@@ -279,8 +279,11 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preser
     source_fds = dict(zip(msg.get("source_fds", []), fds))
     L.last_cap()   # read now, while /proc is the runtime's: the container may mount none
     new_mounts = spec.linux.new_namespace("mount")
+    locked = new_mounts and mounts_granted(spec)
+    later: dict[int, int] = {}
     if new_mounts:
-        rootfs.prepare(spec, msg["cgroup_path"], in_userns, source_fds)
+        later = rootfs.prepare(spec, msg["cgroup_path"], in_userns, source_fds,
+                               frozenset(rootfs_lock.unlocked_binds(spec)) if locked else frozenset())
     for fd in fds:
         os.close(fd)
     if new_mounts and rootfs.procview_wanted(spec):
@@ -305,8 +308,11 @@ def init(sock: socket.socket, spec: Spec, in_userns: bool, reported: int, preser
     if new_mounts:
         rootfs.pivot(spec.root.path)
         rootfs.finalize(spec)
-        if mounts_granted(spec):
+        if locked:
             rootfs_lock.lock_mounts()   # before the container can mount: quark's mounts are locked
+            if later:
+                rootfs.attach_unlocked(spec, later)   # the binds that guard nothing: not locked
+                process.make_cwd("/", spec.process.cwd)   # in one of those volumes, as runc makes it
     else:
         rootfs.chroot(spec.root.path)   # a shared mount table: only this process's view changes
     process.set_rlimits(spec.process)
