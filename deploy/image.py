@@ -177,7 +177,8 @@ def build(payload: Path, out: Path, version: str, epoch: int | None = None) -> s
     }))
     manifest = Blob(MEDIA_MANIFEST, _json({
         "schemaVersion": 2, "mediaType": MEDIA_MANIFEST, "config": config.descriptor(),
-        "layers": [layer.descriptor() for layer in layers], "annotations": {"org.opencontainers.image.created": created},
+        "layers": [layer.descriptor() for layer in layers],
+        "annotations": {"org.opencontainers.image.created": created},
     }))
     index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
              "manifests": [manifest.descriptor(**{"io.containerd.image.name": name,

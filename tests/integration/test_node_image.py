@@ -205,7 +205,7 @@ def test_daemonset_installs_serves_upgrades_and_cleans_up_a_fresh_node(bed, imag
     _, template = kubelet.daemonset_template(docs, "quark-node")
     configmap = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "quark-tsor")
     objects = {("ConfigMap", NAMESPACE, "quark-tsor"): configmap["data"],
-               ("Secret", NAMESPACE, "quark-tsor-secret"): {"tsor-secret": "c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3JldA==\n"}}
+               ("Secret", NAMESPACE, "quark-tsor-secret"): {"tsor-secret": "c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNl\n"}}
     runner = kubelet.PodRunner(node, bed.cri, NODE, objects, api=(API_IP, bed.api.port),
                                service_account=bed.sa)
 
@@ -217,7 +217,8 @@ def test_daemonset_installs_serves_upgrades_and_cleans_up_a_fresh_node(bed, imag
     node.wait_containerd()
     assert bed.label() == "true"
     assert node.run(["/opt/quark/bin/quark", "--version"]).stdout.startswith(f"quark {VERSION} ")
-    assert os.readlink(root / "usr/local/bin/containerd-shim-quark-v1") == f"{install.QUARK_HOME}/bin/containerd-shim-quark-v1"
+    shim = "bin/containerd-shim-quark-v1"
+    assert os.readlink(root / "usr/local" / shim) == f"{install.QUARK_HOME}/{shim}"
     wait_for("tsord's metrics", bed.metrics, timeout=120)
     assert runner.status(v1.containers["tsord"]).state == RUNNING
 
