@@ -156,24 +156,33 @@ def rfc3339(epoch: int) -> str:
 
 
 def build(payload: Path, out: Path, version: str, epoch: int | None = None) -> str:
-    """Writes the image archive to `out`; returns the manifest's digest."""
+    """Writes the node image's archive to `out`; returns the manifest's digest."""
     epoch = source_date_epoch() if epoch is None else epoch
-    created = rfc3339(epoch)
-    name = f"docker.io/{REPOSITORY}:{version}"
-    layers_raw = [base_tarball().read_bytes(), payload_tar(payload, epoch)]
-    layers = [Blob(MEDIA_LAYER, gzipped(raw)) for raw in layers_raw]
     labels = {"org.opencontainers.image.title": "quark node",
               "org.opencontainers.image.description": "quark's node payload (/opt/quark) and its installer",
               "org.opencontainers.image.version": version,
               "org.opencontainers.image.revision": commit(),
               "org.opencontainers.image.licenses": "Apache-2.0"}
+    return write_archive(
+        out, [base_tarball().read_bytes(), payload_tar(payload, epoch)],
+        {"Env": [PATH_ENV], "Cmd": ["/opt/quark/bin/tsord", "--config", "/etc/quark/tsor.yaml"], "Labels": labels},
+        f"docker.io/{REPOSITORY}:{version}", version, epoch=epoch,
+        history=[f"mmdebstrap {' '.join(BASE_OPTIONS)} {SUITE}",
+                 f"deploy/payload.py --version {version} (/{PAYLOAD_DIR})"])
+
+
+def write_archive(out: Path, layers_raw: list[bytes], image_config: dict, name: str, ref: str, *, epoch: int = 0,
+                  history: list[str] | None = None) -> str:
+    """An OCI image archive at `out`: the layers (uncompressed tars, gzipped here), an image config
+    around `image_config` (Env, Cmd, ...), its manifest, an index naming it `name` for containerd
+    and `ref` for podman, and docker's manifest.json; every date `epoch`. Returns the manifest's
+    digest. (tests/integration/containerd_env.py makes its test images with it too.)"""
+    created = rfc3339(epoch)
+    layers = [Blob(MEDIA_LAYER, gzipped(raw)) for raw in layers_raw]
     config = Blob(MEDIA_CONFIG, _json({
-        "created": created, "architecture": "amd64", "os": "linux",
-        "config": {"Env": [PATH_ENV], "Cmd": ["/opt/quark/bin/tsord", "--config", "/etc/quark/tsor.yaml"],
-                   "Labels": labels},
+        "created": created, "architecture": "amd64", "os": "linux", "config": image_config,
         "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(r).hexdigest() for r in layers_raw]},
-        "history": [{"created": created, "created_by": f"mmdebstrap {' '.join(BASE_OPTIONS)} {SUITE}"},
-                    {"created": created, "created_by": f"deploy/payload.py --version {version} (/{PAYLOAD_DIR})"}],
+        "history": [{"created": created, "created_by": by} for by in history or ()],
     }))
     manifest = Blob(MEDIA_MANIFEST, _json({
         "schemaVersion": 2, "mediaType": MEDIA_MANIFEST, "config": config.descriptor(),
@@ -181,9 +190,10 @@ def build(payload: Path, out: Path, version: str, epoch: int | None = None) -> s
         "annotations": {"org.opencontainers.image.created": created},
     }))
     index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
-             "manifests": [manifest.descriptor(**{"io.containerd.image.name": name,
-                                                  "org.opencontainers.image.ref.name": version})]}
-    docker = [{"Config": _blob_path(config), "RepoTags": [f"{REPOSITORY}:{version}"],
+             "manifests": [{**manifest.descriptor(**{"io.containerd.image.name": name,
+                                                     "org.opencontainers.image.ref.name": ref}),
+                            "platform": {"architecture": "amd64", "os": "linux"}}]}
+    docker = [{"Config": _blob_path(config), "RepoTags": [name.removeprefix("docker.io/").removeprefix("library/")],
                "Layers": [_blob_path(layer) for layer in layers]}]
     files = {"oci-layout": _json({"imageLayoutVersion": "1.0.0"}), "index.json": _json(index),
              "manifest.json": _json(docker)}

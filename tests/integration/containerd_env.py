@@ -7,10 +7,7 @@ busybox-static, to be imported with `ctr images import`.
 """
 from __future__ import annotations
 
-import gzip
-import hashlib
 import io
-import json
 import os
 import shutil
 import signal
@@ -21,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from deploy.image import write_archive
 from tests.cleanup import unmount_under
 
 CONTAINERD = shutil.which("containerd")
@@ -194,41 +192,12 @@ def oci_image_tar(path: Path, name: str, *, files: dict[str, tuple[bytes, int]],
             _tar_add(tar, f, data=data, kind=tarfile.REGTYPE, mode=mode)
         for link, target in (symlinks or {}).items():
             _tar_add(tar, link, kind=tarfile.SYMTYPE, link=target, mode=0o777)
-    raw = layer.getvalue()
-    gz = gzip.compress(raw, mtime=0)
-    blobs: dict[str, bytes] = {}
-
-    def blob(data: bytes) -> dict:
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        blobs[digest] = data
-        return {"digest": digest, "size": len(data)}
-
     image_config: dict = {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "WorkingDir": "/"}
     if entrypoint is not None:
         image_config["Entrypoint"] = entrypoint
     if cmd is not None:
         image_config["Cmd"] = cmd
-    config = json.dumps({
-        "architecture": "amd64", "os": "linux", "config": image_config,
-        "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(raw).hexdigest()]},
-    }).encode()
-    manifest = json.dumps({
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **blob(config)},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **blob(gz)}],
-    }).encode()
-    index = json.dumps({"schemaVersion": 2, "manifests": [{
-        "mediaType": "application/vnd.oci.image.manifest.v1+json", **blob(manifest),
-        "platform": {"architecture": "amd64", "os": "linux"},
-        "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": "test"},
-    }]}).encode()
-    with tarfile.open(path, "w") as tar:
-        _tar_add(tar, "blobs")
-        _tar_add(tar, "blobs/sha256")
-        for digest, data in blobs.items():
-            _tar_add(tar, f"blobs/sha256/{digest.split(':')[1]}", data=data, kind=tarfile.REGTYPE, mode=0o644)
-        _tar_add(tar, "oci-layout", data=b'{"imageLayoutVersion":"1.0.0"}', kind=tarfile.REGTYPE, mode=0o644)
-        _tar_add(tar, "index.json", data=index, kind=tarfile.REGTYPE, mode=0o644)
+    write_archive(path, [layer.getvalue()], image_config, name, "test")
     return path
 
 
