@@ -112,6 +112,8 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
         if not in_factory:
             os.waitpid(pid, 0)   # (in a factory worker the supervisor is our child: it outlives us)
         reply = _read_line(r)
+        if "ok" not in reply:
+            _wait_closed(r, 10.0)   # the supervisor, having removed everything, exits: wait for it
         os.close(r)
     except BaseException:
         store.remove(container_id)
@@ -250,6 +252,15 @@ def _read_line(fd: int) -> dict:
         return json.loads(buf) if buf.strip() else {}
     except json.JSONDecodeError:
         return {}
+
+
+def _wait_closed(fd: int, timeout: float) -> None:
+    """Until every writer of the pipe `fd` has closed it (a failed create's supervisor exits), or
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        if select.select([fd], [], [], left)[0] and not os.read(fd, 4096):
+            return
 
 
 def write_pid_file(path: str, pid: int) -> None:

@@ -188,13 +188,15 @@ class CreateMixin:
         finally:
             os.close(master)
 
-    def _report(self, msg: dict) -> None:
-        """Tell the waiting `quark create` how it went; it exits on this line."""
+    def _report(self, msg: dict, close: bool = True) -> None:
+        """Tell the waiting `quark create` how it went; it exits on this line (after an error, once
+        this end is closed: `close=False` leaves that to this process's exit)."""
         try:
             os.write(self.ready_fd, json.dumps(msg).encode() + b"\n")
         except OSError:
             pass
-        os.close(self.ready_fd)
+        if close:
+            os.close(self.ready_fd)
         self.ready_fd = -1
 
     def _abort(self, error: Exception) -> None:
@@ -219,4 +221,6 @@ class CreateMixin:
         except Exception:
             log.exception("destroying cgroup after failed create")
         self.store.remove(self.state.id)
-        self._report({"error": str(error), "kind": getattr(error, "kind", QuarkError.kind)})
+        # the pipe stays open until this process exits (the caller's os._exit): `quark create`
+        # waits for that, so that it returns with nothing of the sandbox left, as runc's does
+        self._report({"error": str(error), "kind": getattr(error, "kind", QuarkError.kind)}, close=False)
