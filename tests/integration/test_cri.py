@@ -31,7 +31,7 @@ if cri_env.skip_reason() is None:
     import grpc
 
     from tests.support.cri import cri_v1_pb2 as pb
-    from tests.support.cri.client import CriClient
+    from tests.support.cri.client import CriClient, log_text
     from tests.support.cri.stream import ERROR, STDERR, STDIN, STDOUT, Stream
 
 IMAGE = cri_env.BUSYBOX_IMAGE
@@ -82,18 +82,6 @@ def wait_for(what, predicate, timeout: float = 30.0):
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def log_text(config, name: str, root: str = "") -> str:
-    """A container's CRI log (`<time> <stream> <F|P> <line>` per line) as the lines' text; `root`:
-    where the filesystem containerd wrote it in is seen from here (a test node's /proc/PID/root)."""
-    path = root + os.path.join(config.log_directory, name, "0.log")
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return "".join(line.split(" ", 3)[3] + ("\n" if line.split(" ", 3)[2] == "F" else "")
-                           for line in f.read().splitlines() if line.count(" ") >= 3)
-    except FileNotFoundError:
-        return ""
 
 
 def http_get(cri, cid: str, url: str) -> str:

@@ -34,7 +34,7 @@ import grpc
 import yaml
 
 from tests.support.cri import cri_v1_pb2 as pb
-from tests.support.cri.client import CriClient
+from tests.support.cri.client import CriClient, log_text
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 PODS_DIR = "/var/lib/kubelet/pods"
@@ -155,13 +155,7 @@ class PodRunner:
         self.node.run(["rm", "-rf", pod.directory])
 
     def log(self, pod: Pod, container: str) -> str:
-        path = self.node.path(f"{pod.config.log_directory}/{container}/0.log")
-        try:
-            lines = path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return ""
-        return "".join(line.split(" ", 3)[3] + ("\n" if line.split(" ", 3)[2] == "F" else "")
-                       for line in lines if line.count(" ") >= 3)
+        return log_text(pod.config, container, root=f"/proc/{self.node.pid}/root")
 
     def status(self, cid: str) -> pb.ContainerStatus:
         return self.call("ContainerStatus", pb.ContainerStatusRequest(container_id=cid)).status

@@ -106,3 +106,15 @@ class CriClient:
     def remove_all_pods(self) -> None:
         for pod in self.list_pods():
             self.teardown_pod(pod.id)
+
+
+def log_text(config, name: str, root: str = "") -> str:
+    """A container's CRI log (`<time> <stream> <F|P> <line>` per line) as the lines' text; `root`:
+    where the filesystem containerd wrote it in is seen from here (a test node's /proc/PID/root)."""
+    path = root + os.path.join(config.log_directory, name, "0.log")
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(line.split(" ", 3)[3] + ("\n" if line.split(" ", 3)[2] == "F" else "")
+                           for line in f.read().splitlines() if line.count(" ") >= 3)
+    except FileNotFoundError:
+        return ""
