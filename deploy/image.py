@@ -101,20 +101,25 @@ def base_tarball_if_built() -> Path | None:
 
 def base_tarball() -> Path:
     """The base layer's tar (mmdebstrap), made when missing; keyed by what makes it."""
-    path = _base_path()
+    return mmdebstrap_tar(_base_path(), SUITE, BASE_OPTIONS, f"image-base-{SUITE}-*.tar")
+
+
+def mmdebstrap_tar(path: Path, suite: str, options: tuple[str, ...], recipes: str) -> Path:
+    """A Debian root's tarball at `path`, made with mmdebstrap from Debian's archive when missing;
+    the tarballs of earlier recipes beside it (the glob `recipes`) removed. Also the fresh test
+    nodes' roots (tests/support/fresh_node.py)."""
     if path.exists():
         return path
     if not shutil.which("mmdebstrap"):
         raise ImageError("mmdebstrap is not installed (make apt installs it)")
-    CACHE.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.tar")
-    r = subprocess.run(["mmdebstrap", "--quiet", *BASE_OPTIONS, SUITE, str(tmp), MIRROR],
-                       capture_output=True, text=True)
+    r = subprocess.run(["mmdebstrap", "--quiet", *options, suite, str(tmp), MIRROR], capture_output=True, text=True)
     if r.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise ImageError(f"mmdebstrap {SUITE} failed: {r.stderr.strip()[-2000:]}")
+        raise ImageError(f"mmdebstrap {suite} failed: {r.stderr.strip()[-2000:]}")
     tmp.rename(path)
-    for old in CACHE.glob(f"image-base-{SUITE}-*.tar"):   # an earlier recipe's
+    for old in path.parent.glob(recipes):
         if old != path:
             old.unlink()
     return path
@@ -135,10 +140,9 @@ def payload_tar(payload: Path, epoch: int) -> bytes:
         return ti
 
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for parent in ("opt",):   # the directories above the payload, as an image's own
-            ti = tarfile.TarInfo(parent)
-            ti.type, ti.mode = tarfile.DIRTYPE, 0o755
-            tar.addfile(normal(ti))
+        opt = tarfile.TarInfo(os.path.dirname(PAYLOAD_DIR))   # the directory above the payload
+        opt.type, opt.mode = tarfile.DIRTYPE, 0o755
+        tar.addfile(normal(opt))
         # tarfile.add walks directories in sorted order and stores a second name of a file as a link
         tar.add(payload, arcname=PAYLOAD_DIR, filter=normal)
     return buf.getvalue()

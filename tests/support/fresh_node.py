@@ -37,7 +37,6 @@ from pathlib import Path
 from tests.integration.cri_env import remove_cgroups
 
 SUITES = ("bookworm", "trixie")
-MIRROR = "http://deb.debian.org/debian"
 PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iproute2")
 CACHE = Path("/var/cache/quark-node")
 # what the node itself writes at run time, not the installer: left out of snapshots
@@ -90,18 +89,9 @@ def skip_reason(suite: str) -> str | None:
 
 def build(suite: str) -> Path:
     """The node root's tarball, made with mmdebstrap from Debian's archive when missing."""
-    path = tarball(suite)
-    if path.exists():
-        return path
-    CACHE.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.tar")
-    subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(PACKAGES)}", suite,
-                    str(tmp), MIRROR], check=True)
-    tmp.rename(path)
-    for old in CACHE.glob(f"{suite}-*.tar"):   # an earlier package list's
-        if old != path:
-            old.unlink()
-    return path
+    from deploy.image import mmdebstrap_tar
+    return mmdebstrap_tar(tarball(suite), suite, ("--variant=minbase", f"--include={','.join(PACKAGES)}"),
+                          f"{suite}-*.tar")   # (an earlier package list's removed)
 
 
 def cgroup_mounts() -> list[tuple[str, str, str]]:
