@@ -5,8 +5,10 @@ The container sees the host's directories under --host-root (hostPath volumes; H
 the list the DaemonSet mounts, and a test holds the two together). Nothing is installed with a
 package manager and nothing runs on the host but the containerd restart. It
 
-1. copies the node payload (deploy/payload.py: quark, its own Python and libraries) to /opt/quark,
-   only the files that changed, each replaced by a rename (running programs keep theirs);
+1. copies the node payload (deploy/payload.py: quark, its own Python and libraries) to
+   /opt/quark/versions/ID beside the earlier ones and makes it current by renaming links; an
+   earlier version goes once no process maps a file of it (deploy/versions.py: a running shim or
+   supervisor keeps importing its own version's modules, never the next one's);
 2. links quark-cni into the CNI bin dir containerd uses (its config's cri.cni.bin_dir), and
    containerd-shim-quark-v1 into /usr/local/bin (containerd 1.6 looks for a CRI runtime's shim on
    its PATH only: the CRI's runtime_path is not used for it);
@@ -32,7 +34,6 @@ instead of running them.
 from __future__ import annotations
 
 import argparse
-import filecmp
 import json
 import os
 import shlex
@@ -43,11 +44,13 @@ import sys
 import tomllib
 from collections.abc import Callable
 
+from deploy import versions
 from deploy.node_config import InstallError, first_network, node_runtimes, with_quark_cni, with_runtimes
 from deploy.node_processes import FACTORY, quark_processes, stop_factories
 
 QUARK_HOME = "/opt/quark"
 STATE = f"{QUARK_HOME}/install-state.json"
+VERSIONS = f"{QUARK_HOME}/{versions.VERSIONS}"
 CONTAINERD_DIR = "/etc/containerd"
 CONTAINERD_CONFIG = f"{CONTAINERD_DIR}/config.toml"
 QUARK_ETC = "/etc/quark"
@@ -62,9 +65,11 @@ NODE_LABEL = ("quark.io/runtime", "true")
 RESTART_CONTAINERD = "systemctl restart containerd"
 LINK = "\0link:"   # in the record of a file: a symbolic link to what follows
 HERE = os.path.dirname(os.path.abspath(__file__))
-# the payload this installer came with: /opt/quark (the image's, the node's), or a checkout's
-# build/payload (make payload)
-OWN_PAYLOAD = QUARK_HOME if HERE.startswith(QUARK_HOME + "/") else os.path.join(os.path.dirname(HERE), "build", "payload")
+# the payload this installer came with (HERE is its lib/python3/dist-packages/deploy): the image's
+# /opt/quark, a node's /opt/quark/versions/ID; or, in a checkout, its build/payload (make payload)
+_IN_PAYLOAD = "/lib/python3/dist-packages/deploy"
+OWN_PAYLOAD = HERE[:-len(_IN_PAYLOAD)] if HERE.endswith(_IN_PAYLOAD) else \
+    os.path.join(os.path.dirname(HERE), "build", "payload")
 
 
 class Installer:
@@ -96,29 +101,79 @@ class Installer:
             self.on_host(shlex.split(self.restart))
 
     def copy_payload(self) -> None:
-        dest = self.host(QUARK_HOME)
+        """The payload as a version of its own beside the others, made current (deploy/versions.py
+        says why and how); the versions no process maps any more removed."""
+        home = self.host(QUARK_HOME)
         self._mkdirs(QUARK_HOME)
-        wanted = set()
-        for dirpath, dirnames, filenames in os.walk(self.payload):
-            rel_dir = os.path.relpath(dirpath, self.payload)
-            for name in dirnames + filenames:
-                rel = os.path.normpath(os.path.join(rel_dir, name))
-                wanted.add(rel)
-                src, dst = os.path.join(self.payload, rel), os.path.join(dest, rel)
-                if os.path.islink(src):
-                    self._link(os.readlink(src), dst)
-                elif os.path.isdir(src):
-                    os.makedirs(dst, exist_ok=True)
-                else:
-                    self._copy(src, dst)
-        # what an earlier payload had and this one has not (the state file is the installer's)
-        for dirpath, dirnames, filenames in os.walk(dest, topdown=False):
-            for name in filenames + dirnames:
-                path = os.path.join(dirpath, name)
-                rel = os.path.relpath(path, dest)
-                if rel not in wanted and "/" + os.path.relpath(path, self.root) != STATE:
-                    _remove(path)
-                    self.changed.append("/" + os.path.relpath(path, self.root))
+        try:
+            ident = versions.payload_id(self.payload)
+        except ValueError as e:
+            raise InstallError(str(e)) from None
+        tree = os.path.join(home, versions.VERSIONS, ident)
+        self._set_aside_a_flat_payload(home)
+        os.makedirs(os.path.dirname(tree), exist_ok=True)
+        if not os.path.isdir(tree):   # (a version's tree is complete once it has its name: renamed last)
+            stage = os.path.join(os.path.dirname(tree), f".{ident}.quark-tmp")
+            if os.path.lexists(stage):
+                _remove(stage)   # a run that stopped half way
+            shutil.copytree(self.payload, stage, symlinks=True)
+            os.rename(stage, tree)
+            self.changed.append(f"{VERSIONS}/{ident}")
+        self._link(f"{versions.VERSIONS}/{ident}", os.path.join(home, versions.CURRENT))
+        names = sorted(n for n in os.listdir(tree) if n != versions.ID_FILE)
+        for name in names:
+            if name == versions.BIN:
+                self._bin_links(home, tree, ident)
+            else:
+                self._link(f"{versions.CURRENT}/{name}", os.path.join(home, name))
+        keep = {*names, versions.VERSIONS, versions.CURRENT, os.path.basename(STATE)}
+        for name in sorted(set(os.listdir(home)) - keep):   # a link an earlier payload had
+            _remove(os.path.join(home, name))
+            self.changed.append(f"{QUARK_HOME}/{name}")
+        self._remove_unused_versions(home, ident)
+
+    def _bin_links(self, home: str, tree: str, ident: str) -> None:
+        """bin/NAME -> ../versions/ID/bin/NAME for each program (not through `current`: a
+        program's Python then has its own version's tree as its prefix)."""
+        bin_dir = os.path.join(home, versions.BIN)
+        if os.path.islink(bin_dir):
+            os.unlink(bin_dir)
+        os.makedirs(bin_dir, exist_ok=True)
+        programs = os.listdir(os.path.join(tree, versions.BIN))
+        for name in sorted(programs):
+            self._link(f"../{versions.VERSIONS}/{ident}/{versions.BIN}/{name}", os.path.join(bin_dir, name))
+        for name in sorted(set(os.listdir(bin_dir)) - set(programs)):
+            _remove(os.path.join(bin_dir, name))
+            self.changed.append(f"{QUARK_HOME}/{versions.BIN}/{name}")
+
+    def _set_aside_a_flat_payload(self, home: str) -> None:
+        """An install by an earlier quark-install copied the payload into /opt/quark itself: its
+        directories are moved (not removed: its running programs keep their files) into
+        versions/flat, which goes as any version does."""
+        if os.path.lexists(os.path.join(home, versions.CURRENT)):
+            return
+        flat = [n for n in os.listdir(home) if n not in (versions.VERSIONS, os.path.basename(STATE))
+                and not n.endswith(".quark-tmp")]
+        if not flat:
+            return
+        aside = os.path.join(home, versions.VERSIONS, "flat")
+        os.makedirs(aside, exist_ok=True)
+        for name in flat:
+            os.rename(os.path.join(home, name), os.path.join(aside, name))
+
+    def _remove_unused_versions(self, home: str, current: str) -> None:
+        root = os.path.join(home, versions.VERSIONS)
+        for name in sorted(os.listdir(root)):
+            if name == current:
+                continue
+            path = os.path.join(root, name)
+            pids = [] if name.endswith(".quark-tmp") else versions.users(path)
+            if pids:
+                self.notes.append(f"{VERSIONS}/{name} kept: running programs use it "
+                                  f"(pids {', '.join(map(str, pids[:8]))}); the next run removes it once they end")
+                continue
+            _remove(path)
+            self.changed.append(f"{VERSIONS}/{name}")
 
     def link_programs(self) -> None:
         """quark-cni where containerd's CNI looks, the shim where containerd 1.6 looks."""
@@ -246,20 +301,6 @@ class Installer:
         self._write_file(dest, text, mode)
         self.changed.append(path)
 
-    def _copy(self, src: str, dst: str) -> None:
-        try:
-            s, d = os.stat(src), os.lstat(dst)
-            # copy2 keeps size, time and mode; a rebuilt payload's unchanged file has another time
-            if stat.S_ISREG(d.st_mode) and s.st_size == d.st_size and s.st_mode == d.st_mode and (
-                    int(s.st_mtime) == int(d.st_mtime) or filecmp.cmp(src, dst, shallow=False)):
-                return
-        except FileNotFoundError:
-            pass
-        tmp = dst + ".quark-tmp"
-        shutil.copy2(src, tmp)
-        os.replace(tmp, dst)
-        self.changed.append("/" + os.path.relpath(dst, self.root))
-
     def _link(self, target: str, path: str) -> None:
         if os.path.islink(path) and os.readlink(path) == target:
             return
@@ -269,10 +310,14 @@ class Installer:
     @staticmethod
     def _write_file(dest: str, text: str, mode: int) -> None:
         """`text` into `dest` by a rename (or, after LINK, a symbolic link in place of what is there)."""
-        if text.startswith(LINK):
-            if os.path.lexists(dest):
+        if text.startswith(LINK):   # replaced by a rename too: `current` switches in one step
+            if os.path.isdir(dest) and not os.path.islink(dest):
                 _remove(dest)
-            os.symlink(text[len(LINK):], dest)
+            tmp = dest + ".quark-tmp"
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            os.symlink(text[len(LINK):], tmp)
+            os.rename(tmp, dest)
             return
         tmp = dest + ".quark-tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)

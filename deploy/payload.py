@@ -14,7 +14,9 @@ deploy/install.py copies to /opt/quark. A node needs no Python, no compiler and 
     lib/python3/dist-packages/   quark's packages with their compiled parts (the fast path, the BPF
                             objects), its dependencies at the venv's versions, libseccomp's binding
 
-The path /opt/quark is fixed: an ELF interpreter must be an absolute path. Run as
+The path /opt/quark is fixed: an ELF interpreter must be an absolute path. Every other search path
+is relative ($ORIGIN), so that a node can hold several versions side by side (deploy/versions.py);
+the file PAYLOAD_ID names this one (its version and the digest of its files). Run as
 `.venv/bin/python deploy/payload.py build/payload` (make payload); a directory already there is
 replaced. `--version V` stamps the payload as quark V (its qlib/version.py and its distribution's
 metadata; default: the tree's), as deploy/image.py does for a node image's tag.
@@ -34,6 +36,10 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+
+if __package__ in (None, ""):   # run as deploy/payload.py (make payload): the checkout's packages
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from deploy import versions  # noqa: E402
 
 PREFIX = "/opt/quark"
 PYVER = f"python{sys.version_info[0]}.{sys.version_info[1]}"
@@ -57,7 +63,7 @@ COMPILED = ("qkernel/_fastpath.so", "tsor/bpf/sockmap.bpf.o", "tsor/bpf/sockopt.
 # libraries to a libibverbs that is not there
 LEFT_OUT = ("_rdma_pump.so",)
 # the installer's modules (deploy/install.py, run as /opt/quark/bin/quark-install)
-INSTALLER = ("install.py", "node_config.py", "node_processes.py")
+INSTALLER = ("install.py", "node_config.py", "node_processes.py", "versions.py")
 # Python programs: name -> (module, function)
 PROGRAMS = {
     "bin/tsord": ("tsor.daemon", "main"),
@@ -89,6 +95,9 @@ def build(out: str, version: str | None = None) -> None:
         bundle_libraries(stage, python)
         subprocess.run([sys.executable, "-m", "compileall", "-q", "-j0", "-s", stage, "-p", PREFIX,
                         "--invalidation-mode", "unchecked-hash", os.path.join(stage, "lib")], check=True, stdout=subprocess.DEVNULL)
+        # its name among a node's versions (deploy/versions.py): the version and the files' digest
+        with open(os.path.join(stage, versions.ID_FILE), "w") as f:
+            f.write(f"{version or importlib.metadata.version(DISTRIBUTION)}-{versions.tree_digest(stage)[:12]}\n")
         if os.path.exists(out):
             shutil.rmtree(out)
         os.rename(stage, out)
@@ -239,15 +248,19 @@ def bundle_libraries(stage: str, python: str) -> None:
     if not loader:
         raise PayloadError(f"{python}: ldd named no dynamic loader")
     frontend = os.path.join(stage, "bin", "quark")
+    # lib/ searched relative to each file ($ORIGIN: the file's real directory, the executable's
+    # found through /proc/self/exe), so that a process keeps loading its own version's libraries
+    # after a node's upgrade made another version current (deploy/versions.py)
     for exe in (python, frontend):
         subprocess.run(["patchelf", "--set-interpreter", loader, "--force-rpath", "--set-rpath",
-                        f"{PREFIX}/lib", exe], check=True)
+                        "$ORIGIN/../lib", exe], check=True)
     for path in elves:
         if path in (python, frontend):
             continue
         runpath = subprocess.run(["patchelf", "--print-rpath", path], capture_output=True, text=True).stdout.strip()
         if runpath:   # a wheel's $ORIGIN/... path: searched before the executable's, so add lib/ to it
-            subprocess.run(["patchelf", "--set-rpath", f"{runpath}:{PREFIX}/lib", path], check=True)
+            lib = "$ORIGIN/" + os.path.relpath(libdir, os.path.dirname(path))
+            subprocess.run(["patchelf", "--set-rpath", f"{runpath}:{lib}", path], check=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ import os
 import select
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ class Factory:
         self.me: tuple = ()
         self.watch = -1                # inotify on quark's code (watch_code)
         self.stale = False
+        self.interpreter = os.path.realpath(sys.executable)   # (another version made current: moved())
         self.spare: socket.socket | None = None   # our end of the pre-forked worker's socket
         self.spare_pid = 0
         self.seed: socket.socket | None = None    # our end of the pre-forked supervisor's socket (fork_seed)
@@ -169,7 +171,7 @@ class Factory:
             return "--preserve-fds: the fds are the client's to hand on"
         if env.get("QUARK_INIT_REAPER") or env.get("QUARK_FACTORY") == "0":
             return "the caller chose how the init is reaped, or turned the factory off"
-        if self.stale or code_changed(self.watch):
+        if self.stale or code_changed(self.watch) or self.moved():
             self.stale = True
             return "quark's code changed since the factory started: it exits"
         try:
@@ -297,6 +299,12 @@ class Factory:
         self.zygote.close()
         self.zygote = None
         self.seed_asked = False
+
+    def moved(self) -> bool:
+        """Does the path it was started by name another interpreter now? On a node, an upgrade
+        makes another version's tree current and leaves this one's unchanged (deploy/versions.py),
+        which no inotify watch of it would see."""
+        return os.path.realpath(sys.executable) != self.interpreter
 
     def detach(self) -> None:
         """In a forked child: drop everything of the factory's own, so none of it goes on to a

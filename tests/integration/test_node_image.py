@@ -246,8 +246,13 @@ def test_daemonset_installs_serves_upgrades_and_cleans_up_a_fresh_node(bed, imag
     assert said("one")
     assert [s["version"] for s in bed.states(client)] == [VERSION]
 
+    # a program of v1 that imports a module and loads a library only after the upgrade (as a
+    # supervisor does for a hibernation, a shim for a pod's next container)
+    probe_log = "/run/probe.log"
+    node.spawn(["/opt/quark/bin/python3.11", "-c", LATE_IMPORTS], probe_log)
+
     # the rolling update: the v1 pod deleted (tsord stops), the v2 pod run (the installer puts v2's
-    # files in place; containerd's configuration is the same, so no restart)
+    # files beside v1's; containerd's configuration is the same, so no restart)
     runner.delete(v1)
     containerd = node.containerd_pid()
     v2 = runner.run(template, "quark-node-v2", NAMESPACE, image=f"quark/node:{NEXT}")
@@ -257,6 +262,13 @@ def test_daemonset_installs_serves_upgrades_and_cleans_up_a_fresh_node(bed, imag
     # the pods kept running, and their connection carries data still
     assert bed.cri.container_status(client).state == bed.cri.container_status(echo).state == RUNNING
     assert said("two")
+    # v1's programs import and load v1's files still; v1's tree stays while they run
+    trees = {v: (images[v][0] / "PAYLOAD_ID").read_text().strip() for v in (VERSION, NEXT)}
+    assert sorted(os.listdir(root / "opt/quark/versions")) == sorted(trees.values())
+    node.run(["touch", "/run/probe-go"])
+    late = wait_for("the probe's late imports", lambda: node.path(probe_log).read_text().split(), timeout=60)
+    assert late[0] == VERSION and len(late) >= 3, late
+    assert all(p.startswith(f"/opt/quark/versions/{trees[VERSION]}/") for p in late[1:]), late
     # a pod created now is created by v2's quark, and v2's tsord carries its connection
     new, new_conf, new_ip = cri.run_pod("cli2")
     bed.api.put("pods", k8s.pod("cli2", [new_ip], NODE))
@@ -289,6 +301,16 @@ def test_daemonset_installs_serves_upgrades_and_cleans_up_a_fresh_node(bed, imag
     assert all(k in made and k not in before and after[k][0] == 0o040000 for k in changed), changed
     # empty but for each other
     assert all(os.path.join(k, child) in changed for k in changed for child in os.listdir(root / k)), changed
+
+
+LATE_IMPORTS = """
+import os, time
+while not os.path.exists("/run/probe-go"):
+    time.sleep(0.05)
+import _ssl
+from qlib import version
+print(version.VERSION, version.__file__, *sorted({m.split()[-1] for m in open("/proc/self/maps") if "libssl" in m}))
+"""
 
 
 def _parents(path: str) -> list[str]:

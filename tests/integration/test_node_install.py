@@ -180,13 +180,16 @@ def test_install_on_a_fresh_node_run_quark_pods_through_cri_and_uninstall(node, 
         cri.run(cli, cli_conf, "cli", ["sh", "-c", f"wget -qO- http://{srv_ip}:8080/"])
         assert wait_for("the client's answer", lambda: cri.log(cli_conf, "cli"), timeout=120) == "hello-srv\n"
         assert metrics(node).get(LOCAL, 0.0) == before_local + 1, node.path("/run/tsord.log").read_text()[-3000:]
-        # the sandboxes run on the payload's Python and libraries, none of the node's
+        # the sandboxes run on the payload's Python and libraries, none of the node's: the current
+        # version's tree (deploy/versions.py)
+        tree = "/opt/quark/" + os.path.realpath(root / "opt/quark/current")[len(str(root / "opt/quark")) + 1:]
+        assert tree.startswith("/opt/quark/versions/"), tree
         supervisors = [p for p in Path(f"/proc/{node.pid}/root/proc").iterdir() if p.name.isdigit()
-                       and _exe(p) == "/opt/quark/bin/python3.11"]
+                       and _exe(p) == f"{tree}/bin/python3.11"]
         assert supervisors
         for p in supervisors:
             libs = {line.split()[-1] for line in (p / "maps").read_text().splitlines() if ".so" in line}
-            assert libs and all(lib.startswith("/opt/quark/") for lib in libs), libs
+            assert libs and all(lib.startswith(tree + "/") for lib in libs), libs
         # no uninstall under running sandboxes: their shims and supervisors run from /opt/quark
         r = installer(node, payload, "--uninstall")
         assert r.returncode == 1 and "quark still runs on this node" in r.stderr, r.stdout + r.stderr

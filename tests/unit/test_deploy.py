@@ -24,7 +24,7 @@ import yaml
 
 kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes client (pip install -e .) is needed")
 
-from deploy import install, node_config, node_processes  # noqa: E402
+from deploy import install, node_config, node_processes, versions  # noqa: E402
 from tsor import config as tsor_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -291,6 +291,11 @@ def test_installer_on_a_scratch_host_again_upgraded_and_uninstalled(tmp_path):
     first = install.Installer(str(host), str(payload), str(conf), dry_run=True)
     first.install()
     assert first.commands == [["systemctl", "restart", "containerd"]]
+    # the payload as a version of its own (deploy/versions.py), made current
+    ident = versions.payload_id(str(payload))
+    assert os.readlink(host / "opt/quark/current") == f"versions/{ident}"
+    assert os.readlink(host / "opt/quark/lib") == "current/lib" and os.readlink(host / "opt/quark/share") == "current/share"
+    assert os.readlink(host / "opt/quark/bin/quark") == f"../versions/{ident}/bin/quark"   # one link: Python's prefix
     assert (host / "opt/quark/bin/quark").read_text() == "front end"
     assert os.readlink(host / "opt/quark/lib/libz.so") == "libz.so.1"
     # quark's runtimes at the end of containerd's own config, the rest as it was, runc kept
@@ -318,14 +323,20 @@ def test_installer_on_a_scratch_host_again_upgraded_and_uninstalled(tmp_path):
     rebuilt = install.Installer(str(host), str(payload), str(conf), dry_run=True)
     rebuilt.install()
     assert (rebuilt.changed, rebuilt.commands) == ([], [])
-    # a newer payload: only its changed file copied, the one it no longer has removed, no restart
+    # a newer payload: a version beside the first, made current; the first removed (nothing runs it)
+    first_tree = os.path.realpath(host / "opt/quark/current")
     (payload / "bin/quark").write_text("front end 2")
     (payload / "lib/libz.so.1").unlink()
     (payload / "lib/libz.so").unlink()
     newer = install.Installer(str(host), str(payload), str(conf), dry_run=True)
     newer.install()
-    assert sorted(newer.changed) == ["/opt/quark/bin/quark", "/opt/quark/lib/libz.so", "/opt/quark/lib/libz.so.1"]
-    assert newer.commands == [] and not (host / "opt/quark/lib/libz.so.1").exists()
+    tree = f"/opt/quark/versions/{versions.payload_id(str(payload))}"
+    assert sorted(newer.changed) == sorted([
+        tree, "/opt/quark/current", "/opt/quark/versions/" + os.path.basename(first_tree),
+        *(f"/opt/quark/bin/{n}" for n in ("containerd-shim-quark-v1", "quark", "quark-cni"))])
+    assert newer.commands == [] and not os.path.exists(first_tree)
+    assert (host / "opt/quark/bin/quark").read_text() == "front end 2" and not (host / "opt/quark/lib/libz.so.1").exists()
+    assert os.readlink(host / "opt/quark/bin/quark") == f"..{tree[len('/opt/quark'):]}/bin/quark"
 
     gone = install.Installer(str(host), str(payload), dry_run=True)
     gone.uninstall()
@@ -335,6 +346,57 @@ def test_installer_on_a_scratch_host_again_upgraded_and_uninstalled(tmp_path):
     again = install.Installer(str(host), str(payload), dry_run=True)
     again.uninstall()   # uninstalled already: nothing to do
     assert (again.changed, again.commands) == ([], [])
+
+
+def test_a_version_a_program_still_uses_is_kept_until_it_ends(tmp_path):
+    """An upgrade leaves the tree of a version a running program maps (its late imports and
+    dlopens read that tree, never the next version's) and says so; the next run removes it once
+    the program has ended. A payload copied flat into /opt/quark by an earlier installer is set
+    aside as a version the same way."""
+    host, payload, conf = scratch_host(tmp_path)
+    home = host / "opt/quark"
+    for rel in ("bin/quark", "lib/libz.so.1"):   # an earlier installer's flat copy
+        (home / rel).parent.mkdir(parents=True, exist_ok=True)
+        (home / rel).write_text("flat " + rel)
+    mapper = "import mmap, sys; f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); " \
+             "f.close(); print('mapped', flush=True); sys.stdin.read()"
+    user = subprocess.Popen([sys.executable, "-c", mapper, str(home / "lib/libz.so.1")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert user.stdout.readline() == "mapped\n"
+        first = install.Installer(str(host), str(payload), str(conf), dry_run=True)
+        first.install()
+        assert (home / "versions/flat/bin/quark").read_text() == "flat bin/quark"   # moved, not removed
+        assert versions.users(str(home / "versions/flat")) == [user.pid]
+        kept = f"/opt/quark/versions/flat kept: running programs use it (pids {user.pid})"
+        assert any(n.startswith(kept) for n in first.notes), first.notes
+        assert (home / "bin/quark").read_text() == "front end"
+        # an upgrade meanwhile: the first version, which nothing maps, goes; the one in use stays
+        one = os.path.realpath(home / "current")
+        (payload / "bin/quark").write_text("front end 2")
+        upgrade = install.Installer(str(host), str(payload), str(conf), dry_run=True)
+        upgrade.install()
+        assert not os.path.exists(one) and (home / "versions/flat/lib/libz.so.1").exists()
+    finally:
+        user.stdin.close()
+        user.wait(10)
+    again = install.Installer(str(host), str(payload), str(conf), dry_run=True)
+    again.install()
+    assert again.changed == ["/opt/quark/versions/flat"]
+    assert sorted(os.listdir(home / "versions")) == [versions.payload_id(str(payload))]
+
+
+def test_a_payload_names_itself_by_its_version_and_files(tmp_path):
+    a, b = scratch_payload(tmp_path / "a"), scratch_payload(tmp_path / "b")
+    os.utime(b / "bin/quark", (0, 0))   # times and owners are not the payload's content
+    assert versions.payload_id(str(a)) == versions.payload_id(str(b))
+    (b / "bin/quark").chmod(0o755)
+    assert versions.payload_id(str(a)) != versions.payload_id(str(b))
+    (a / versions.ID_FILE).write_text("1.2.3-abc\n")   # deploy/payload.py writes it
+    assert versions.payload_id(str(a)) == "1.2.3-abc"
+    (a / versions.ID_FILE).write_text("../x\n")
+    with pytest.raises(ValueError, match="not a payload id"):
+        versions.payload_id(str(a))
 
 
 def test_uninstall_leaves_a_file_changed_since_and_says_so(tmp_path):
