@@ -20,6 +20,10 @@ rdma      — the same two nodes with both tsords on `transport: softverbs` (the
             With pyverbs, tsord's default compiled pump (transport/rdma_pump.c) and the Python one
             (`rdma: {pump: python}`) both run, side by side: the "pump" rows. CPU per GB: the
             machine's busy CPU seconds (and the two tsords' own) per GB the one-stream iperf3 moved.
+service   — set-up through a Service ClusterIP on one node (and straight to its endpoint beside it):
+            quark (tsord's routes from an API stand-in; with --sockmap also the sockmap path, whose
+            kernel picks the endpoint at connect(): tsor/service_lb.py) vs runc + bridge with the
+            ClusterIP DNATed by an iptables rule as kube-proxy writes it.
 fallback  — the same two nodes with tsords that carry nothing between them (no cluster secret):
             what a quark connection that TSoR does not carry (another node without a path, a runc
             pod, anything outside the cluster) costs over plain TCP — the trap and tsord's answer.
@@ -57,10 +61,13 @@ GOALS = {"iperf3_gbps": (">=", 2.0), "rtt_p50_us": ("<=", 0.75), "redis_c50_rps"
          "rtt_same_cpu_p50_us": ("<=", 0.75), "rtt_cross_cpu_p50_us": ("<=", 0.75), "setup_p50_us": ("<=", 4.0),
          "two_node_setup_p50_us": ("<=", 4.0), "nginx_keepalive_rps": (">=", 1.3), "nginx_close_rps": (">=", 1.0),
          # issue 17, against the tcp path: the pump must not be the bottleneck; set-up over the built QP
-         "rdma_iperf3_gbps": (">=", 0.5), "rdma_setup_p50_us": ("<=", 1.0)}
+         "rdma_iperf3_gbps": (">=", 0.5), "rdma_setup_p50_us": ("<=", 1.0),
+         # issue 45: set-up through a Service ClusterIP on the kernel-chosen path, against runc + kube-proxy's NAT
+         "sockmap_setup_svc_p50_us": ("<=", 0.9), "sockmap_setup_svc_p99_us": ("<=", 0.9)}
 NGINX_NO_CORK = False   # --nginx-no-cork
 TWO_NODE_REDIS_REQUESTS = 100000   # --redis-requests
-PARTS = ("iperf3", "rtt", "rtt_sendmsg", "pinned", "redis", "setup", "nginx", "two_nodes", "rdma", "fallback")
+PARTS = ("iperf3", "rtt", "rtt_sendmsg", "pinned", "redis", "setup", "nginx", "service", "two_nodes", "rdma",
+         "fallback")
 # (section, key, label, unit, higher is better): the rows of the report and the bars of the chart, in order
 METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
            ("one_node", "rtt_p50_us", "64 B RTT p50", "us", False),
@@ -91,13 +98,19 @@ METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
            ("pump", "rdma_setup_p50_us", "compiled vs python: set-up p50", "us", False),
            ("pump", "rdma_cpu_s_per_gb", "compiled vs python: CPU per GB", "s/GB", False),
            ("pump", "rdma_tsord_cpu_s_per_gb", "compiled vs python: tsord CPU per GB", "s/GB", False),
-           ("fallback", "fallback_setup_p50_us", "2 nodes, fallback: set-up p50", "us", False)]
+           ("fallback", "fallback_setup_p50_us", "2 nodes, fallback: set-up p50", "us", False),
+           ("service", "setup_svc_p50_us", "set-up p50 via a ClusterIP", "us", False),
+           ("service", "setup_svc_p99_us", "set-up p99 via a ClusterIP", "us", False),
+           ("service_sockmap", "setup_svc_p50_us", "sockmap: set-up p50 via a ClusterIP", "us", False),
+           ("service_sockmap", "setup_svc_p99_us", "sockmap: set-up p99 via a ClusterIP", "us", False)]
 # section: (quark's configuration, the reference's); the rdma rows are measured against the tcp path
 SIDES = {"one_node": ("one_node", "quark_tsor_local", "runc_bridge"),
          "two_nodes": ("two_nodes", "quark_tsor_tcp", "runc_plain_tcp"),
          "rdma": ("two_nodes", "quark_tsor_rdma", "quark_tsor_tcp"),
          "pump": ("two_nodes", "quark_tsor_rdma", "quark_tsor_rdma_python"),
-         "fallback": ("two_nodes", "quark_tsor_fallback", "runc_plain_tcp")}
+         "fallback": ("two_nodes", "quark_tsor_fallback", "runc_plain_tcp"),
+         "service": ("service", "quark_tsor_local", "runc_bridge_dnat"),
+         "service_sockmap": ("service", "quark_tsor_sockmap", "runc_bridge_dnat")}
 # two-node configurations: runtime and tsord's node-to-node transport (None: tsord's default, auto -> tcp)
 # ("none": the tsords have no cluster secret or listen address, so connections between the nodes
 # fall back to the kernel's TCP: what every quark connection to a peer TSoR does not carry costs)
@@ -275,6 +288,62 @@ def one_node(runtime: str, pp: str, tag: str, parts: set[str], local_path: str |
             sockmap.remove_attached(cgroup2_root())
 
 
+SERVICE_IP = "10.215.250.10"   # the Service part's ClusterIP: of the bed's own range, held by no interface
+
+
+def service_setup(runtime: str, pp: str, tag: str, local_path: str | None = None) -> dict:
+    """Connection set-up (connect + 1-byte echo + close) through a Service ClusterIP, and straight to
+    the endpoint's address beside it, on one node. quark: tsord takes its routes, the Service among
+    them, from an API stand-in served in the node's namespace (socketpair: tsord picks the endpoint
+    of a trapped connect; sockmap: the kernel rewrites the connect, tsor/service_lb.py). runc: the
+    ClusterIP DNATed by an iptables rule as kube-proxy writes it, in the client pod's own OUTPUT
+    chain (in the node's PREROUTING, as kube-proxy puts it, the reply of a pod on the same bridge
+    would need br_netfilter, a setting of the whole host)."""
+    from tests.support import fake_kube_api as k8s
+    from tsor.kernel_sockets import socket_at
+    bed = Testbed(prefix=f"qv{tag}", octet=215)
+    api = None
+    try:
+        node = bed.node("n")
+        srv, cli = node.pod("srv"), node.pod("cli")
+        if runtime == "quark":
+            listener = socket_at(f"/var/run/netns/{node.netns}")
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(16)
+            api = k8s.FakeKubeAPI(listener)
+            api.put("nodes", k8s.node("n", "10.215.0.1", [node.subnet]))
+            for pod in (srv, cli):
+                api.put("pods", k8s.pod(pod.name, [pod.ip], "n"))
+            api.put("services", k8s.service("pp", SERVICE_IP, [(None, 7001, 7001)]))
+            api.put("endpointslices", k8s.endpoint_slice("pp-1", "pp", [(srv.ip, True, "n")], [(None, 7001)]))
+            node.start_tsord(debug=False, local_path=local_path, kubeconfig=k8s.write_kubeconfig(
+                os.path.join(bed.dir, "kc"), f"http://127.0.0.1:{api.port}"))
+            wait_file(node.metrics)
+            from tests.support.testbed import wait_metric
+            wait_metric(node, "tsor_route_services", 1, timeout=30)
+            if local_path == "sockmap":
+                wait_metric(node, "tsor_service_endpoints", 1, timeout=30)
+        else:
+            subprocess.run(["ip", "netns", "exec", cli.netns, "iptables", "-t", "nat", "-A", "OUTPUT", "-d",
+                            f"{SERVICE_IP}/32", "-p", "tcp", "--dport", "7001", "-j", "DNAT",
+                            "--to-destination", f"{srv.ip}:7001"], check=True)
+        bed.start(runtime, "pp-s", bed.bundle("pp-s", [pp, "server", "7001"], srv, tsor=runtime == "quark"))
+        wait_port(bed, srv, 7001)
+        res = {}
+        for key, ip in (("setup_svc", SERVICE_IP), ("setup_direct", srv.ip)):
+            p50, p99 = map(float, client(bed, runtime, key, cli, f"{pp} connect {ip} 7001 300").split())
+            res[f"{key}_p50_us"], res[f"{key}_p99_us"] = p50, p99
+        return res
+    finally:
+        if api is not None:
+            api.stop()
+        bed.close()   # (the rule goes with the client pod's namespace)
+        if local_path == "sockmap":
+            from tsor import sockmap
+            from tsor.sockopt_offload import cgroup2_root
+            sockmap.remove_attached(cgroup2_root())   # (the Service programs too)
+
+
 def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None, pump: str | None = None) -> dict:
     """iperf3, 64 B RTT and set-up from a pod on node a to a pod on node b. The keys are the
     two-node section's (two_node_*); the rdma configuration's are renamed rdma_* by its caller."""
@@ -371,7 +440,9 @@ def rows(results: dict) -> list[dict]:
             continue
         ratio = q / r
         goal = GOALS.get(key) if section != "pump" else None   # the pump rows compare two of quark's own
-        row = {"key": key if section != "pump" else f"pump_{key}", "label": label, "unit": unit, "quark": q, "runc": r, "ratio": ratio,
+        if section == "service_sockmap":
+            goal = GOALS.get(f"sockmap_{key}")
+        row = {"key": {"pump": f"pump_{key}", "service_sockmap": f"sockmap_{key}"}.get(section, key), "label": label, "unit": unit, "quark": q, "runc": r, "ratio": ratio,
                "reference": ref, "advantage": ratio if higher else 1 / ratio,
                "goal": None if goal is None else (goal[1] if higher else 1 / goal[1]),
                "met": None if goal is None else (ratio >= goal[1] if goal[0] == ">=" else ratio <= goal[1]),
@@ -480,7 +551,7 @@ def main() -> int:
     pp = os.path.join(REPO, "bench", ".pingpong")
     subprocess.run(["gcc", "-O2", "-o", pp, os.path.join(REPO, "bench/pingpong.c"), "-lpthread"], check=True)
     pp_in = "/repo/bench/.pingpong"
-    one = parts - {"two_nodes", "rdma", "fallback"}
+    one = parts - {"two_nodes", "rdma", "fallback", "service"}
     cgroups_before = quark_cgroup_dirs()
     machine = {"kernel": platform.release(), "cpus": os.cpu_count()}
     results: dict = {"machine": machine, "parts": sorted(parts), "runs": args.runs, "rdma_provider": args.rdma_provider,
@@ -493,6 +564,13 @@ def main() -> int:
             if args.sockmap:
                 results["one_node"]["quark_tsor_sockmap"] = merge([one_node("quark", pp_in, "m", one, "sockmap")
                                                                    for _ in range(args.runs)])
+        if "service" in parts:
+            results["service"] = {
+                "quark_tsor_local": merge([service_setup("quark", pp_in, "q") for _ in range(args.runs)]),
+                "runc_bridge_dnat": merge([service_setup("runc", pp_in, "r") for _ in range(args.runs)])}
+            if args.sockmap:
+                results["service"]["quark_tsor_sockmap"] = merge([service_setup("quark", pp_in, "m", "sockmap")
+                                                                  for _ in range(args.runs)])
         if parts & {"two_nodes", "rdma", "fallback"}:   # the rdma rows need the tcp path beside them
             configs = [*(["quark_tsor_tcp"] if parts & {"two_nodes", "rdma"} else []),
                        *(["quark_tsor_rdma"] if "rdma" in parts else []),

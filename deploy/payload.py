@@ -57,7 +57,7 @@ SYSTEM_MODULES = ("seccomp",)
 STDLIB_SKIP = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "__pycache__",
                "site-packages", "dist-packages", f"config-{sys.version_info[0]}.{sys.version_info[1]}-x86_64-linux-gnu"}
 # built by `make install`, loaded by the packages (each beside the source it is checked against)
-COMPILED = ("qkernel/_fastpath.so", "tsor/bpf/sockmap.bpf.o", "tsor/bpf/sockopt.bpf.o")
+COMPILED = ("qkernel/_fastpath.so", "tsor/bpf/sockmap.bpf.o", "tsor/bpf/sockopt.bpf.o", "tsor/bpf/service_lb.bpf.o")
 # TSoR's rdma transport needs the node's own rdma-core (libibverbs and the providers for its NIC,
 # which must be the same build): not carried; its pump stays out so that nothing links the payload's
 # libraries to a libibverbs that is not there

@@ -32,7 +32,7 @@ import threading
 import time
 
 from tsor import DEFAULT_CONFIG, config as configmod, protocol, routes as routesmod
-from tsor import kernel_sockets, local_path_marker, sockmap, sockopt_offload
+from tsor import kernel_sockets, local_path_marker, service_lb, sockmap, sockopt_offload
 from tsor.addr import Endpoint, family_of, is_unspecified, unmapped
 from tsor.bytecount import TcpByteCounter
 from tsor.errors import ConfigError, NotAllowed, ProtocolError
@@ -175,12 +175,17 @@ class Daemon:
         self.server: socket.socket | None = None
         self.offload: sockopt_offload.Offload | None = None
         self.sockmap: sockmap.Registrar | None = None   # local_path: sockmap
+        self.service_lb: service_lb.ServiceLB | None = None   # ... and its Services chosen at connect()
+        self.service_sync: service_lb.Syncer | None = None
         self.gate: Gate | None = None
         self.metrics_server: MetricsServer | None = None
         self.metrics.gauges = lambda: {"sandboxes": len(self.sessions), "listeners": len(self.listeners),
                                        "pods": len(self.pods), "route_pods": len(self.routes.pods),
                                        "route_services": len(self.routes.services),
-                                       **({"sockmap_ends": self.sockmap.path.connections()} if self.sockmap else {})}
+                                       **({"sockmap_ends": self.sockmap.path.connections()} if self.sockmap else {}),
+                                       **({"service_ports": self.service_lb.service_ports(),
+                                           "service_endpoints": self.service_lb.service_endpoints()}
+                                          if self.service_lb else {})}
         self.bytes = TcpByteCounter()   # tcp path: the kernel counts, see tsor/bytecount.py
         self.metrics.byte_counts = self._byte_counts
         self.metrics.rdma_links = lambda: self.rdma.status() if self.rdma is not None else {}
@@ -238,6 +243,8 @@ class Daemon:
             said = sockmap.retire(root) if root is not None else None
             if said:
                 log.info("sockmap local path off: %s", said)
+            if root is not None and service_lb.remove_attached(root):
+                log.info("sockmap local path off: Services are the node's NAT's again")
             return
         if root is None:
             raise ConfigError(self.cfg.path, "local_path",
@@ -247,7 +254,20 @@ class Daemon:
         except OSError as e:
             raise ConfigError(self.cfg.path, "local_path", f"sockmap: {e}") from None
         path.clear()   # a tsord before us registered these; ours follow from hellos and the pod state
-        self.sockmap = sockmap.Registrar(path)
+        try:
+            lb = service_lb.ServiceLB.open(root)
+        except OSError as e:
+            path.close()
+            raise ConfigError(self.cfg.path, "local_path", f"sockmap: Services at connect(): {e}") from None
+        self.service_lb = lb
+        self.service_sync = service_lb.Syncer(lb, lambda: service_lb.wanted(self.routes, self.cfg.node))
+        bump = self.generation.bump
+
+        def changed() -> None:
+            bump()
+            self.service_sync.changed()
+        self.routes.changed = changed
+        self.sockmap = sockmap.Registrar(path, lb.set_namespaces)
         self._sync_sockmap()
         # written before the socket is bound: a sandbox that sees the socket sees this too
         os.makedirs(os.path.dirname(marker), exist_ok=True)
@@ -297,6 +317,9 @@ class Daemon:
         self.generation.close()
         if self.sockmap is not None:   # attached it stays: the connections it carries keep their way
             self.sockmap.path.close()
+        if self.service_sync is not None:   # attached they stay, balancing connects by the last state
+            self.service_sync.close()
+            self.service_lb.close()
         log.info("tsord stopped")
 
     # ---- new connections: no thread until the hello checks out -----------------------------------

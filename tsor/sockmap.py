@@ -45,9 +45,10 @@ socket gets the same EAGAIN (where TCP would restart the read or say EINTR): the
 fixed here.
 
 IPv4 only: an AF_INET6 socket is carried when both its addresses are IPv4-mapped (a dual-stack
-listener's connection from an IPv4 client); IPv6 connections take the stack. Connections to a
-Service ClusterIP are rewritten by the node's NAT, not in the socket, so their ends' keys do not
-pair up: they take the stack.
+listener's connection from an IPv4 client); IPv6 connections take the stack. A quark pod's
+connection to a Service ClusterIP is rewritten to one of its endpoints at connect() (tsor/service_lb.py),
+so its ends are the two pods' own addresses and pair up here like any other; a Service the node's
+NAT rewrites instead (those service_lb.py leaves alone) takes the stack: its ends' keys do not pair.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 from qlib import bpf, libbpf
 from tsor import kernel_sockets
@@ -84,8 +86,9 @@ class Registrar:
     """Keeps the programs' address map equal to what tsord asks for: the addresses of the quark
     sandboxes registered with it (their hellos), each with its namespace's cookie."""
 
-    def __init__(self, path: SockmapPath) -> None:
+    def __init__(self, path: SockmapPath, namespaces: Callable[[set[int]], None] | None = None) -> None:
         self.path = path
+        self.namespaces = namespaces   # told the cookies of the namespaces registered (tsor/service_lb.py)
         self._lock = threading.Lock()
         self._cookies: dict[int, int] = {}     # netns inode -> cookie
         self._set: dict[str, int] = {}         # address -> cookie, as the map holds them
@@ -113,6 +116,8 @@ class Registrar:
                     self.path.register(ip, cookie)
                     self._set[ip] = cookie
             self._cookies = cookies
+            if self.namespaces is not None:
+                self.namespaces(set(wanted.values()))
 
 
 class SockmapPath:
@@ -311,8 +316,10 @@ def retire(cgroup_root: str) -> str | None:
 
 
 def remove_attached(cgroup_root: str) -> int:
-    """Detach every program of quark's from the root (tests' clean-up; an operator turning the
-    sockmap path off for good): how many."""
+    """Detach every program of quark's from the root, the Service programs that go with this path
+    (tsor/service_lb.py) included (tests' clean-up; an operator turning the sockmap path off for
+    good): how many."""
+    from tsor import service_lb
     root_fd = os.open(cgroup_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         found = _attached(root_fd)
@@ -321,6 +328,6 @@ def remove_attached(cgroup_root: str) -> int:
                 bpf.detach(root_fd, fd, CGROUP_SOCK_OPS)
             finally:
                 os.close(fd)
-        return len(found)
     finally:
         os.close(root_fd)
+    return len(found) + service_lb.remove_attached(cgroup_root)

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -17,7 +18,7 @@ import pytest
 
 from qlib import procfs
 from tests.support import testbed
-from tsor import kernel_sockets, sockmap
+from tsor import kernel_sockets, service_lb, sockmap
 from tsor.sockopt_offload import cgroup2_root
 
 pytestmark = [
@@ -341,6 +342,164 @@ def test_a_socketpair_tsord_retires_the_programs_once_no_connection_needs_them(p
     assert sockmap.attached_names(root) == set()
 
 
+# ---- Services chosen at connect() (tsor/service_lb.py) -------------------------------------------------
+VIP = "10.224.250.10"   # a ClusterIP of the bed's own range; pod one holds it on its lo (below)
+
+
+@pytest.fixture
+def lb(pods):
+    """A tsord's ServiceLB with both pods' namespaces registered; pod one holds the ClusterIP on its
+    loopback with a listener of its own there, so that a connect the programs leave alone reaches
+    pod one itself (and nothing leaves the bed)."""
+    _, one, two = pods
+    testbed.sh("ip", "addr", "add", f"{VIP}/32", "dev", "lo", netns=one.netns)
+    balancer = service_lb.ServiceLB.open(cgroup2_root())
+    balancer.set_namespaces({_cookie(one), _cookie(two)})
+    try:
+        yield balancer
+    finally:
+        balancer.remove()
+        testbed.sh("ip", "addr", "del", f"{VIP}/32", "dev", "lo", netns=one.netns)
+
+
+def _listen(pod: testbed.Pod, ip: str, port: int) -> socket.socket:
+    ls = _socket_in(pod)
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind((ip, port))
+    ls.listen(64)
+    return ls
+
+
+def _dial(pod: testbed.Pod, ip: str, port: int) -> socket.socket:
+    c = _socket_in(pod)
+    c.settimeout(10)
+    c.connect((ip, port))
+    return c
+
+
+def test_a_clusterip_is_balanced_at_connect_and_the_connection_carried(pods, path, lb):
+    """A registered pod's connect() to a Service ClusterIP:port reaches an endpoint, chosen at random
+    among the ready ones; the application sees the ClusterIP as its peer (getpeername), the server
+    the client's own address (as after kube-proxy's DNAT); the connection is the two pods' own, so
+    the sockmap path carries it (its payload skips the veths)."""
+    _, one, two = pods
+    for pod in (one, two):
+        path.register(pod.ip, _cookie(pod))
+    local, eps = _listen(one, VIP, 80), [_listen(two, two.ip, port) for port in (8080, 8081)]
+    try:
+        assert lb.sync({(VIP, 80): [(two.ip, 8080), (two.ip, 8081)]}) == 1
+        assert lb.services() == {(VIP, 80): [(two.ip, 8080), (two.ip, 8081)]}
+        c = _dial(one, VIP, 80)
+        try:
+            assert c.getpeername() == (VIP, 80)
+            server, peer = _ready(eps).accept()
+            assert peer == c.getsockname() and peer[0] == one.ip
+            assert server.getsockname()[0] == two.ip
+            assert path.holds(c.getsockname(), server.getsockname(), _so_cookie(c))   # in the sockhash
+            data = _pattern(4 * MIB)
+            before = _tx_bytes(one)
+            assert _send_recv(c, server, data) == data and _send_recv(server, c, data[::-1]) == data[::-1]
+            assert _tx_bytes(one) - before < 64 * 1024, "the payload crossed the client pod's veth"
+            server.close()
+        finally:
+            c.close()
+        # random among the endpoints: 40 connects reach both (all one: 2 ** -39)
+        reached = set()
+        for _ in range(40):
+            with _dial(one, VIP, 80):
+                conn, _ = _ready(eps).accept()
+                reached.add(conn.getsockname()[1])
+                conn.close()
+        assert reached == {8080, 8081}
+        assert not _readable(local, 0.2)   # nothing went to the ClusterIP itself
+    finally:
+        for ls in (local, *eps):
+            ls.close()
+
+
+def test_a_service_with_no_ready_endpoint_refuses_and_others_are_left_alone(pods, lb):
+    """No ready endpoint: ECONNREFUSED, as kube-proxy's REJECT answers. Left to the node as they
+    are: another port of the ClusterIP, a namespace tsord did not register, a Service taken out
+    of the maps, and every socket once the programs are removed."""
+    _, one, two = pods
+    local, other = _listen(one, VIP, 80), _listen(one, VIP, 81)
+    ep = _listen(two, two.ip, 8080)
+    try:
+        lb.sync({(VIP, 80): []})
+        with pytest.raises(ConnectionRefusedError):
+            _dial(one, VIP, 80)
+        with _dial(one, VIP, 81) as c:         # not a Service port: its own address
+            assert c.getpeername() == (VIP, 81) and _readable(other)
+            other.accept()[0].close()
+        lb.sync({(VIP, 80): [(two.ip, 8080)]})
+        lb.set_namespaces({_cookie(two)})      # pod one's sockets are not a quark pod's now
+        with _dial(one, VIP, 80) as c:
+            assert _readable(local) and not _readable(ep, 0.2)
+            local.accept()[0].close()
+        lb.set_namespaces({_cookie(one), _cookie(two)})
+        with _dial(one, VIP, 80) as c:
+            assert _readable(ep) and c.getpeername() == (VIP, 80)
+            ep.accept()[0].close()
+        assert lb.sync({}) == 1 and lb.services() == {}
+        with _dial(one, VIP, 80) as c:
+            assert _readable(local)
+            local.accept()[0].close()
+    finally:
+        for ls in (local, other, ep):
+            ls.close()
+
+
+def test_the_next_tsord_takes_the_programs_and_their_services_over(pods):
+    """tsord exits: the programs stay attached and go on balancing by the last state; the next one
+    finds them by name (no second copy attached), reads back what the maps hold and changes only
+    what differs."""
+    _, one, two = pods
+    root = cgroup2_root()
+    testbed.sh("ip", "addr", "add", f"{VIP}/32", "dev", "lo", netns=one.netns)
+    ep = _listen(two, two.ip, 8080)
+    second = None
+    try:
+        first = service_lb.ServiceLB.open(root)
+        first.set_namespaces({_cookie(one)})
+        first.sync({(VIP, 80): [(two.ip, 8080)], ("10.224.250.11", 443): []})
+        first.close()                                   # tsord exits
+        with _dial(one, VIP, 80) as c:
+            assert _readable(ep) and c.getpeername() == (VIP, 80)
+            ep.accept()[0].close()
+        second = service_lb.ServiceLB.open(root)        # the next tsord
+        assert service_lb.attached_names(root) == {service_lb.CONNECT_NAME, service_lb.PEER_NAME}
+        assert second.services() == {(VIP, 80): [(two.ip, 8080)], ("10.224.250.11", 443): []}
+        assert second.sync({(VIP, 80): [(two.ip, 8080)]}) == 1   # only the Service that went
+        with _dial(one, VIP, 80) as c:
+            assert _readable(ep)
+            ep.accept()[0].close()
+    finally:
+        ep.close()
+        if second is not None:
+            second.remove()
+        else:
+            service_lb.remove_attached(root)
+        testbed.sh("ip", "addr", "del", f"{VIP}/32", "dev", "lo", netns=one.netns)
+    assert service_lb.remove_attached(root) == 0
+
+
+def _readable(ls: socket.socket, timeout: float = 2.0) -> bool:
+    """Has the listener a connection waiting (within `timeout`)?"""
+    import select
+    return bool(select.select([ls], [], [], timeout)[0])
+
+
+def _ready(listeners: list[socket.socket]) -> socket.socket:
+    import select
+    ready = select.select(listeners, [], [], 5)[0]
+    assert ready, "no endpoint got the connection"
+    return ready[0]
+
+
+def _so_cookie(s: socket.socket) -> int:
+    return struct.unpack("Q", s.getsockopt(socket.SOL_SOCKET, sockmap.SO_COOKIE, 8))[0]
+
+
 # ---- quark containers with tsord's local_path: sockmap ----------------------------------------------
 ECHO_SERVER = r"""
 import os, socket, sys, threading
@@ -534,3 +693,100 @@ def test_a_blocking_read_after_half_close_gets_the_reply_then_eof(sockmap_bed):
             bed.stop("quark", "hcc")
     finally:
         bed.stop("quark", "hcs")
+
+
+# ---- a Service ClusterIP from the API, dialled by a quark pod, on the sockmap path ------------------
+REFUSED_CLIENT = r"""
+import errno, socket, sys
+try:
+    socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=10)
+    said = "connected"
+except OSError as e:
+    said = errno.errorcode.get(e.errno, str(e))
+open(f"/out/{sys.argv[1]}-said", "w").write(said)
+"""
+
+
+@pytest.fixture(scope="module")
+def service_bed(pods):
+    """A node whose tsord runs local_path: sockmap with its routes, Services included, from the API
+    stand-in (served in the node's namespace), and an echo server in a quark container."""
+    from tests.integration.test_tsor import needs_tsor_in_qkernel
+    from tests.support import fake_kube_api as k8s
+    needs_tsor_in_qkernel()
+    bed = testbed.Testbed(prefix="qsv", octet=226)
+    api = None
+    try:
+        node = bed.node("a")
+        listener = kernel_sockets.socket_at(f"/var/run/netns/{node.netns}")
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        api = k8s.FakeKubeAPI(listener)
+        api.put("nodes", k8s.node("a", "10.226.0.1", [node.subnet]))
+        node.start_tsord(local_path="sockmap", kubeconfig=k8s.write_kubeconfig(
+            os.path.join(bed.dir, "kc-a"), f"http://127.0.0.1:{api.port}"))
+        testbed.wait_file(node.metrics)
+        srv = node.pod("srv")
+        api.put("pods", k8s.pod("srv", [srv.ip], "a"))
+        bed.start("quark", "srv", bed.bundle("srv", ["python3", "-c", ECHO_SERVER, "srv", srv.ip, "7200"], srv))
+        testbed.wait_file(bed.out("srv-ready"))
+        bed.node_a, bed.srv, bed.api, bed.k8s = node, srv, api, k8s
+        yield bed
+    finally:
+        if api is not None:
+            api.stop()
+        bed.close()
+        sockmap.remove_attached(cgroup2_root())   # (the Service programs too)
+
+
+def test_a_quark_pod_dials_a_service_with_no_trapped_call_and_its_connection_is_carried(service_bed):
+    """The route source's Service reaches the programs' maps; the client dials its ClusterIP with its
+    supervisor stopped (no call of its is trapped), reaches the server pod, sees the ClusterIP as
+    its peer, and the connection is spliced socket to socket (the payload skips the veth)."""
+    bed, node, api, k8s = service_bed, service_bed.node_a, service_bed.api, service_bed.k8s
+    vip = "10.226.250.10"
+    api.put("services", k8s.service("echo", vip, [("echo", 80, 7200)]))
+    api.put("endpointslices", k8s.endpoint_slice("echo-1", "echo", [(bed.srv.ip, True, "a")], [("echo", 7200)]))
+    assert testbed.wait_metric(node, "tsor_service_ports", 1) == 1, node.log()
+    pod = node.pod("cli")
+    api.put("pods", k8s.pod("cli", [pod.ip], "a"))
+    bed.start("quark", "cli", bed.bundle("cli", ["python3", "-c", ECHO_CLIENT, "cli", vip, "80"], pod))
+    assert testbed.wait_metric(node, "tsor_sandboxes", 2) >= 2, node.log()
+    sup = procfs.parent_pid(json.loads(bed.quark("state", "cli").stdout)["pid"])
+    before = _tx_bytes(pod)
+    os.kill(sup, signal.SIGSTOP)
+    try:
+        open(bed.out("cli-go"), "w").close()
+        deadline = time.monotonic() + 20
+        while not os.path.exists(bed.out("cli-result")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(bed.out("cli-result")), "the client waited: a socket call was trapped"
+    finally:
+        os.kill(sup, signal.SIGCONT)
+    with open(bed.out("cli-result")) as f:
+        res = json.load(f)
+    assert res["intact"] and res["peer"] == [vip, 80]
+    assert testbed.metric(node, "tsor_sockmap_ends") == 2, node.log()
+    assert _tx_bytes(pod) - before < 256 * 1024, "the payload crossed the client pod's veth"
+    open(bed.out("cli-close"), "w").close()
+    bed.stop("quark", "cli")
+
+
+def test_a_service_whose_endpoints_are_not_ready_refuses_a_quark_pods_connect(service_bed):
+    bed, node, api, k8s = service_bed, service_bed.node_a, service_bed.api, service_bed.k8s
+    vip = "10.226.250.11"
+    api.put("services", k8s.service("idle", vip, [(None, 80, 7200)]))
+    api.put("endpointslices", k8s.endpoint_slice("idle-1", "idle", [(bed.srv.ip, False, "a")], [(None, 7200)]))
+    assert testbed.wait_metric(node, "tsor_service_ports", 2) == 2, node.log()
+    pod = node.pod("cli2")
+    r = bed.run("quark", "cli2", bed.bundle("cli2", ["python3", "-c", REFUSED_CLIENT, "cli2", vip, "80"], pod))
+    assert r.returncode == 0, r.stderr
+    with open(bed.out("cli2-said")) as f:
+        assert f.read() == "ECONNREFUSED"
+    # ready now: the same connect goes through
+    api.put("endpointslices", k8s.endpoint_slice("idle-1", "idle", [(bed.srv.ip, True, "a")], [(None, 7200)]))
+    assert testbed.wait_metric(node, "tsor_service_endpoints", 2) == 2, node.log()
+    r = bed.run("quark", "cli3", bed.bundle("cli3", ["python3", "-c", REFUSED_CLIENT, "cli3", vip, "80"], pod))
+    assert r.returncode == 0, r.stderr
+    with open(bed.out("cli3-said")) as f:
+        assert f.read() == "connected"
