@@ -547,6 +547,23 @@ c.close()
 """
 
 
+def _untrapped_echo(bed: testbed.Testbed, tag: str) -> dict:
+    """ECHO_CLIENT `tag` told to go while its supervisor is stopped: its result, which it can only
+    reach if none of its calls is trapped (a trapped call would wait for that supervisor)."""
+    sup = procfs.parent_pid(json.loads(bed.quark("state", tag).stdout)["pid"])
+    os.kill(sup, signal.SIGSTOP)
+    try:
+        open(bed.out(f"{tag}-go"), "w").close()
+        deadline = time.monotonic() + 20
+        while not os.path.exists(bed.out(f"{tag}-result")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(bed.out(f"{tag}-result")), "the client waited: a socket call was trapped"
+    finally:
+        os.kill(sup, signal.SIGCONT)
+    with open(bed.out(f"{tag}-result")) as f:
+        return json.load(f)
+
+
 @pytest.fixture(scope="module")
 def sockmap_bed(pods):
     """A node whose tsord runs local_path: sockmap, an echo server in a quark container."""
@@ -575,19 +592,8 @@ def test_quark_pods_talk_through_the_kernel_with_no_trapped_call(sockmap_bed):
     pod = node.pod("cli")
     bed.start("quark", "cli", bed.bundle("cli", ["python3", "-c", ECHO_CLIENT, "cli", bed.srv.ip, "7200"], pod))
     assert testbed.wait_metric(node, "tsor_sandboxes", 2) >= 2, node.log()   # both registered: in the map
-    sup = procfs.parent_pid(json.loads(bed.quark("state", "cli").stdout)["pid"])
     before = _tx_bytes(pod)
-    os.kill(sup, signal.SIGSTOP)
-    try:
-        open(bed.out("cli-go"), "w").close()
-        deadline = time.monotonic() + 20
-        while not os.path.exists(bed.out("cli-result")) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert os.path.exists(bed.out("cli-result")), "the client waited: a socket call was trapped"
-    finally:
-        os.kill(sup, signal.SIGCONT)
-    with open(bed.out("cli-result")) as f:
-        res = json.load(f)
+    res = _untrapped_echo(bed, "cli")
     assert res["intact"]
     assert res["peer"] == [bed.srv.ip, 7200]
     assert (res["cork"], res["state"]) == (1, 1)       # TCP_CORK read back; TCP_ESTABLISHED
@@ -752,19 +758,8 @@ def test_a_quark_pod_dials_a_service_with_no_trapped_call_and_its_connection_is_
     api.put("pods", k8s.pod("cli", [pod.ip], "a"))
     bed.start("quark", "cli", bed.bundle("cli", ["python3", "-c", ECHO_CLIENT, "cli", vip, "80"], pod))
     assert testbed.wait_metric(node, "tsor_sandboxes", 2) >= 2, node.log()
-    sup = procfs.parent_pid(json.loads(bed.quark("state", "cli").stdout)["pid"])
     before = _tx_bytes(pod)
-    os.kill(sup, signal.SIGSTOP)
-    try:
-        open(bed.out("cli-go"), "w").close()
-        deadline = time.monotonic() + 20
-        while not os.path.exists(bed.out("cli-result")) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert os.path.exists(bed.out("cli-result")), "the client waited: a socket call was trapped"
-    finally:
-        os.kill(sup, signal.SIGCONT)
-    with open(bed.out("cli-result")) as f:
-        res = json.load(f)
+    res = _untrapped_echo(bed, "cli")
     assert res["intact"] and res["peer"] == [vip, 80]
     assert testbed.metric(node, "tsor_sockmap_ends") == 2, node.log()
     assert _tx_bytes(pod) - before < 256 * 1024, "the payload crossed the client pod's veth"
