@@ -24,6 +24,9 @@ service   — set-up through a Service ClusterIP on one node (and straight to it
             quark (tsord's routes from an API stand-in; with --sockmap also the sockmap path, whose
             kernel picks the endpoint at connect(): tsor/service_lb.py) vs runc + bridge with the
             ClusterIP DNATed by an iptables rule as kube-proxy writes it.
+native    — the same two nodes, the client's with tsord's sockmap path (its programs see every connect
+            and carry none to another node), the server a runc container: what a connection the
+            kernel-chosen path leaves alone costs, against plain TCP.
 fallback  — the same two nodes with tsords that carry nothing between them (no cluster secret):
             what a quark connection that TSoR does not carry (another node without a path, a runc
             pod, anything outside the cluster) costs over plain TCP — the trap and tsord's answer.
@@ -63,11 +66,13 @@ GOALS = {"iperf3_gbps": (">=", 2.0), "rtt_p50_us": ("<=", 0.75), "redis_c50_rps"
          # issue 17, against the tcp path: the pump must not be the bottleneck; set-up over the built QP
          "rdma_iperf3_gbps": (">=", 0.5), "rdma_setup_p50_us": ("<=", 1.0),
          # issue 45: set-up through a Service ClusterIP on the kernel-chosen path, against runc + kube-proxy's NAT
-         "sockmap_setup_svc_p50_us": ("<=", 0.9), "sockmap_setup_svc_p99_us": ("<=", 0.9)}
+         "sockmap_setup_svc_p50_us": ("<=", 0.9), "sockmap_setup_svc_p99_us": ("<=", 0.9),
+         # issue 45: a connection TSoR does not carry costs what the kernel's does
+         "native_setup_p50_us": ("<=", 1.05)}
 NGINX_NO_CORK = False   # --nginx-no-cork
 TWO_NODE_REDIS_REQUESTS = 100000   # --redis-requests
 PARTS = ("iperf3", "rtt", "rtt_sendmsg", "pinned", "redis", "setup", "nginx", "service", "two_nodes", "rdma",
-         "fallback")
+         "fallback", "native")
 # (section, key, label, unit, higher is better): the rows of the report and the bars of the chart, in order
 METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
            ("one_node", "rtt_p50_us", "64 B RTT p50", "us", False),
@@ -99,6 +104,10 @@ METRICS = [("one_node", "iperf3_gbps", "iperf3", "Gb/s", True),
            ("pump", "rdma_cpu_s_per_gb", "compiled vs python: CPU per GB", "s/GB", False),
            ("pump", "rdma_tsord_cpu_s_per_gb", "compiled vs python: tsord CPU per GB", "s/GB", False),
            ("fallback", "fallback_setup_p50_us", "2 nodes, fallback: set-up p50", "us", False),
+           ("native", "native_setup_p50_us", "2 nodes, sockmap node, not carried: set-up p50", "us", False),
+           ("native", "native_setup_p99_us", "2 nodes, sockmap node, not carried: set-up p99", "us", False),
+           ("native", "native_iperf3_gbps", "2 nodes, sockmap node, not carried: iperf3", "Gb/s", True),
+           ("native", "native_rtt_p50_us", "2 nodes, sockmap node, not carried: 64 B RTT p50", "us", False),
            ("service", "setup_svc_p50_us", "set-up p50 via a ClusterIP", "us", False),
            ("service", "setup_svc_p99_us", "set-up p99 via a ClusterIP", "us", False),
            ("service_sockmap", "setup_svc_p50_us", "sockmap: set-up p50 via a ClusterIP", "us", False),
@@ -109,6 +118,7 @@ SIDES = {"one_node": ("one_node", "quark_tsor_local", "runc_bridge"),
          "rdma": ("two_nodes", "quark_tsor_rdma", "quark_tsor_tcp"),
          "pump": ("two_nodes", "quark_tsor_rdma", "quark_tsor_rdma_python"),
          "fallback": ("two_nodes", "quark_tsor_fallback", "runc_plain_tcp"),
+         "native": ("two_nodes", "quark_sockmap_native", "runc_plain_tcp"),
          "service": ("service", "quark_tsor_local", "runc_bridge_dnat"),
          "service_sockmap": ("service", "quark_tsor_sockmap", "runc_bridge_dnat")}
 # two-node configurations: runtime and tsord's node-to-node transport (None: tsord's default, auto -> tcp)
@@ -117,7 +127,8 @@ SIDES = {"one_node": ("one_node", "quark_tsor_local", "runc_bridge"),
 # (and the rdma pump: None, tsord's default, compiled)
 TWO_NODE_CONFIGS = {"quark_tsor_tcp": ("quark", None), "quark_tsor_rdma": ("quark", "softverbs"),
                     "quark_tsor_rdma_python": ("quark", "rdma", "python"),
-                    "quark_tsor_fallback": ("quark", "none"), "runc_plain_tcp": ("runc", None)}
+                    "quark_tsor_fallback": ("quark", "none"), "quark_sockmap_native": ("quark", "sockmap"),
+                    "runc_plain_tcp": ("runc", None)}
 WRK = "wrk -t1 -c16 -d10s"
 
 
@@ -349,25 +360,31 @@ def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None, pum
     """iperf3, 64 B RTT and set-up from a pod on node a to a pod on node b. The keys are the
     two-node section's (two_node_*); the rdma configuration's are renamed rdma_* by its caller."""
     bed = Testbed(prefix=f"qc{tag}", octet=216)
+    # "sockmap": the client's node runs tsord's sockmap path, whose programs see every connect and
+    # carry none to another node; the server is a runc container (a peer TSoR does not carry)
+    srv_runtime = "runc" if transport == "sockmap" else runtime
     try:
         a, b = bed.node("a"), bed.node("b")
         bed.link(a, b)
         tsor = runtime == "quark"
-        if tsor:
+        if transport == "sockmap":
+            a.start_tsord(debug=False, local_path="sockmap", peers=False)
+        elif tsor:
             peers = transport != "none"
             rdma = {"pump": pump} if pump else None
             a.start_tsord(debug=False, transport=transport if peers else None, peers=peers, rdma=rdma)
             b.start_tsord(debug=False, transport=transport if peers else None, peers=peers, rdma=rdma)
         srv, cli = b.pod("srv"), a.pod("cli")
-        bed.start(runtime, "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], srv, tsor=tsor))
-        bed.start(runtime, "pp-s", bed.bundle("pp-s", [pp, "server", "7001"], srv, tsor=tsor))
-        bed.start(runtime, "redis", bed.bundle("redis", ["redis-server", "--port", "6379", "--save", "",
-                                                         "--appendonly", "no", "--protected-mode", "no"],
-                                               srv, tsor=tsor))
+        on_srv = srv_runtime == "quark"
+        bed.start(srv_runtime, "iperf-s", bed.bundle("iperf-s", ["iperf3", "-s", "-p", "5201"], srv, tsor=on_srv))
+        bed.start(srv_runtime, "pp-s", bed.bundle("pp-s", [pp, "server", "7001"], srv, tsor=on_srv))
+        bed.start(srv_runtime, "redis", bed.bundle("redis", ["redis-server", "--port", "6379", "--save", "",
+                                                             "--appendonly", "no", "--protected-mode", "no"],
+                                                   srv, tsor=on_srv))
         for port in (5201, 7001, 6379):
             wait_port(bed, srv, port)
         res = {}
-        tsords = [a.tsord.pid, b.tsord.pid] if tsor else []
+        tsords = [n.tsord.pid for n in (a, b) if n.tsord is not None]
         cpu0 = cpu_seconds(tsords)
         # /proc/stat read in the pod just before and after the stream: the machine's busy time
         # while it ran, not the container's start and stop
@@ -398,9 +415,9 @@ def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None, pum
                             if "connections" in k or "setup_seconds" in k}
             # the client tsord's own share of a set-up (its connect, the peer tsord's and the
             # listening sandbox's answer included; the two supervisors' trap work not)
-            path = {"softverbs": "rdma", "rdma": "rdma", "none": "fallback"}.get(transport, "tcp")
+            path = {"softverbs": "rdma", "rdma": "rdma", "none": "fallback", "sockmap": "native"}.get(transport, "tcp")
             n = res["tsord"].get(f'tsor_connections_total{{path="{path}"}}', 0)
-            if n and path != "fallback":   # (fallback connects answered from a supervisor's cache never ask)
+            if n and path in ("tcp", "rdma"):   # (fallback connects answered from a supervisor's cache never ask)
                 res["two_node_tsord_setup_us"] = res["tsord"][f'tsor_setup_seconds_total{{path="{path}"}}'] / n * 1e6
             if path == "rdma":
                 res = {k.replace("two_node_", "rdma_"): v for k, v in res.items()}
@@ -409,9 +426,15 @@ def two_nodes(runtime: str, pp: str, tag: str, transport: str | None = None, pum
                                        f"{res['tsord']}")
             elif transport == "none":
                 res = {k.replace("two_node_", "fallback_"): v for k, v in res.items()}
+            elif transport == "sockmap":
+                res = {k.replace("two_node_", "native_"): v for k, v in res.items()}
         return res
     finally:
         bed.close()
+        if transport == "sockmap":   # tsord leaves its programs attached
+            from tsor import sockmap
+            from tsor.sockopt_offload import cgroup2_root
+            sockmap.remove_attached(cgroup2_root())
 
 
 def two_node_runs(configs: list[str], pp: str, runs: int) -> dict:
@@ -435,7 +458,8 @@ def rows(results: dict) -> list[dict]:
         if mine not in data or ref not in data:
             continue
         # the reference's name (the pump rows compare two rdma configurations: the same)
-        ref_key = key if section == "pump" else key.replace("rdma_", "two_node_").replace("fallback_", "two_node_")
+        ref_key = key if section == "pump" else \
+            key.replace("rdma_", "two_node_").replace("fallback_", "two_node_").replace("native_", "two_node_")
         q, r = data[mine].get(key), data[ref].get(ref_key)
         if q is None or r is None:
             continue
@@ -552,7 +576,7 @@ def main() -> int:
     pp = os.path.join(REPO, "bench", ".pingpong")
     subprocess.run(["gcc", "-O2", "-o", pp, os.path.join(REPO, "bench/pingpong.c"), "-lpthread"], check=True)
     pp_in = "/repo/bench/.pingpong"
-    one = parts - {"two_nodes", "rdma", "fallback", "service"}
+    one = parts - {"two_nodes", "rdma", "fallback", "service", "native"}
     cgroups_before = quark_cgroup_dirs()
     machine = {"kernel": platform.release(), "cpus": os.cpu_count()}
     results: dict = {"machine": machine, "parts": sorted(parts), "runs": args.runs, "rdma_provider": args.rdma_provider,
@@ -572,11 +596,12 @@ def main() -> int:
             if args.sockmap:
                 results["service"]["quark_tsor_sockmap"] = merge([service_setup("quark", pp_in, "m", "sockmap")
                                                                   for _ in range(args.runs)])
-        if parts & {"two_nodes", "rdma", "fallback"}:   # the rdma rows need the tcp path beside them
+        if parts & {"two_nodes", "rdma", "fallback", "native"}:   # the rdma rows need the tcp path beside them
             configs = [*(["quark_tsor_tcp"] if parts & {"two_nodes", "rdma"} else []),
                        *(["quark_tsor_rdma"] if "rdma" in parts else []),
                        *(["quark_tsor_rdma_python"] if "rdma" in parts and args.rdma_provider == "pyverbs" else []),
-                       *(["quark_tsor_fallback"] if "fallback" in parts else []), "runc_plain_tcp"]
+                       *(["quark_tsor_fallback"] if "fallback" in parts else []),
+                       *(["quark_sockmap_native"] if "native" in parts else []), "runc_plain_tcp"]
             results["two_nodes"] = two_node_runs(configs, pp_in, args.runs)
     finally:
         remove_empty_since(cgroups_before)

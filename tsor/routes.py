@@ -48,6 +48,9 @@ class Pod:
     ips: tuple[str, ...]
     labels: Mapping[str, str] = field(default_factory=dict)
     ports: Mapping[str, int] = field(default_factory=dict)   # its containers' named TCP ports (policies name them)
+    # the API object's resourceVersion it was made from (a relist reuses the entry of an object
+    # listed at the same version: tsor/routes_k8s.py); None where it was not made from one
+    version: object = None
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,10 @@ class RouteTable:
                 self._slices[key] = {**self._slices.get(key, {}), name: sl}
                 self._slice_owner[(namespace, name)] = key
         self.changed()
+
+    def pod(self, key: tuple[str, str]) -> Pod | None:
+        """The quark pod (namespace, name), None if the table has none of that name."""
+        return self._pod_keys.get(key)
 
     def service(self, ip: str, port: int) -> ServicePort | None:
         """The Service port at ClusterIP `ip`:`port`, None if that is not one."""

@@ -86,8 +86,11 @@ class Kind:
 
     def __init__(self, name: str, convert: Callable[[dict], Any],
                  sync: Callable[[dict[Key, Any]], None], apply: Callable[[Key, Any], None],
-                 path: str | None = None, fields: str | None = None) -> None:
+                 path: str | None = None, fields: str | None = None,
+                 unchanged: Callable[[Key, dict], Any] | None = None) -> None:
         self.name, self.convert, self.sync, self.apply = name, convert, sync, apply
+        # a relist's shortcut: the table's entry of an object listed again unchanged, or None
+        self.unchanged = unchanged
         self.path = path or next(collection_path(g, r) for g, r in WATCHED if r == name)
         self.decoder = Decoder(fields or name)
         self.retired = threading.Event()   # a policy kind discovery no longer finds: its thread ends
@@ -161,7 +164,26 @@ def pod_entry(obj: dict, runtime_class: str) -> Pod | None:
     ports = {p["name"]: p["containerPort"] for c in spec.get("containers") or () for p in c.get("ports") or ()
              if p.get("name") and isinstance(p.get("containerPort"), int) and (p.get("protocol") or "TCP") == "TCP"}
     return Pod(_intern(meta.get("namespace", "")), meta.get("name", ""), _intern(spec["nodeName"]), tuple(valid),
-               _labels(meta.get("labels") or {}), ports)
+               _labels(meta.get("labels") or {}), ports, _version(meta))
+
+
+def _version(meta: dict) -> object:
+    """An object's resourceVersion, kept beside its entry: an int where it is one (etcd's are: less
+    memory than their text, and equal exactly when the text is), else the text. Only compared for
+    equality, as the API says to treat it."""
+    rv = meta.get("resourceVersion")
+    if type(rv) is str and rv.isdigit() and (len(rv) == 1 or rv[0] != "0"):
+        return int(rv)
+    return rv
+
+
+def _unchanged_pod(table: RouteTable, key: Key, obj: dict) -> Pod | None:
+    """The table's entry of a pod listed again at the version it was made from (a relist after a
+    410: most pods have not changed), else None (convert it)."""
+    pod = table.pod(key)
+    if pod is None or pod.version is None:
+        return None
+    return pod if _version(obj.get("metadata") or {}) == pod.version else None
 
 
 _LABEL_SETS: dict[tuple, dict] = {}
@@ -360,7 +382,8 @@ class KubernetesSource:
                  lambda m: table.sync(nodes=[n for n in m.values() if n is not None]),
                  lambda k, n: table.set_node(k[1], n)),
             Kind("pods", lambda o: pod_entry(o, rc),
-                 lambda m: table.sync(pods=[p for p in m.values() if p is not None]), table.set_pod),
+                 lambda m: table.sync(pods=[p for p in m.values() if p is not None]), table.set_pod,
+                 unchanged=lambda key, o: _unchanged_pod(table, key, o)),
             Kind("services", service_entry,
                  lambda m: table.sync(services={k: v for k, v in m.items() if v is not None}), table.set_service),
             Kind("endpointslices", slice_entry,
@@ -457,10 +480,14 @@ class KubernetesSource:
     def _list_pages(self, kind: Kind) -> None:
         entries: dict[Key, Any] = {}
         rv = None
+        # a relist (after a 410): the table holds the entries of the last list and its events
+        unchanged = kind.unchanged if kind.synced.is_set() else None
         for data in self._pages(kind):
             page = kind.decoder.page(data)
             for obj in page.get("items") or ():
-                entries[_key(obj)] = kind.entry(obj)
+                key = _key(obj)
+                entry = unchanged(key, obj) if unchanged is not None else None
+                entries[key] = entry if entry is not None else kind.entry(obj)
             rv = (page.get("metadata") or {}).get("resourceVersion") or rv
         if kind.retired.is_set():
             return

@@ -158,6 +158,25 @@ def test_410_gone_relists_and_the_table_converges(api, source):
     eventually(lambda: table.lookup("10.2.0.5") is not None)
 
 
+def test_a_relist_keeps_the_entries_of_pods_listed_at_the_same_version(api, source):
+    """After a 410 most pods have not changed: their entries are kept (not made again), and a pod
+    changed meanwhile (a new resourceVersion, a new address) is made from its new object."""
+    for i in range(3):
+        api.put("pods", k8s.pod(f"p{i}", [f"10.2.0.{i + 1}"], "node-b"))
+    _, table = source()
+    same, changed = table.pods["10.2.0.1"], table.pods["10.2.0.2"]
+    assert same.version is not None and type(same.version) is int   # etcd's versions: digits
+    api.put_quietly("pods", k8s.pod("p1", ["10.2.0.9"], "node-b"))   # a change the watch never hears of
+    api.expire_watches()
+    eventually(lambda: "10.2.0.9" in table.pods, what="the relist")
+    assert table.pods["10.2.0.1"] is same                             # kept: listed at the same version
+    assert "10.2.0.2" not in table.pods and table.pods["10.2.0.9"] is not changed
+    assert table.pods["10.2.0.9"].version > changed.version
+    from tsor.routes_k8s import _version
+    assert _version({"resourceVersion": "007"}) == "007" and _version({"resourceVersion": "0"}) == 0
+    assert _version({"resourceVersion": "a1"}) == "a1" and _version({}) is None   # opaque: kept as text
+
+
 def test_a_dropped_watch_reconnects_with_backoff_and_resumes(api, source):
     src, table = source(backoff=(0.1, 0.4))
     api.put("pods", k8s.pod("a", ["10.2.0.1"], "node-b"))
