@@ -129,7 +129,7 @@ def prog_by_id(prog_id: int) -> int:
 
 def prog_info(prog_fd: int) -> tuple[str, list[int]]:
     """A loaded program's name and the ids of the maps it uses (struct bpf_prog_info)."""
-    map_ids = (ctypes.c_uint32 * 4)()
+    map_ids = (ctypes.c_uint32 * 16)()   # (quark's programs use at most 5)
     info = ctypes.create_string_buffer(256)
     struct.pack_into("<IQ", info, 52, len(map_ids), ctypes.addressof(map_ids))   # nr_map_ids @52, map_ids @56
     _bpf(OBJ_GET_INFO_BY_FD, _attr("<IIQ", prog_fd, len(info), ctypes.addressof(info)), "reading a program's info")

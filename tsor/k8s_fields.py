@@ -99,12 +99,21 @@ class ServicePortSpec(TypedDict, total=False):
     protocol: Any
 
 
+class ClientIPConfig(TypedDict, total=False):
+    timeoutSeconds: Any
+
+
+class SessionAffinityConfig(TypedDict, total=False):
+    clientIP: Optional[ClientIPConfig]
+
+
 class ServiceSpec(TypedDict, total=False):
     type: Any
     clusterIP: Any
     clusterIPs: Any
     ports: Optional[list[ServicePortSpec]]
     sessionAffinity: Any
+    sessionAffinityConfig: Optional[SessionAffinityConfig]
     internalTrafficPolicy: Any
 
 

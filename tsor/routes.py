@@ -61,6 +61,9 @@ class ServicePort:
     port_name: str              # "" for an unnamed port; matches the EndpointSlice port of that name
     client_affinity: bool = False   # sessionAffinity: ClientIP (kube-proxy remembers; tsord cannot)
     node_local: bool = False        # internalTrafficPolicy: Local (endpoints on this node only)
+    # sessionAffinityConfig.clientIP.timeoutSeconds: how long a client sticks to its endpoint
+    # since its last connect (the connect-time balancer remembers it: tsor/service_lb.py)
+    affinity_seconds: int = 10800
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,7 @@ def service_entry(obj: dict) -> dict[tuple[str, int], ServicePort] | None:
     if spec.get("type") == "ExternalName":
         return None
     ips = spec.get("clusterIPs") or ([spec["clusterIP"]] if spec.get("clusterIP") else [])
+    timeout = _affinity_seconds(spec)
     out = {}
     for ip in map(_ip, ips):
         if ip is None:   # "None" (headless) is not an address
@@ -220,8 +221,18 @@ def service_entry(obj: dict) -> dict[tuple[str, int], ServicePort] | None:
                 continue
             out[(ip, p["port"])] = ServicePort(meta.get("namespace", ""), meta.get("name", ""), p.get("name") or "",
                                                spec.get("sessionAffinity") == "ClientIP",
-                                               spec.get("internalTrafficPolicy") == "Local")
+                                               spec.get("internalTrafficPolicy") == "Local", timeout)
     return out or None
+
+
+AFFINITY_DEFAULT_S, AFFINITY_MAX_S = 10800, 86400   # the API's default and its validation's bound
+
+
+def _affinity_seconds(spec: dict) -> int:
+    """sessionAffinityConfig.clientIP.timeoutSeconds, the API's default where it is not set (or not
+    a number in its range, which the API server would have refused)."""
+    value = ((spec.get("sessionAffinityConfig") or {}).get("clientIP") or {}).get("timeoutSeconds")
+    return value if type(value) is int and 0 < value <= AFFINITY_MAX_S else AFFINITY_DEFAULT_S
 
 
 def slice_entry(obj: dict) -> EndpointSlice | None:

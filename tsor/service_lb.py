@@ -20,10 +20,12 @@ kept by tsor/sockmap.py's Registrar); every other socket of the node, runc pods'
 passes the programs untouched and meets kube-proxy as before.
 
 Which: IPv4 TCP Service ports (tsord's route table has them from the API server: tsor/routes.py),
-their ready endpoints of the IPv4 family (internalTrafficPolicy: Local: this node's only). Left to
-the node's NAT: Services with sessionAffinity: ClientIP (kube-proxy remembers the client; the
-programs would not), IPv6 ClusterIPs, UDP, and an AF_INET6 socket dialling an IPv4-mapped
-ClusterIP (the connect6 hook; not attached).
+their ready endpoints of the IPv4 family (internalTrafficPolicy: Local: this node's only). With
+sessionAffinity: ClientIP a pod gets the endpoint it had while it connects again within the
+Service's timeoutSeconds (and that endpoint is still there), as kube-proxy keeps a client address
+on one; the client here is the pod by its network namespace, which holds its address (an LRU map:
+past 65,536 pod-and-Service pairs the oldest forget). Left to the node's NAT: IPv6 ClusterIPs, UDP,
+and an AF_INET6 socket dialling an IPv4-mapped ClusterIP (the connect6 hook; not attached).
 
 tsord is the control plane: it fills the maps from its route table (a change is in the maps within
 `SETTLE` seconds) and is on no connection's path. The programs and maps stay attached when tsord
@@ -38,6 +40,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 from qlib import bpf, libbpf
 
@@ -45,11 +48,12 @@ log = logging.getLogger("tsor.service_lb")
 
 # The programs are tsor/bpf/service_lb.bpf.c, compiled by `make install`; their names there carry
 # the version (bump both when a program or a map's layout changes).
-VERSION = 1
+VERSION = 2          # 2: sessionAffinity: ClientIP (the services map's value holds its timeout)
 PREFIX = "quark_lb"
 CONNECT_NAME, PEER_NAME = f"{PREFIX}{VERSION}_conn", f"{PREFIX}{VERSION}_peer"
 NETNS_MAP, SERVICES_MAP, BACKENDS_MAP, ORIGS_MAP = "quark_lb_netns", "quark_lb_svcs", "quark_lb_backs", "quark_lb_origs"
-MAPS = (NETNS_MAP, SERVICES_MAP, BACKENDS_MAP, ORIGS_MAP)
+STICKY_MAP = "quark_lb_sticky"
+MAPS = (NETNS_MAP, SERVICES_MAP, BACKENDS_MAP, ORIGS_MAP, STICKY_MAP)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bpf", "service_lb.bpf.c")
 OBJECT = SOURCE[:-1] + "o"
 INET4_CONNECT, INET4_GETPEERNAME = 10, 29       # enum bpf_attach_type
@@ -58,6 +62,16 @@ MAX_ENDPOINTS = 65535                            # an index is 16 bits
 SETTLE = 0.05                                    # route changes gathered before the maps are written
 
 Endpoint = tuple[str, int]
+
+
+class Target(NamedTuple):
+    """What the programs hold of one Service port."""
+    endpoints: tuple[Endpoint, ...]
+    affinity_s: int = 0      # sessionAffinity: ClientIP's timeout (seconds); 0: none
+
+
+def _target(value: Target | list[Endpoint] | tuple[Endpoint, ...]) -> Target:
+    return value if isinstance(value, Target) else Target(tuple(value))
 
 
 def _service_key(ip: str, port: int) -> bytes:
@@ -76,15 +90,16 @@ def _parse_endpoint(raw: bytes) -> Endpoint:
     return socket.inet_ntoa(raw[:4]), struct.unpack("!H", raw[4:6])[0]
 
 
-def wanted(table, node: str) -> dict[Endpoint, list[Endpoint]]:
-    """ClusterIP:port -> its ready endpoints, for every Service port the programs balance (the
-    module's docstring says which), from tsord's route table (tsor/routes.py)."""
+def wanted(table, node: str) -> dict[Endpoint, Target]:
+    """ClusterIP:port -> its ready endpoints (and ClientIP affinity's timeout), for every Service
+    port the programs balance (the module's docstring says which), from tsord's route table
+    (tsor/routes.py)."""
     out = {}
     for (ip, port), sp in list(table.services.items()):
-        if ":" in ip or sp.client_affinity:
+        if ":" in ip:
             continue
         eps = sorted({ep for ep in table.endpoints(sp, socket.AF_INET, node) if ":" not in ep[0]})
-        out[(ip, port)] = eps[:MAX_ENDPOINTS]
+        out[(ip, port)] = Target(tuple(eps[:MAX_ENDPOINTS]), sp.affinity_seconds if sp.client_affinity else 0)
     return out
 
 
@@ -95,7 +110,7 @@ class ServiceLB:
     def __init__(self, root_fd: int, programs: dict[str, int], maps: dict[str, int]) -> None:
         self.root_fd, self.programs, self.maps = root_fd, programs, maps
         self._lock = threading.Lock()
-        self._services: dict[Endpoint, list[Endpoint]] = {}
+        self._services: dict[Endpoint, Target] = {}
         self._namespaces: set[int] = set()
         self._read_back()
 
@@ -146,30 +161,31 @@ class ServiceLB:
                 bpf.map_update(self.maps[NETNS_MAP], struct.pack("Q", cookie), b"\1")
             self._namespaces = set(cookies)
 
-    def sync(self, services: dict[Endpoint, list[Endpoint]]) -> int:
-        """The maps made to hold `services` (ClusterIP:port -> its endpoints), changing only what
-        differs; how many Service ports changed. The order of the writes keeps every count a
-        program reads covered by endpoints (the C file's comment on its backends map)."""
+    def sync(self, services: dict[Endpoint, Target | list[Endpoint]]) -> int:
+        """The maps made to hold `services` (ClusterIP:port -> its Target, or its endpoints alone),
+        changing only what differs; how many Service ports changed. The order of the writes keeps
+        every count a program reads covered by endpoints (the C file's comment on its backends map)."""
         svcs, backs = self.maps[SERVICES_MAP], self.maps[BACKENDS_MAP]
         changed = 0
         with self._lock:
-            for (ip, port), eps in services.items():
+            for (ip, port), value in services.items():
+                want = _target(value)
                 old = self._services.get((ip, port))
-                if old == eps:
+                if old == want:
                     continue
                 changed += 1
-                old = old or []
+                eps, before = want.endpoints, old.endpoints if old else ()
                 for i, ep in enumerate(eps):           # endpoints first ...
-                    if i >= len(old) or old[i] != ep:
+                    if i >= len(before) or before[i] != ep:
                         bpf.map_update(backs, _backend_key(ip, port, i), _endpoint(ep))
-                bpf.map_update(svcs, _service_key(ip, port), struct.pack("=I", len(eps)))   # ... then the count
-                for i in range(len(eps), len(old)):    # and what is past it now
+                bpf.map_update(svcs, _service_key(ip, port), struct.pack("=II", len(eps), want.affinity_s))   # ... then the count
+                for i in range(len(eps), len(before)):    # and what is past it now
                     bpf.map_delete(backs, _backend_key(ip, port, i))
-                self._services[(ip, port)] = list(eps)
+                self._services[(ip, port)] = want
             for (ip, port) in set(self._services) - set(services):
                 changed += 1
                 bpf.map_delete(svcs, _service_key(ip, port))
-                for i in range(len(self._services.pop((ip, port)))):
+                for i in range(len(self._services.pop((ip, port)).endpoints)):
                     bpf.map_delete(backs, _backend_key(ip, port, i))
         return changed
 
@@ -179,22 +195,23 @@ class ServiceLB:
 
     def service_endpoints(self) -> int:
         """How many endpoints the maps hold, over every Service port (tsord's metrics)."""
-        return sum(len(eps) for eps in list(self._services.values()))
+        return sum(len(t.endpoints) for t in list(self._services.values()))
 
-    def services(self) -> dict[Endpoint, list[Endpoint]]:
+    def services(self) -> dict[Endpoint, Target]:
         """What the maps hold, read from the kernel."""
         out = {}
         for key in bpf.map_keys(self.maps[SERVICES_MAP], 8):
-            raw = bpf.map_lookup(self.maps[SERVICES_MAP], key, 4)
+            raw = bpf.map_lookup(self.maps[SERVICES_MAP], key, 8)
             if raw is None:
                 continue
             ip, port = socket.inet_ntoa(key[:4]), struct.unpack("!H", key[4:6])[0]
+            count, affinity_s = struct.unpack("=II", raw)
             eps = []
-            for i in range(struct.unpack("=I", raw)[0]):
+            for i in range(count):
                 ep = bpf.map_lookup(self.maps[BACKENDS_MAP], _backend_key(ip, port, i), 8)
                 if ep is not None:
                     eps.append(_parse_endpoint(ep))
-            out[(ip, port)] = eps
+            out[(ip, port)] = Target(tuple(eps), affinity_s)
         return out
 
     def _read_back(self) -> None:
@@ -205,7 +222,8 @@ class ServiceLB:
             _service_key(*ep)[:6] for ep in self._services}
         for key in bpf.map_keys(self.maps[BACKENDS_MAP], 8):   # endpoints past a count, or of no Service
             ip, port = socket.inet_ntoa(key[:4]), struct.unpack("!H", key[4:6])[0]
-            if key[:6] in stale or struct.unpack("=H", key[6:8])[0] >= len(self._services.get((ip, port), ())):
+            have = self._services.get((ip, port))
+            if key[:6] in stale or struct.unpack("=H", key[6:8])[0] >= (len(have.endpoints) if have else 0):
                 bpf.map_delete(self.maps[BACKENDS_MAP], key)
 
     def close(self) -> None:
@@ -228,7 +246,7 @@ class Syncer:
     changes of `SETTLE` seconds and writes what differs (a thread of its own, off the route
     sources' threads)."""
 
-    def __init__(self, lb: ServiceLB, services: Callable[[], dict[Endpoint, list[Endpoint]]]) -> None:
+    def __init__(self, lb: ServiceLB, services: Callable[[], dict[Endpoint, Target]]) -> None:
         self.lb, self.services = lb, services
         self._dirty, self._stop = threading.Event(), threading.Event()
         self.syncs = 0

@@ -388,7 +388,7 @@ def test_a_clusterip_is_balanced_at_connect_and_the_connection_carried(pods, pat
     local, eps = _listen(one, VIP, 80), [_listen(two, two.ip, port) for port in (8080, 8081)]
     try:
         assert lb.sync({(VIP, 80): [(two.ip, 8080), (two.ip, 8081)]}) == 1
-        assert lb.services() == {(VIP, 80): [(two.ip, 8080), (two.ip, 8081)]}
+        assert lb.services() == {(VIP, 80): service_lb.Target(((two.ip, 8080), (two.ip, 8081)))}
         c = _dial(one, VIP, 80)
         try:
             assert c.getpeername() == (VIP, 80)
@@ -449,6 +449,48 @@ def test_a_service_with_no_ready_endpoint_refuses_and_others_are_left_alone(pods
             ls.close()
 
 
+def test_client_ip_affinity_keeps_a_pod_on_its_endpoint_until_it_goes_or_times_out(pods, lb):
+    """sessionAffinity: ClientIP: a pod's connects reach the endpoint it had (kube-proxy's
+    stickiness, the pod standing for its address); an endpoint that left frees it, and so does the
+    timeout since its last connect."""
+    _, one, two = pods
+    eps = [_listen(two, two.ip, port) for port in (8080, 8081)]
+    both = ((two.ip, 8080), (two.ip, 8081))
+
+    def reached() -> int:
+        with _dial(one, VIP, 80):
+            conn, _ = _ready(eps).accept()
+            port = conn.getsockname()[1]
+            conn.close()
+            return port
+    try:
+        lb.sync({(VIP, 80): service_lb.Target(both, 30)})
+        first = reached()
+        assert {reached() for _ in range(20)} == {first}   # without affinity: both, but for 2 ** -20
+        other = ({8080, 8081} - {first}).pop()
+        lb.sync({(VIP, 80): service_lb.Target(((two.ip, other),), 30)})   # its endpoint left
+        assert reached() == other
+        # the timeout: a remembered endpoint last used longer ago than it is chosen afresh
+        lb.sync({(VIP, 80): service_lb.Target(both, 1)})
+        key = struct.pack("=Q", _cookie(one)) + socket.inet_aton(VIP) + struct.pack("!H", 80) + b"\0\0"
+
+        def remember(port: int, age_s: float) -> None:
+            value = struct.pack("=Q", time.monotonic_ns() - int(age_s * 1e9)) + socket.inet_aton(two.ip) + \
+                struct.pack("!H", port) + struct.pack("=H", port - 8080)
+            sockmap.bpf.map_update(lb.maps[service_lb.STICKY_MAP], key, value)
+        for _ in range(5):
+            remember(8081, 0)
+            assert reached() == 8081                       # remembered, within the timeout
+        seen = set()
+        for _ in range(20):
+            remember(8081, 2)                              # remembered 2 s ago: past the 1 s
+            seen.add(reached())
+        assert seen == {8080, 8081}
+    finally:
+        for ls in eps:
+            ls.close()
+
+
 def test_the_next_tsord_takes_the_programs_and_their_services_over(pods):
     """tsord exits: the programs stay attached and go on balancing by the last state; the next one
     finds them by name (no second copy attached), reads back what the maps hold and changes only
@@ -468,7 +510,8 @@ def test_the_next_tsord_takes_the_programs_and_their_services_over(pods):
             ep.accept()[0].close()
         second = service_lb.ServiceLB.open(root)        # the next tsord
         assert service_lb.attached_names(root) == {service_lb.CONNECT_NAME, service_lb.PEER_NAME}
-        assert second.services() == {(VIP, 80): [(two.ip, 8080)], ("10.224.250.11", 443): []}
+        assert second.services() == {(VIP, 80): service_lb.Target(((two.ip, 8080),)),
+                                     ("10.224.250.11", 443): service_lb.Target(())}
         assert second.sync({(VIP, 80): [(two.ip, 8080)]}) == 1   # only the Service that went
         with _dial(one, VIP, 80) as c:
             assert _readable(ep)

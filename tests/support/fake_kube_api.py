@@ -521,13 +521,18 @@ def pod(name: str, ips: list[str], node_name: str | None, *, namespace: str = "d
 
 
 def service(name: str, cluster_ip: str, ports: list[tuple[str | None, int, int]], *, namespace: str = "default",
-            affinity: str | None = None, internal_policy: str | None = None) -> dict:
-    """ports: (name, port, targetPort)."""
-    from kubernetes.client import V1ObjectMeta, V1Service, V1ServicePort, V1ServiceSpec
+            affinity: str | None = None, internal_policy: str | None = None,
+            affinity_seconds: int | None = None) -> dict:
+    """ports: (name, port, targetPort). affinity_seconds: sessionAffinityConfig.clientIP.timeoutSeconds."""
+    from kubernetes.client import (V1ClientIPConfig, V1ObjectMeta, V1Service, V1ServicePort, V1ServiceSpec,
+                                   V1SessionAffinityConfig)
+    config = None if affinity_seconds is None else V1SessionAffinityConfig(
+        client_ip=V1ClientIPConfig(timeout_seconds=affinity_seconds))
     return _plain(V1Service(
         api_version="v1", kind="Service", metadata=V1ObjectMeta(name=name, namespace=namespace),
         spec=V1ServiceSpec(cluster_ip=cluster_ip, cluster_ips=[cluster_ip], type="ClusterIP",
                            session_affinity=affinity, internal_traffic_policy=internal_policy,
+                           session_affinity_config=config,
                            ports=[V1ServicePort(name=n, port=p, target_port=t, protocol="TCP") for n, p, t in ports],
                            selector={"app": name})))
 

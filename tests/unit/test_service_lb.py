@@ -37,13 +37,15 @@ def table() -> RouteTable:
 
 
 def test_the_balanced_service_ports_and_their_ready_endpoints():
+    T = service_lb.Target
     assert service_lb.wanted(table(), "a") == {
         # the ready ones (another node's too: routed as any pod address), each once
-        ("10.96.0.10", 80): [("10.1.0.7", 8080), ("10.2.0.9", 8080)],
-        ("10.96.0.10", 443): [("10.1.0.7", 8443), ("10.2.0.9", 8443)],
-        ("10.96.0.12", 80): [("10.1.0.7", 80)],   # internalTrafficPolicy: Local: this node's only
-        ("10.96.0.13", 80): [],                    # no ready endpoint: kept, to refuse the connect
-        # ClientIP affinity (kube-proxy remembers the client) and IPv6 ClusterIPs: the node's NAT
+        ("10.96.0.10", 80): T((("10.1.0.7", 8080), ("10.2.0.9", 8080))),
+        ("10.96.0.10", 443): T((("10.1.0.7", 8443), ("10.2.0.9", 8443))),
+        ("10.96.0.11", 80): T((("10.1.0.7", 80),), 10800),   # ClientIP affinity, its default timeout
+        ("10.96.0.12", 80): T((("10.1.0.7", 80),)),   # internalTrafficPolicy: Local: this node's only
+        ("10.96.0.13", 80): T(()),                     # no ready endpoint: kept, to refuse the connect
+        # IPv6 ClusterIPs: the node's NAT
     }
 
 
@@ -58,3 +60,12 @@ def test_the_map_layouts_match_the_c_structs():
     assert raw == socket.inet_aton("10.1.0.7") + b"\x1f\x90\0\0" and service_lb._parse_endpoint(raw) == ("10.1.0.7", 8080)
     assert len(service_lb.CONNECT_NAME) <= 15 and len(service_lb.PEER_NAME) <= 15   # BPF_OBJ_NAME_LEN - 1
     assert all(len(name) <= 15 for name in service_lb.MAPS)
+
+
+def test_a_services_affinity_timeout_is_read_as_the_api_gives_it():
+    from tests.support import fake_kube_api as k8s
+    from tsor.routes_k8s import service_entry
+    sticky = service_entry(k8s.service("s", "10.96.0.20", [(None, 80, 8080)], affinity="ClientIP", affinity_seconds=30))
+    assert sticky[("10.96.0.20", 80)].client_affinity and sticky[("10.96.0.20", 80)].affinity_seconds == 30
+    default = service_entry(k8s.service("s", "10.96.0.20", [(None, 80, 8080)], affinity="ClientIP"))
+    assert default[("10.96.0.20", 80)].affinity_seconds == 10800   # the API's default
