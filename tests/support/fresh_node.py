@@ -54,7 +54,7 @@ exit 1
 NODE_INIT = r"""
 mount --make-rshared /
 ip link set lo up
-start() { containerd >>/run/containerd.log 2>&1 & echo $! >/run/containerd.pid; }
+start() { containerd >>/run/containerd.log 2>&1 & echo $! >/run/containerd.pid.new; mv /run/containerd.pid.new /run/containerd.pid; }
 stop() { p=$(cat /run/containerd.pid); kill $p; wait $p; }
 trap 'stop; start' HUP
 trap 'stop; exit 0' TERM
@@ -208,6 +208,7 @@ class FreshNode:
             time.sleep(0.2)
 
     def containerd_pid(self) -> int:
+        # the node's init renames the file into place, so a read never sees it half written
         return int(self.path("/run/containerd.pid").read_text())
 
     def stop(self) -> None:
