@@ -68,24 +68,26 @@ def file_exists(pid: int, path: str) -> bool:
 
 
 def _exec_succeeds(root: str, cid: str, argv: tuple[str, ...]) -> bool:
-    from qvisor import container
-    process = container.config_process(root, cid) | {"args": list(argv), "terminal": False}
+    from qvisor.container.common import config_process
+    from qvisor.container.exec import exec_process
+    from qvisor.container.wait import wait
+    process = config_process(root, cid) | {"args": list(argv), "terminal": False}
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
-        pid, _ = container.exec_process(root, cid, process, [null, null, null], wait_here=True)
+        pid, _ = exec_process(root, cid, process, [null, null, null], wait_here=True)
     finally:
         os.close(null)
-    return container.wait(root, cid, pid).get("exit_status") == 0
+    return wait(root, cid, pid).get("exit_status") == 0
 
 
 def wait_ready(root: str, cid: str, cond: Condition, timeout: float) -> float:
     """Poll until `cond` holds; returns the seconds it took. QuarkError when the container stops
     first or `timeout` passes."""
-    from qvisor import container
+    from qvisor.container.common import state
     from qvisor.state import RUNNING
     t0 = time.monotonic()
     while True:
-        st = container.state(root, cid)
+        st = state(root, cid)
         if st.status != RUNNING:
             raise QuarkError(f"--snapshot-when {cond.kind}:{cond.value}: the container is {st.status}")
         if cond.kind == "tcp":

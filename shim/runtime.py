@@ -148,35 +148,37 @@ class Quark:
         self._run([*args, cid], log_path, stdio)
 
     def _in_process(self, verb: str, operation: str, *args):
-        """qvisor.container.<operation>(root, *args), its errors as RpcErrors."""
-        from qvisor import container
+        """qvisor.container.<module>.<function>(root, *args) for `operation` "module.function", its
+        errors as RpcErrors."""
+        import importlib
+        module, _, function = operation.partition(".")
         with _quark_errors(verb):
-            return getattr(container, operation)(self.root, *args)
+            return getattr(importlib.import_module(f"qvisor.container.{module}"), function)(self.root, *args)
 
     def start(self, cid: str) -> None:
-        self._in_process("start", "start", cid)
+        self._in_process("start", "start.start", cid)
 
     def state(self, cid: str) -> dict:
-        return self._in_process("state", "state", cid).oci()
+        return self._in_process("state", "common.state", cid).oci()
 
     def kill(self, cid: str, signal: int, all_processes: bool = False) -> None:
-        self._in_process("kill", "kill", cid, signal, all_processes)
+        self._in_process("kill", "kill.kill", cid, signal, all_processes)
 
     def kill_exec(self, cid: str, pid: int, signal: int) -> None:
         """Signal an exec'd process; NOT_FOUND once it has exited (its pid is never signalled then)."""
-        self._in_process("kill", "kill_exec", cid, pid, signal)
+        self._in_process("kill", "kill.kill_exec", cid, pid, signal)
 
     def delete(self, cid: str, force: bool = False) -> None:
-        self._in_process("delete", "delete", cid, force)
+        self._in_process("delete", "delete.delete", cid, force)
 
     def pause(self, cid: str) -> None:
-        self._in_process("pause", "pause", cid)
+        self._in_process("pause", "pause.pause", cid)
 
     def resume(self, cid: str) -> None:
-        self._in_process("resume", "resume", cid)
+        self._in_process("resume", "resume.resume", cid)
 
     def ps(self, cid: str) -> list[int]:
-        return [int(p) for p in self._in_process("ps", "pids", cid)]
+        return [int(p) for p in self._in_process("ps", "ps.pids", cid)]
 
     def update(self, cid: str, resources_json: bytes) -> None:
         with tempfile.TemporaryDirectory(prefix="quark-update-") as d:
@@ -187,11 +189,11 @@ class Quark:
 
     def stats(self, cid: str) -> dict:
         """The cgroup statistics in runc's `events --stats` data layout."""
-        return self._in_process("stats", "stats", cid)
+        return self._in_process("stats", "events.stats", cid)
 
     def wait(self, cid: str, pid: int | None = None) -> Exit:
         """Block until the container's init (or the exec'd process `pid`) exits."""
-        doc = self._in_process("wait", "wait", cid, pid or 0)
+        doc = self._in_process("wait", "wait.wait", cid, pid or 0)
         return Exit(pid=int(doc["pid"]), status=int(doc["exit_status"]),
                     exited_at=parse_rfc3339(doc["exited_at"]))
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from qvisor import container
+from qvisor.container.create import create
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    container.create(args.root, args.id, args.bundle, pid_file=args.pid_file, console_socket=args.console_socket,
+    create(args.root, args.id, args.bundle, pid_file=args.pid_file, console_socket=args.console_socket,
                      platform=args.platform, log_file=args.log, log_format=args.log_format,
                      preserve_fds=args.preserve_fds,
                      in_factory=args.in_factory)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from qlib.errors import ContainerNotFound
-from qvisor import container
+from qvisor.container.delete import delete
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        container.delete(args.root, args.id, args.force)
+        delete(args.root, args.id, args.force)
     except ContainerNotFound:
         if not args.force:   # runc: with --force, deleting what is already gone succeeds
             raise

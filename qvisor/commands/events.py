@@ -10,7 +10,8 @@ import argparse
 import json
 import time
 
-from qvisor import container
+from qvisor.container.common import state
+from qvisor.container.events import running_cgroup
 from qvisor.state import STOPPED
 
 OOM_POLL_S = 0.1  # how soon an OOM kill is reported
@@ -30,7 +31,7 @@ def _emit(kind: str, cid: str, data: dict | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cg = container.running_cgroup(args.root, args.id)   # opened once: v1 finds its hierarchies in mountinfo
+    cg = running_cgroup(args.root, args.id)   # opened once: v1 finds its hierarchies in mountinfo
     if args.stats:
         _emit("stats", args.id, cg.stats())
         return 0
@@ -45,5 +46,5 @@ def run(args: argparse.Namespace) -> int:
         if now > seen:
             _emit("oom", args.id)
         seen = now
-        if container.state(args.root, args.id).status == STOPPED:
+        if state(args.root, args.id).status == STOPPED:
             return 0

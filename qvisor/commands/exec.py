@@ -7,7 +7,11 @@ import os
 import signal
 
 from qlib.errors import InvalidArgument, QuarkError
-from qvisor import container
+from qvisor.container.common import config_process
+from qvisor.container.create import write_pid_file
+from qvisor.container.exec import exec_process
+from qvisor.container.kill import kill_exec
+from qvisor.container.wait import wait
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +41,7 @@ def build_process(args: argparse.Namespace) -> dict:
             raise QuarkError(f"--process {args.process}: {e}") from None
     if not args.command:
         raise QuarkError("exec: give a command or --process")
-    proc = container.config_process(args.root, args.id)
+    proc = config_process(args.root, args.id)
     proc["args"] = args.command
     proc["terminal"] = args.tty
     env = {e.split("=", 1)[0]: e for e in proc.get("env", [])}
@@ -67,7 +71,7 @@ def _forward(args: argparse.Namespace, pid: int, sig: int) -> None:
     """A signal to `quark exec` goes on to the process it runs, through the supervisor (never by
     bare pid, which may be another process's once this one is reaped); one that has exited is left."""
     try:
-        container.kill_exec(args.root, args.id, pid, sig)
+        kill_exec(args.root, args.id, pid, sig)
     except QuarkError:
         pass
 
@@ -78,10 +82,10 @@ def run(args: argparse.Namespace) -> int:
     tty = bool(proc.get("terminal"))
     if tty and args.detach and not args.console_socket:
         raise QuarkError("exec -t -d needs --console-socket to hand the pty master to")
-    pid, fds = container.exec_process(args.root, args.id, proc, [] if tty else [0, 1, 2],
+    pid, fds = exec_process(args.root, args.id, proc, [] if tty else [0, 1, 2],
                                       preserve_fds=args.preserve_fds, wait_here=not args.detach)
     if args.pid_file:
-        container.write_pid_file(args.pid_file, pid)
+        write_pid_file(args.pid_file, pid)
     master = fds[0] if fds else -1
     if master >= 0 and args.console_socket:
         import socket
@@ -97,4 +101,4 @@ def run(args: argparse.Namespace) -> int:
     if master >= 0:
         console.proxy(master)
         os.close(master)
-    return container.wait(args.root, args.id, pid)["exit_status"]
+    return wait(args.root, args.id, pid)["exit_status"]

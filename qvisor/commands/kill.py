@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from qvisor import container
+from qvisor.container.kill import kill, parse_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -13,5 +13,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    container.kill(args.root, args.id, container.parse_signal(args.signal), args.all)
+    kill(args.root, args.id, parse_signal(args.signal), args.all)
     return 0

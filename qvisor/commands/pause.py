@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from qvisor import container
+from qvisor.container.pause import pause
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -11,5 +11,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    container.pause(args.root, args.id)
+    pause(args.root, args.id)
     return 0

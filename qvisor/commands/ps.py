@@ -5,7 +5,7 @@ import argparse
 import json
 import subprocess
 
-from qvisor import container
+from qvisor.container.ps import pids as container_pids
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    pids = container.pids(args.root, args.id)
+    pids = container_pids(args.root, args.id)
     if args.format == "json":
         print(json.dumps(pids))
         return 0

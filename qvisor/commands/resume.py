@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from qvisor import container
+from qvisor.container.resume import resume
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -11,5 +11,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    container.resume(args.root, args.id)
+    resume(args.root, args.id)
     return 0

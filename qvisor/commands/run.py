@@ -8,7 +8,13 @@ import os
 import signal
 import sys
 
-from qvisor import container
+from qvisor.container.common import preserved_fds
+from qvisor.container.create import create
+from qvisor.container.delete import delete
+from qvisor.container.kill import kill
+from qvisor.container.snapshot import hibernate
+from qvisor.container.start import start
+from qvisor.container.wait import wait
 from qvisor.spec import load_spec
 
 # what runc forwards to the container; SIGCHLD, SIGPIPE and SIGWINCH are its own business
@@ -35,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from qvisor import console
-    container.preserved_fds(args.preserve_fds)   # checked before quark opens fds of its own
+    preserved_fds(args.preserve_fds)   # checked before quark opens fds of its own
     ready_when = None
     if args.snapshot_when:
         from qvisor import readiness
@@ -45,17 +51,16 @@ def run(args: argparse.Namespace) -> int:
     own_console = terminal and not args.console_socket and not args.detach
     forwarder = None if args.detach else _Forwarder(args.root, args.id)   # before anything is made, as runc
     with (console.console_socket() if own_console else contextlib.nullcontext((args.console_socket, None))) as (path, listener):
-        st = container.create(args.root, args.id, args.bundle, pid_file=args.pid_file, console_socket=path,
-                              platform=args.platform, log_file=args.log, log_format=args.log_format,
-                              preserve_fds=args.preserve_fds,
-                              in_factory=getattr(args, "in_factory", False))
+        st = create(args.root, args.id, args.bundle, pid_file=args.pid_file, console_socket=path,
+                    platform=args.platform, log_file=args.log, log_format=args.log_format,
+                    preserve_fds=args.preserve_fds, in_factory=getattr(args, "in_factory", False))
         master = console.receive_master(listener) if listener is not None else -1
     try:
-        container.start(args.root, args.id)
+        start(args.root, args.id)
         if ready_when is not None:
             _hibernate_when_ready(args, ready_when)
     except BaseException:
-        container.delete(args.root, args.id, force=True)
+        delete(args.root, args.id, force=True)
         raise
     if forwarder is None:
         return 0
@@ -63,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
     if master >= 0:
         console.proxy(master)
         os.close(master)
-    result = container.wait(args.root, args.id, st.pid)
+    result = wait(args.root, args.id, st.pid)
     if not args.keep:
-        container.delete(args.root, args.id, force=True)
+        delete(args.root, args.id, force=True)
     return result["exit_status"]
 
 
@@ -73,7 +78,7 @@ def _hibernate_when_ready(args: argparse.Namespace, cond) -> None:
     from qvisor import readiness, swap
     took = readiness.wait_ready(args.root, args.id, cond, args.snapshot_timeout)
     swap.ensure_swap()
-    info = container.hibernate(args.root, args.id, reason="ready")
+    info = hibernate(args.root, args.id, reason="ready")
     print(f"{args.id}: ready after {took:.2f}s, hibernated: memory {info['warm_bytes'] / 2**20:.1f} MiB -> "
           f"{info['held_bytes'] / 2**20:.1f} MiB", file=sys.stderr)
 
@@ -103,6 +108,6 @@ class _Forwarder:
 
 def _forward(root: str, cid: str, sig: int) -> None:
     try:
-        container.kill(root, cid, sig)
+        kill(root, cid, sig)
     except Exception:
         pass

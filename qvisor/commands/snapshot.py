@@ -8,7 +8,8 @@ import json
 import time
 
 from qlib.errors import QuarkError
-from qvisor import container
+from qvisor.container.snapshot import hibernate as container_hibernate
+from qvisor.container.snapshot import snapshot_info, wake
 from qvisor.state import StateStore
 
 MiB = 1 << 20
@@ -31,7 +32,7 @@ def hibernate(root: str, cid: str) -> dict:
     """Swap first (the supervisor may not switch it on), then ask the supervisor."""
     from qvisor import swap
     swap.ensure_swap()
-    return container.hibernate(root, cid)
+    return container_hibernate(root, cid)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{info['held_bytes'] / MiB:.1f} MiB in {info['took_ms']:.0f} ms{note}")
         return 0
     if args.action == "restore":
-        info = container.wake(args.root, args.id, prefetch=not args.no_prefetch)
+        info = wake(args.root, args.id, prefetch=not args.no_prefetch)
         print(f"{args.id}: woken in {info['took_ms']:.1f} ms")
         return 0
     rows = _hibernated(args.root)
@@ -69,7 +70,7 @@ def _hibernated(root: str) -> list[dict]:
         if store.hibernation(cid) is None:
             continue
         try:
-            info = container.snapshot_info(root, cid)
+            info = snapshot_info(root, cid)
         except QuarkError:
             continue   # it stopped meanwhile
         if not info.get("hibernated"):

@@ -5,7 +5,7 @@ import argparse
 import json
 
 from qlib.errors import ContainerNotFound
-from qvisor import container
+from qvisor.container.common import state
 from qvisor.state import CREATING
 
 
@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    st = container.state(args.root, args.id)
+    st = state(args.root, args.id)
     if st.status == CREATING:
         # as runc: a container is there for `state` once its create is done (tools poll `state` after
         # starting `create` until it answers, then expect "created")

@@ -9,7 +9,7 @@ import sys
 from typing import Any, Callable
 
 from qlib.errors import QuarkError
-from qvisor import container
+from qvisor.container.update import update
 from qvisor.spec import parse_resources
 
 # docker/go-units' RAMInBytes, which runc uses: binary multiples, "100M" = "100m" = "100MiB"
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise QuarkError("update: nothing to change: give --resources FILE or a flag such as --memory")
     for (obj, key), value in flags.items():
         resources[obj] = {**(resources.get(obj) or {}), key: value}  # JSON null counts as absent
-    container.update(args.root, args.id, resources, source)
+    update(args.root, args.id, resources, source)
     return 0
 
 

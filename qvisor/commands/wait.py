@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from qvisor import container
+from qvisor.container.wait import wait
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,5 +17,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    print(json.dumps(container.wait(args.root, args.id, args.pid)), flush=True)
+    print(json.dumps(wait(args.root, args.id, args.pid)), flush=True)
     return 0

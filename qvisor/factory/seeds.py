@@ -7,7 +7,7 @@ loading and checking the spec: pages it never touches again) and kept them for t
 life (measured: bench/README.md, "Start-up and supervisor memory"). So a seed is forked ahead by
 the zygote — a process that does nothing but fork seeds, and so writes little of what its seeds
 share with it — and waits; the worker that runs the create hands it what its fork would have
-given it (qvisor/container.py: hand_over, supervise_handed_over) and it becomes the supervisor.
+given it (qvisor/birth.py: start, supervise_handed_over) and it becomes the supervisor.
 A create that gets no seed forks its supervisor as before.
 """
 from __future__ import annotations

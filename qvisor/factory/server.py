@@ -18,7 +18,7 @@ from pathlib import Path
 
 from qlib import linux as L
 from qlib import sched
-from qvisor import container
+from qvisor import birth
 from qvisor.factory import caller, client, programs, seeds, worker
 from qvisor.factory.programs import PROGRAMS
 from qvisor.factory.wire import LOCK_NAME, MAX_REQUEST, PID_NAME, decline, decode_request, directory, socket_path
@@ -243,7 +243,7 @@ class Factory:
             except OSError:
                 self.lost_zygote()
         self.seed = self.fork_detached("a supervisor seed",
-                                       lambda sock: seeds.await_hand_over(sock, container.supervise_handed_over))
+                                       lambda sock: seeds.await_hand_over(sock, birth.supervise_handed_over))
 
     def start_zygote(self) -> None:
         """Fork the process that forks the seeds. Every page the factory writes after a fork is a
@@ -253,7 +253,7 @@ class Factory:
         its container, kept a copy of them all. The zygote runs one small loop and writes little,
         so what its seeds share with it stays shared."""
         self.zygote = self.fork_detached("the seeds' zygote",
-                                         lambda sock: seeds.zygote(sock, container.supervise_handed_over))
+                                         lambda sock: seeds.zygote(sock, birth.supervise_handed_over))
 
     def fork_detached(self, what: str, run) -> socket.socket | None:
         """Fork a child that drops what is the factory's own (detach) and runs `run` with its end

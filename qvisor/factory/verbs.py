@@ -11,11 +11,11 @@ log = logging.getLogger("quark.factory")
 
 # a supervisor's modules besides the served verbs' own: the factory imports them once, its forks share them
 _SUPERVISOR_MODULES = (
-    "qvisor.container", "qvisor.validate", "qvisor.spec", "qvisor.supervisor", "qvisor.hooks", "qvisor.procview",
+    "qvisor.birth", "qvisor.validate", "qvisor.spec", "qvisor.supervisor", "qvisor.hooks", "qvisor.procview",
     "qvisor.fuse", "qvisor.security", "qvisor.hibernate", "qvisor.readiness", "qvisor.swap", "qkernel.fastpath",
     "qkernel", "qkernel.seccomp_platform", "qkernel.policy", "tsor.intercept", "tsor.sandbox",
     "qvisor.cgroups.v1", "qvisor.cgroups.v2", "yaml", "seccomp",
-    "pickle")   # the hand-over to a supervisor seed (container.hand_over)
+    "pickle")   # the hand-over to a supervisor seed (birth.start)
 
 
 def main(argv: list[str]) -> int:

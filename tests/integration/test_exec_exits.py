@@ -11,7 +11,8 @@ import time
 import pytest
 
 from qlib.errors import NotFound
-from qvisor import container
+from qvisor.container.kill import kill_exec
+from qvisor.container.wait import wait
 from qvisor.client import Connection
 from qvisor.state import SOCK_NAME, StateStore
 
@@ -62,14 +63,14 @@ def test_signal_reaches_a_running_exec_and_not_an_exited_one(quark, bundle, tmp_
     pid_file = tmp_path / "pid"
     quark("exec", "-d", "--pid-file", str(pid_file), cid, "sleep", "100")
     pid = int(pid_file.read_text())
-    container.kill_exec(quark.root, cid, pid, signal.SIGTERM)
-    assert container.wait(quark.root, cid, pid)["exit_status"] == 128 + signal.SIGTERM
+    kill_exec(quark.root, cid, pid, signal.SIGTERM)
+    assert wait(quark.root, cid, pid)["exit_status"] == 128 + signal.SIGTERM
     with pytest.raises(NotFound):
-        container.kill_exec(quark.root, cid, pid, signal.SIGKILL)
+        kill_exec(quark.root, cid, pid, signal.SIGKILL)
     quark("kill", cid, "KILL")
     deadline = time.monotonic() + 10
     while os.path.exists(StateStore(quark.root).path(cid, SOCK_NAME)) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not os.path.exists(StateStore(quark.root).path(cid, SOCK_NAME))
     with pytest.raises(NotFound):   # the supervisor is gone with its container
-        container.kill_exec(quark.root, cid, pid, signal.SIGKILL)
+        kill_exec(quark.root, cid, pid, signal.SIGKILL)

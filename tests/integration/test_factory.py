@@ -119,7 +119,7 @@ def test_a_create_runs_in_a_worker_and_its_supervisor_shares_the_factorys_pages(
 def test_a_supervisor_is_forked_ahead_of_its_create_not_by_the_worker_that_ran_it(served, quark, bundle, tmp_path):
     """Each create's supervisor is a seed the factory had forked ahead of it through its zygote (a
     process that only forks seeds, qvisor/factory/seeds.py), and the worker that parsed the command line and
-    loaded the spec hands it the container (container.hand_over) instead of forking it: the pages
+    loaded the spec hands it the container (birth.start) instead of forking it: the pages
     that worker wrote do not stay in the supervisor for the container's life. Without a zygote the
     factory forks the seeds itself."""
     where, proc, env = served
