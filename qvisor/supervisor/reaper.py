@@ -1,4 +1,4 @@
-"""Reaping and exits (part of Supervisor, core.py): who reaps the container's processes (the
+"""Reaping and exits: who reaps the container's processes (the
 supervisor as a child subreaper on SIGCHLD, or a runc-driving manager, then statuses come from
 pidfds), what an exit does (the init's stops the container and kills what is left in its cgroup,
 an exec's finishes it), and the bookkeeping of exits for the waits to come.
@@ -15,6 +15,12 @@ from qlib import linux as L
 from qlib import procfs
 from qlib.errors import NotFound, QuarkError
 from qvisor.state import STOPPED, now_rfc3339
+from qvisor.supervisor import child as children
+from qvisor.supervisor.context import Container
+from qvisor.supervisor.control import fail, reply
+from qvisor.supervisor.exec import Execs
+from qvisor.supervisor.snapshot import Hibernation
+from qvisor.supervisor.start import Starter
 
 log = logging.getLogger("quark.supervisor")
 WAIT_ALL = 0x40000000  # __WALL: also wait for tasks the ptrace platform traces
@@ -25,11 +31,23 @@ UNKNOWN_EXIT = 255   # the exit status of a process reaped by the caller on a ke
 MAX_KEPT_EXITS = 1024
 
 
-class ReaperMixin:
-    """Reaping, exits and their bookkeeping (part of Supervisor, core.py)."""
+class Reaper:
+    """Reaping, exits and their bookkeeping."""
 
-    def _setup_process(self) -> None:
-        self.caller_reaps = self.state.caller_reaps = self._choose_reaper()
+    def __init__(self, c: Container, execs: Execs, starter: Starter, hibernation: Hibernation,
+                 launcher_pid: int, caller_may_reap: bool) -> None:
+        self.c, self.execs, self.starter, self.hibernation = c, execs, starter, hibernation
+        self.launcher_pid = launcher_pid        # the process that forked us and exits at once
+        self.caller_may_reap = caller_may_reap  # False: we reap, whoever adopts us (a factory's create)
+        self.caller_reaps = False               # see _choose_reaper
+        self.exit_statuses = True               # caller reaps: statuses come from pidfds (6.15+)
+        self.killing = False                    # the cgroup's processes are being killed (_kill_rest)
+        self.waiters: dict[int, list[socket.socket]] = {}
+        self.exits: dict[int, tuple[int, str]] = {}   # exec pid -> exit no wait has collected yet
+
+    def setup_process(self) -> None:
+        """Choose who reaps, and reap on SIGCHLD where we do; the signals a supervisor ignores."""
+        self.caller_reaps = self.c.state.caller_reaps = self._choose_reaper()
         if not self.caller_reaps:
             L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)
         for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
@@ -37,7 +55,7 @@ class ReaperMixin:
         r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        self.loop.add_reader(r, lambda: (self._drain(r), self._reap()))
+        self.c.loop.add_reader(r, lambda: (self._drain(r), self._reap()))
 
     def _choose_reaper(self) -> bool:
         """Who becomes the parent of the container's processes.
@@ -74,37 +92,37 @@ class ReaperMixin:
         log.info("the container's processes go to pid %d, which reaps them", adopter)
         return True
 
-    def _watch_exit(self, pid: int) -> None:
+    def watch_exit(self, pid: int) -> None:
         """(caller reaps) Learn when `pid` exits and, once reaped by its parent, its status."""
         try:
             fd = L.pidfd_open(pid)
         except OSError:
-            return self._exited(pid, 255)   # already gone and reaped: the status is lost
-        self.loop.add_reader(fd, lambda: self._pidfd_readable(pid, fd, time.monotonic()))
+            return self.exited(pid, 255)   # already gone and reaped: the status is lost
+        self.c.loop.add_reader(fd, lambda: self._pidfd_readable(pid, fd, time.monotonic()))
 
     def _pidfd_readable(self, pid: int, fd: int, since: float) -> None:
         if not self.exit_statuses:   # an old kernel: the process ended, its status is the reaper's
-            self.loop.remove_reader(fd)
+            self.c.loop.remove_reader(fd)
             os.close(fd)
-            if self._running(pid):
-                self._exited(pid, UNKNOWN_EXIT)
+            if self.running(pid):
+                self.exited(pid, UNKNOWN_EXIT)
             return
         status = L.pidfd_exit_status(fd)
         if status is None:   # exited, not reaped yet: the pidfd stays readable, so look again later
-            self.loop.remove_reader(fd)
+            self.c.loop.remove_reader(fd)
             if time.monotonic() - since > REAP_WAIT_S:
                 log.warning("process %d exited but its parent did not reap it in %ds", pid, REAP_WAIT_S)
                 os.close(fd)
-                if self._running(pid):
-                    self._exited(pid, 255)
+                if self.running(pid):
+                    self.exited(pid, 255)
                 return
-            self.loop.call_later(0.002, lambda: self._pidfd_readable(pid, fd, since))
+            self.c.loop.call_later(0.002, lambda: self._pidfd_readable(pid, fd, since))
             return
-        if self.loop.has_reader(fd):
-            self.loop.remove_reader(fd)
+        if self.c.loop.has_reader(fd):
+            self.c.loop.remove_reader(fd)
         os.close(fd)
-        if self._running(pid):   # the ptrace platform may have seen the exit first
-            self._exited(pid, L.exit_code(status))
+        if self.running(pid):   # the ptrace platform may have seen the exit first
+            self.exited(pid, L.exit_code(status))
 
     @staticmethod
     def _drain(fd: int) -> None:
@@ -116,24 +134,25 @@ class ReaperMixin:
 
     # ---- exits -------------------------------------------------------------------------------
 
-    def _wait(self, conn: socket.socket, pid: int) -> None:
+    def wait(self, conn: socket.socket, msg: dict, fds: list[int]) -> None:
         """Answer with `pid`'s exit once it has one. The init's stays in the state for every wait;
         an exec'd process's goes to the waits that are there when it exits, else to the first
         one that comes (the shim's, right after `quark exec -d`), and is then forgotten."""
-        if pid == self.state.pid and self.state.status == STOPPED:
-            return self._reply(conn, _exit_reply(pid, self.state.exit_status, self.state.exited_at))
+        pid = msg.get("pid") or self.c.state.pid
+        if pid == self.c.state.pid and self.c.state.status == STOPPED:
+            return reply(conn, _exit_reply(pid, self.c.state.exit_status, self.c.state.exited_at))
         if pid in self.exits:
-            return self._reply(conn, _exit_reply(pid, *self.exits.pop(pid)))
-        if not self._running(pid):
-            return self._fail(conn, NotFound(f"process {pid} is not a running process of this container "
+            return reply(conn, _exit_reply(pid, *self.exits.pop(pid)))
+        if not self.running(pid):
+            return fail(conn, NotFound(f"process {pid} is not a running process of this container "
                                              "(or its exit status was collected already)"))
         self.waiters.setdefault(pid, []).append(conn)
 
-    def _running(self, pid: int) -> bool:
+    def running(self, pid: int) -> bool:
         """Whether `pid` is the container's init or an exec'd process, not yet reaped."""
-        if pid == self.state.pid:
-            return self.state.status != STOPPED
-        ex = self.execs.get(pid)
+        if pid == self.c.state.pid:
+            return self.c.state.status != STOPPED
+        ex = self.execs.table.get(pid)
         return ex is not None and ex.pid == pid
 
     def _reap(self) -> None:
@@ -144,17 +163,17 @@ class ReaperMixin:
                 return
             if pid == 0:
                 return
-            if self.kernel is not None and self.kernel.on_child_status(pid, status):
+            if self.c.kernel is not None and self.c.kernel.on_child_status(pid, status):
                 continue
             if os.WIFSTOPPED(status):
                 continue
-            self._exited(pid, L.exit_code(status))
+            self.exited(pid, L.exit_code(status))
 
-    def _kill_rest(self) -> None:
+    def kill_rest(self) -> None:
         """Kill what is left in the cgroup without holding the loop: freezing can take seconds to
         settle, so each step of the kill runs on a timer (trapped syscalls and requests of the
         remaining processes are served meanwhile)."""
-        steps = self.cgroup.kill_steps(signal.SIGKILL)
+        steps = self.c.cgroup.kill_steps(signal.SIGKILL)
         self.killing = True
 
         def step() -> None:
@@ -167,56 +186,69 @@ class ReaperMixin:
                 log.warning("killing the container's remaining processes: %s", e)
                 self.killing = False
                 return
-            self.loop.call_later(pause, step)
+            self.c.loop.call_later(pause, step)
         step()
 
-    def _exited(self, pid: int, code: int) -> None:
+    def exited(self, pid: int, code: int) -> None:
         at = now_rfc3339()
-        init = self.init is not None and pid == self.init.pid
+        init = self.c.init is not None and pid == self.c.init.pid
         if init:
             log.info("init %d exited with %d", pid, code)
-            self._drain_child(self.init)  # its last words (an error) come before the exit
-            if self.ready_fd >= 0:
+            children.drain(self.c.loop, self.c.init)  # its last words (an error) come before the exit
+            if self.c.in_setup:
                 raise RuntimeError(f"container init exited with status {code} during set-up")
-            self.state.status = STOPPED
-            self.state.exit_status, self.state.exited_at = code, at
-            self.store.save(self.state)
-            self._hibernation_over()
-            if self.pending_start is not None:
-                self._start_done(QuarkError(f"container process exited with status {code} before it started"))
-        elif pid in self.execs and self.execs[pid].pid == pid:
-            ex = self.execs.pop(pid)
-            self._drain_child(ex)
+            self.c.state.status = STOPPED
+            self.c.state.exit_status, self.c.state.exited_at = code, at
+            self.c.store.save(self.c.state)
+            self.hibernation.over()
+            if self.starter.pending is not None:
+                self.starter.done(QuarkError(f"container process exited with status {code} before it started"))
+        elif pid in self.execs.table and self.execs.table[pid].pid == pid:
+            ex = self.execs.table.pop(pid)
+            children.drain(self.c.loop, ex)
             ex.sock.close()
             if ex.pidfd >= 0:
                 os.close(ex.pidfd)
             if not self.waiters.get(pid):
                 self._keep_exit(pid, code, at)
-        elif pid in self.execs and self.execs[pid].pid == 0:
+        elif pid in self.execs.table and self.execs.table[pid].pid == 0:
             # an exec's stage 1: its "pid" message may still be queued; if it never forked the
             # process (setns or fork failed), the exec is over and must not keep us alive
-            ex = self.execs[pid]
-            self._drain_child(ex)
+            ex = self.execs.table[pid]
+            children.drain(self.c.loop, ex)
             if ex.pid == 0:
-                del self.execs[pid]
+                del self.execs.table[pid]
                 if ex.client is not None:
-                    self._on_exec_msg(ex, {"type": "eof"}, [])
+                    self.execs.on_msg(ex, {"type": "eof"}, [])
                 ex.sock.close()
         else:
             # not a process we know: a stage 1 whose process was reported, an orphan the container
             # left us. Or an exec'd process whose "pid" message is still queued (stage 1 sends it
             # before it exits, and only then does its process become our child): read those first.
-            pending = [ex for ex in self.execs.values() if ex.pid == 0]
+            pending = [ex for ex in self.execs.table.values() if ex.pid == 0]
             for ex in pending:
-                self._drain_child(ex)
+                children.drain(self.c.loop, ex)
             if any(ex.pid == pid for ex in pending):
-                return self._exited(pid, code)
+                return self.exited(pid, code)
         for conn in self.waiters.pop(pid, []):
-            self._reply(conn, _exit_reply(pid, code, at))
+            reply(conn, _exit_reply(pid, code, at))
         if init:
             # processes left in a container that shares the host pid namespace die with its init;
             # after the waiters' answers: `run` deletes the container next, which kills them anyway
-            self._kill_rest()
+            self.kill_rest()
+
+    def forget(self, conn: socket.socket) -> None:
+        """A client left: its waits go with it."""
+        for pid, conns in list(self.waiters.items()):
+            if conn in conns:
+                conns.remove(conn)
+                if not conns:
+                    del self.waiters[pid]
+
+    def tables(self, conn: socket.socket, msg: dict, fds: list[int]) -> None:
+        """How much the supervisor holds (read-only: tests check it stays bounded)."""
+        reply(conn, {"execs": len(self.execs.table), "exits": len(self.exits),
+                     "waiters": sum(map(len, self.waiters.values()))})
 
     def _keep_exit(self, pid: int, code: int, at: str) -> None:
         """Keep an exec'd process's exit for the wait still to come, at most MAX_KEPT_EXITS."""

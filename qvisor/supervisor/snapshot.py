@@ -1,4 +1,4 @@
-"""Hibernation (part of Supervisor, core.py): freeze the container, page its memory out, and wake
+"""Hibernation: freeze the container, page its memory out, and wake
 it again — on request (`quark snapshot create/restore`), on the first connection to any of its
 listening sockets, and, with the idle annotation, by itself when it has been idle that long.
 
@@ -27,6 +27,8 @@ from qlib import procfs
 from qlib.errors import InvalidState, QuarkError
 from qvisor import hibernate
 from qvisor.state import HIBERNATION_RECORD, RUNNING, now_rfc3339
+from qvisor.supervisor.context import Container
+from qvisor.supervisor.control import fail, reply
 
 log = logging.getLogger("quark.supervisor")
 
@@ -35,7 +37,7 @@ IDLE_CPU_NS = 1_000_000   # less CPU than this (all the container's processes) i
 
 
 @dataclass
-class Hibernation:
+class Record:
     since: str              # RFC 3339
     since_epoch: float
     warm_bytes: int         # the cgroup's memory just before
@@ -67,58 +69,60 @@ def parse_duration(text: str, field: str = f"annotations.{IDLE_ANNOTATION}") -> 
     return value
 
 
-class SnapshotMixin:
-    """Hibernate and wake the container (part of Supervisor, core.py)."""
+class Hibernation:
+    """Hibernate and wake the container: on request, on a connection, when idle."""
 
-    def _init_snapshot(self) -> None:
-        self.hibernation: Hibernation | None = None
+    def __init__(self, c: Container) -> None:
+        self.c = c
+        self.hibernation: Record | None = None
         self.hibernations = 0
         self.wakes = 0
         self.working_set: dict[int, hibernate.Ranges] = {}
         self.wake_watch: list[int] = []     # our duplicates of the container's listening sockets
-        self.idle_after = 0.0
+        idle = c.spec.annotations.get(IDLE_ANNOTATION)   # checked by validate at create: it parses
+        self.idle_after = parse_duration(idle) if idle else 0.0
         self._idle_gen = 0                 # bumped to cancel the pending idle check
 
     # ---- requests ------------------------------------------------------------------------------
-    def _op_hibernate(self, conn: socket.socket, msg: dict) -> None:
+    def op_hibernate(self, conn: socket.socket, msg: dict, fds: list[int]) -> None:
         if self.hibernation is not None:
-            return self._reply(conn, self._snapshot_info())   # hibernating twice: nothing more to do
-        if self.state.status != RUNNING:
-            return self._fail(conn, InvalidState(f"cannot hibernate a container in the {self.state.status} state"))
-        if self.cgroup.frozen():
-            return self._fail(conn, InvalidState("the container is paused: resume it, then hibernate it"))
+            return reply(conn, self._snapshot_info())   # hibernating twice: nothing more to do
+        if self.c.state.status != RUNNING:
+            return fail(conn, InvalidState(f"cannot hibernate a container in the {self.c.state.status} state"))
+        if self.c.cgroup.frozen():
+            return fail(conn, InvalidState("the container is paused: resume it, then hibernate it"))
         try:
             self._hibernate_now(str(msg.get("reason") or "request"))
         except (OSError, QuarkError) as e:
-            return self._fail(conn, e if isinstance(e, QuarkError) else QuarkError(f"hibernate: {e.strerror or e}"))
-        self._reply(conn, self._snapshot_info())
+            return fail(conn, e if isinstance(e, QuarkError) else QuarkError(f"hibernate: {e.strerror or e}"))
+        reply(conn, self._snapshot_info())
 
-    def _op_wake(self, conn: socket.socket, msg: dict) -> None:
+    def op_wake(self, conn: socket.socket, msg: dict, fds: list[int]) -> None:
         if self.hibernation is None:
-            return self._fail(conn, InvalidState(f"container {self.state.id!r} is not hibernated"))
+            return fail(conn, InvalidState(f"container {self.c.state.id!r} is not hibernated"))
         took = self._wake_now("request", prefetch=msg.get("prefetch", True))
-        self._reply(conn, {"ok": True, "took_ms": took, "wakes": self.wakes})
+        reply(conn, {"ok": True, "took_ms": took, "wakes": self.wakes})
 
-    def _op_snapshot_info(self, conn: socket.socket) -> None:
-        self._reply(conn, self._snapshot_info())
+    def op_info(self, conn: socket.socket, msg: dict, fds: list[int]) -> None:
+        reply(conn, self._snapshot_info())
 
     def _snapshot_info(self) -> dict:
         info: dict = {"hibernated": self.hibernation is not None, "hibernations": self.hibernations,
                       "wakes": self.wakes, "idle_after_s": self.idle_after or None}
         if self.hibernation is not None:
-            info |= asdict(self.hibernation) | {"held_now_bytes": self.cgroup.memory_usage()}
+            info |= asdict(self.hibernation) | {"held_now_bytes": self.c.cgroup.memory_usage()}
         return info
 
     # ---- hibernate and wake --------------------------------------------------------------------
     def _hibernate_now(self, reason: str) -> None:
         t0 = time.monotonic()
         self._idle_gen += 1
-        warm = self.cgroup.memory_usage()
-        pids = self.cgroup.pids()
+        warm = self.c.cgroup.memory_usage()
+        pids = self.c.cgroup.pids()
         # what it touched since the last wake (the first time: nothing to go by; its start-up's
         # pages are not what serving a request needs)
         self.working_set = hibernate.working_set(pids) if self.wakes else {}
-        self.cgroup.freeze()
+        self.c.cgroup.freeze()
         swap_total, _ = hibernate.swap_bytes()
         try:
             if swap_total:
@@ -126,16 +130,16 @@ class SnapshotMixin:
                 # the kernel reclaims anonymous memory only while swap has room)
                 hibernate.page_out(pids)
         except BaseException:
-            self.cgroup.thaw()   # a failed hibernation leaves the container running
+            self.c.cgroup.thaw()   # a failed hibernation leaves the container running
             raise
         try:
-            self.cgroup.reclaim()   # the page cache no process maps (and, with swap, anything left)
+            self.c.cgroup.reclaim()   # the page cache no process maps (and, with swap, anything left)
         except (OSError, QuarkError) as e:
             log.info("cgroup reclaim after page-out: %s", e)
         self.hibernations += 1
         _, swap_free = hibernate.swap_bytes()
-        self.hibernation = Hibernation(
-            since=now_rfc3339(), since_epoch=time.time(), warm_bytes=warm, held_bytes=self.cgroup.memory_usage(),
+        self.hibernation = Record(
+            since=now_rfc3339(), since_epoch=time.time(), warm_bytes=warm, held_bytes=self.c.cgroup.memory_usage(),
             swap=bool(swap_total), swap_full=bool(swap_total) and swap_free <= swap_total // 20, reason=reason,
             prefetch_pages=hibernate.pages(self.working_set),
             hibernations=self.hibernations, wakes=self.wakes, took_ms=round((time.monotonic() - t0) * 1000, 2))
@@ -149,41 +153,41 @@ class SnapshotMixin:
         self._unwatch_listeners()
         if prefetch and self.working_set:
             hibernate.prefetch(self.working_set)
-        self.cgroup.thaw()
+        self.c.cgroup.thaw()
         self.hibernation = None
         self.wakes += 1
         try:
-            os.unlink(self.store.path(self.state.id, HIBERNATION_RECORD))
+            os.unlink(self.c.store.path(self.c.state.id, HIBERNATION_RECORD))
         except FileNotFoundError:
             pass
         took = round((time.monotonic() - t0) * 1000, 2)
         log.info("woke (%s) in %.1f ms", reason, took)
-        self._schedule_idle_check()
+        self.schedule_idle_check()
         return took
 
-    def _hibernation_over(self) -> None:
+    def over(self) -> None:
         """The container stopped: no wake will come."""
         self._idle_gen += 1
         self._unwatch_listeners()
         self.hibernation = None
         try:
-            os.unlink(self.store.path(self.state.id, HIBERNATION_RECORD))
+            os.unlink(self.c.store.path(self.c.state.id, HIBERNATION_RECORD))
         except FileNotFoundError:
             pass
 
     def _save_record(self) -> None:
-        path = self.store.path(self.state.id, HIBERNATION_RECORD)
+        path = self.c.store.path(self.c.state.id, HIBERNATION_RECORD)
         with open(path + ".tmp", "w") as f:
             json.dump(asdict(self.hibernation), f)
         os.rename(path + ".tmp", path)
 
     # ---- wake on connect -----------------------------------------------------------------------
     def _watch_listeners(self) -> None:
-        inodes = {ino for _, ino in procfs.tcp_listeners(self.state.pid)}
+        inodes = {ino for _, ino in procfs.tcp_listeners(self.c.state.pid)}
         if not inodes:
             return
         seen: set[int] = set()
-        for pid in self.cgroup.pids():
+        for pid in self.c.cgroup.pids():
             try:
                 fds = os.listdir(f"/proc/{pid}/fd")
                 pidfd = L.pidfd_open(pid)
@@ -205,7 +209,7 @@ class SnapshotMixin:
                             continue
                         seen.add(ino)
                         self.wake_watch.append(dup)
-                        self.loop.add_reader(dup, self._on_listener_readable)
+                        self.c.loop.add_reader(dup, self._on_listener_readable)
             finally:
                 os.close(pidfd)
 
@@ -215,29 +219,29 @@ class SnapshotMixin:
 
     def _unwatch_listeners(self) -> None:
         for fd in self.wake_watch:
-            self.loop.remove_reader(fd)
+            self.c.loop.remove_reader(fd)
             os.close(fd)
         self.wake_watch.clear()
 
     # ---- idle hibernation ----------------------------------------------------------------------
-    def _schedule_idle_check(self) -> None:
-        if not self.idle_after or self.state.status != RUNNING:
+    def schedule_idle_check(self) -> None:
+        if not self.idle_after or self.c.state.status != RUNNING:
             return
         self._idle_gen += 1
         gen = self._idle_gen
         period = min(max(self.idle_after / 5, 0.05), 5.0)
-        state = {"cpu": self.cgroup.cpu_usage_ns() or 0, "quiet_since": time.monotonic()}
+        state = {"cpu": self.c.cgroup.cpu_usage_ns() or 0, "quiet_since": time.monotonic()}
 
         def check() -> None:
-            if gen != self._idle_gen or self.hibernation is not None or self.state.status != RUNNING:
+            if gen != self._idle_gen or self.hibernation is not None or self.c.state.status != RUNNING:
                 return
-            cpu = self.cgroup.cpu_usage_ns() or 0
+            cpu = self.c.cgroup.cpu_usage_ns() or 0
             now = time.monotonic()
             if cpu - state["cpu"] >= IDLE_CPU_NS:
                 state["quiet_since"] = now
             state["cpu"] = cpu
             if now - state["quiet_since"] >= self.idle_after:
-                if self.cgroup.frozen():   # paused by `quark pause`: not ours to hibernate
+                if self.c.cgroup.frozen():   # paused by `quark pause`: not ours to hibernate
                     state["quiet_since"] = now
                 else:
                     try:
@@ -245,5 +249,5 @@ class SnapshotMixin:
                     except (OSError, QuarkError) as e:
                         log.warning("idle hibernation failed: %s", e)
                         state["quiet_since"] = now
-            self.loop.call_later(period, check)
-        self.loop.call_later(period, check)
+            self.c.loop.call_later(period, check)
+        self.c.loop.call_later(period, check)
