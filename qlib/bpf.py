@@ -22,7 +22,9 @@ from qlib.libc import check, libc
 _ATTR_SIZE = 128   # sizeof(union bpf_attr) is larger; the kernel zero-checks the tail we pass
 
 # commands (linux/bpf.h)
-MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 1, 2, 3, 4
+MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 0, 1, 2, 3, 4
+MAP_TYPE_HASH = 1
+F_NO_PREALLOC = 1
 PROG_LOAD, PROG_ATTACH, PROG_DETACH = 5, 8, 9
 PROG_GET_FD_BY_ID, MAP_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD, PROG_QUERY = 13, 14, 15, 16
 PROG_TYPE_CGROUP_DEVICE = 15
@@ -148,6 +150,19 @@ def map_info(map_fd: int) -> tuple[int, int, str]:
 
 def map_by_id(map_id: int) -> int:
     return _bpf(MAP_GET_FD_BY_ID, _attr("<I", map_id), f"opening map {map_id}")
+
+
+def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, flags: int = 0,
+               name: str = "") -> int:
+    """A new map's fd (close it when done): e.g. a hash map as a BPF object file declares one."""
+    return _bpf(MAP_CREATE, _attr("<IIIIIII16s", map_type, key_size, value_size, max_entries, flags, 0, 0,
+                                  name.encode()[:15]), f"creating map {name or '(unnamed)'}")
+
+
+def full(e: OSError) -> bool:
+    """Whether a failed map_update means the map has no room (a hash map answers E2BIG, a
+    preallocated one ENOMEM)."""
+    return e.errno in (errno.E2BIG, errno.ENOSPC, errno.ENOMEM)
 
 
 def map_update(map_fd: int, key: bytes, value: bytes, flags: int = 0) -> None:

@@ -182,9 +182,12 @@ class Daemon:
         self.metrics.gauges = lambda: {"sandboxes": len(self.sessions), "listeners": len(self.listeners),
                                        "pods": len(self.pods), "route_pods": len(self.routes.pods),
                                        "route_services": len(self.routes.services),
-                                       **({"sockmap_ends": self.sockmap.path.connections()} if self.sockmap else {}),
+                                       **({"sockmap_ends": self.sockmap.path.connections(),
+                                           "sockmap_addresses_not_carried": len(self.sockmap.left_native)}
+                                          if self.sockmap else {}),
                                        **({"service_ports": self.service_lb.service_ports(),
-                                           "service_endpoints": self.service_lb.service_endpoints()}
+                                           "service_endpoints": self.service_lb.service_endpoints(),
+                                           "service_ports_left_to_node": self.service_lb.left_to_node()}
                                           if self.service_lb else {})}
         self.bytes = TcpByteCounter()   # tcp path: the kernel counts, see tsor/bytecount.py
         self.metrics.byte_counts = self._byte_counts

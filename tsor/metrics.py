@@ -41,7 +41,11 @@ GAUGE_HELP = {"sandboxes": "Sandboxes registered with this node's tsord.",
               "listeners": "Listening sockets sandboxes on this node have announced.",
               "pods": "Pods quark-cni registered with this node's tsord.",
               "route_pods": "Quark pod addresses in the route table (routes from Kubernetes).",
-              "route_services": "Service ClusterIP:ports in the route table (routes from Kubernetes)."}
+              "route_services": "Service ClusterIP:ports in the route table (routes from Kubernetes).",
+              "service_ports_left_to_node": "Service ports the connect-time balancer's maps had no room for: "
+                                            "the node's NAT (kube-proxy) serves them.",
+              "sockmap_addresses_not_carried": "Registered pod addresses the sockmap path's address map had no "
+                                               "room for: their connections take the stack."}
 CLIENT_TIMEOUT = 2.0   # a scraper that connects and says nothing holds its thread this long
 
 

@@ -112,6 +112,7 @@ class ServiceLB:
         self._lock = threading.Lock()
         self._services: dict[Endpoint, Target] = {}
         self._namespaces: set[int] = set()
+        self._overflow: set[Endpoint] = set()   # Service ports with no room in the maps
         self._read_back()
 
     @classmethod
@@ -164,30 +165,59 @@ class ServiceLB:
     def sync(self, services: dict[Endpoint, Target | list[Endpoint]]) -> int:
         """The maps made to hold `services` (ClusterIP:port -> its Target, or its endpoints alone),
         changing only what differs; how many Service ports changed. The order of the writes keeps
-        every count a program reads covered by endpoints (the C file's comment on its backends map)."""
-        svcs, backs = self.maps[SERVICES_MAP], self.maps[BACKENDS_MAP]
+        every count a program reads covered by endpoints (the C file's comment on its backends map).
+        A Service port the maps have no room for is left out of them whole, so its connects go to
+        the node's NAT (kube-proxy) as a runc pod's do: counted (left_to_node), logged once, and
+        written at a later sync that finds room."""
         changed = 0
         with self._lock:
+            for (ip, port) in set(self._services) - set(services):
+                changed += 1
+                self._remove(ip, port)
+            overflow = set()
             for (ip, port), value in services.items():
                 want = _target(value)
                 old = self._services.get((ip, port))
                 if old == want:
                     continue
                 changed += 1
-                eps, before = want.endpoints, old.endpoints if old else ()
-                for i, ep in enumerate(eps):           # endpoints first ...
-                    if i >= len(before) or before[i] != ep:
-                        bpf.map_update(backs, _backend_key(ip, port, i), _endpoint(ep))
-                bpf.map_update(svcs, _service_key(ip, port), struct.pack("=II", len(eps), want.affinity_s))   # ... then the count
-                for i in range(len(eps), len(before)):    # and what is past it now
-                    bpf.map_delete(backs, _backend_key(ip, port, i))
-                self._services[(ip, port)] = want
-            for (ip, port) in set(self._services) - set(services):
-                changed += 1
-                bpf.map_delete(svcs, _service_key(ip, port))
-                for i in range(len(self._services.pop((ip, port)).endpoints)):
-                    bpf.map_delete(backs, _backend_key(ip, port, i))
+                try:
+                    self._write(ip, port, want, old)
+                except OSError as e:
+                    if not bpf.full(e):
+                        raise
+                    self._remove(ip, port, written=max(len(want.endpoints), len(old.endpoints) if old else 0))
+                    overflow.add((ip, port))
+            if overflow and not self._overflow:
+                log.warning("service_lb: the maps are full: %d Service ports (e.g. %s:%d) are left to the node's NAT "
+                            "(kube-proxy) until there is room", len(overflow), *sorted(overflow)[0])
+            elif self._overflow and not overflow:
+                log.info("service_lb: every Service port is in the maps again")
+            self._overflow = overflow
         return changed
+
+    def _write(self, ip: str, port: int, want: Target, old: Target | None) -> None:
+        svcs, backs = self.maps[SERVICES_MAP], self.maps[BACKENDS_MAP]
+        eps, before = want.endpoints, old.endpoints if old else ()
+        for i, ep in enumerate(eps):           # endpoints first ...
+            if i >= len(before) or before[i] != ep:
+                bpf.map_update(backs, _backend_key(ip, port, i), _endpoint(ep))
+        bpf.map_update(svcs, _service_key(ip, port), struct.pack("=II", len(eps), want.affinity_s))   # ... then the count
+        for i in range(len(eps), len(before)):    # and what is past it now
+            bpf.map_delete(backs, _backend_key(ip, port, i))
+        self._services[(ip, port)] = want
+
+    def _remove(self, ip: str, port: int, written: int = 0) -> None:
+        """A Service port out of the maps: its count first (its connects go to the node from then
+        on), then its endpoints (those of the mirror, or the first `written` of a failed write)."""
+        bpf.map_delete(self.maps[SERVICES_MAP], _service_key(ip, port))
+        old = self._services.pop((ip, port), None)
+        for i in range(max(written, len(old.endpoints) if old else 0)):
+            bpf.map_delete(self.maps[BACKENDS_MAP], _backend_key(ip, port, i))
+
+    def left_to_node(self) -> int:
+        """Service ports the last sync found no room for in the maps (tsord's metrics)."""
+        return len(self._overflow)
 
     def service_ports(self) -> int:
         """How many Service ports the maps hold (tsord's metrics)."""

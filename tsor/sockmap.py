@@ -92,6 +92,7 @@ class Registrar:
         self._lock = threading.Lock()
         self._cookies: dict[int, int] = {}     # netns inode -> cookie
         self._set: dict[str, int] = {}         # address -> cookie, as the map holds them
+        self.left_native: set[str] = set()     # addresses the map had no room for
 
     def sync(self, want: dict[str, tuple[str, int]]) -> None:
         """`want`: address -> (a path naming its network namespace, that namespace's inode)."""
@@ -110,11 +111,24 @@ class Registrar:
             for ip in set(self._set) - set(wanted):
                 self.path.unregister(ip)
                 del self._set[ip]
+            full = set()
             for ip, cookie in wanted.items():
                 if self._set.get(ip) != cookie:
+                    try:
+                        self.path.register(ip, cookie)
+                    except OSError as e:
+                        if not bpf.full(e):
+                            raise
+                        full.add(ip)   # its connections take the stack, as a runc pod's
+                        continue
                     log.debug("sockmap: %s carried (network namespace cookie %d)", ip, cookie)
-                    self.path.register(ip, cookie)
                     self._set[ip] = cookie
+            if full and not self.left_native:
+                log.warning("sockmap: the address map is full: %d pod addresses (e.g. %s) are not carried, their "
+                            "connections take the stack, until there is room", len(full), sorted(full)[0])
+            elif self.left_native and not full:
+                log.info("sockmap: every registered pod address is carried again")
+            self.left_native = full
             self._cookies = cookies
             if self.namespaces is not None:
                 self.namespaces(set(wanted.values()))
