@@ -301,6 +301,9 @@ class Cgroup(ABC):
     @abstractmethod
     def cpu_usage_ns(self) -> int | None: ...
     @abstractmethod
+    def parent(self) -> Cgroup | None:
+        """The cgroup above this one (a Kubernetes pod's, for one of its containers); None at the top."""
+    @abstractmethod
     def threads(self) -> list[int]:
         """Every thread (host tid) in the cgroup and its descendants."""
 

@@ -274,6 +274,10 @@ class V1Cgroup(Cgroup):
     def cpu_usage_ns(self) -> int | None:
         return self._int("cpuacct", "cpuacct.usage")
 
+    def parent(self) -> V1Cgroup | None:
+        up = os.path.dirname(self.path)
+        return V1Cgroup(up, self.mounts) if up not in ("", "/") else None
+
     def threads(self) -> list[int]:
         # every hierarchy holds the same tasks (add_pid writes them all): one is enough
         top = next((self._dir(c) for c in ("pids", "cpu", "memory") if c in self.mounts), None) or \

@@ -292,5 +292,9 @@ class V2Cgroup(Cgroup):
         usec = read_kv(self.dir, "cpu.stat").get("usage_usec")
         return None if usec is None else usec * 1000
 
+    def parent(self) -> V2Cgroup | None:
+        up = os.path.dirname(self.path)
+        return V2Cgroup(up, self.root) if up not in ("", "/") else None
+
     def threads(self) -> list[int]:
         return self._threads_in(self.dir, "cgroup.threads")

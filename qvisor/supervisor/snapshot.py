@@ -33,6 +33,8 @@ from qvisor.supervisor.control import fail, reply
 log = logging.getLogger("quark.supervisor")
 
 IDLE_ANNOTATION = "io.quark.hibernate.idle-after"
+# what names a container's pod (containerd's CRI, CRI-O): its cgroup's parent is the pod's
+POD_ANNOTATIONS = ("io.kubernetes.cri.sandbox-id", "io.kubernetes.cri-o.SandboxID")
 IDLE_CPU_NS = 1_000_000   # less CPU than this (all the container's processes) in a check period is idle
 
 
@@ -81,6 +83,10 @@ class Hibernation:
         self.wake_watch: list[int] = []     # our duplicates of the container's listening sockets
         idle = c.spec.annotations.get(IDLE_ANNOTATION)   # checked by validate at create: it parses
         self.idle_after = parse_duration(idle) if idle else 0.0
+        # idle is the pod's: a container of a pod waits until every container of it is quiet (the
+        # pod's cgroup counts them all), so a pod hibernates as one, not a sidecar while its app works
+        in_pod = any(c.spec.annotations.get(a) for a in POD_ANNOTATIONS)
+        self.idle_cgroup = (c.cgroup.parent() if in_pod else None) or c.cgroup
         self._idle_gen = 0                 # bumped to cancel the pending idle check
 
     # ---- requests ------------------------------------------------------------------------------
@@ -230,12 +236,12 @@ class Hibernation:
         self._idle_gen += 1
         gen = self._idle_gen
         period = min(max(self.idle_after / 5, 0.05), 5.0)
-        state = {"cpu": self.c.cgroup.cpu_usage_ns() or 0, "quiet_since": time.monotonic()}
+        state = {"cpu": self.idle_cgroup.cpu_usage_ns() or 0, "quiet_since": time.monotonic()}
 
         def check() -> None:
             if gen != self._idle_gen or self.hibernation is not None or self.c.state.status != RUNNING:
                 return
-            cpu = self.c.cgroup.cpu_usage_ns() or 0
+            cpu = self.idle_cgroup.cpu_usage_ns() or 0
             now = time.monotonic()
             if cpu - state["cpu"] >= IDLE_CPU_NS:
                 state["quiet_since"] = now

@@ -3,7 +3,8 @@ handlers `quark` and `runc`, a pause image built here, bridge CNI):
 
 * idle hibernation from a pod annotation (`io.quark.hibernate.idle-after`, passed on by the quark
   handler's pod_annotations): the pod's container hibernates itself, wakes for a TCP connection from
-  another pod (the server answers) and for ExecSync (the command runs, its output comes back);
+  another pod (the server answers) and for ExecSync (the command runs, its output comes back); idle
+  is the pod's: a quiet container waits while another container of its pod works;
 * a privileged pod mounts inside its own mount namespace (a bind mount and a tmpfs, which quark's
   supervisor makes), volumes with PROPAGATION_PRIVATE and PROPAGATION_HOST_TO_CONTAINER behave as
   Kubernetes means them, and PROPAGATION_BIDIRECTIONAL is refused naming the field, leaving nothing;
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,21 @@ def test_idle_pod_hibernates_and_wakes_on_connect_and_on_exec_sync(cd, cri):
     assert (r.exit_code, r.stdout) == (0, b"awake\nhello-sleepy\n"), r
     row = wait_hibernated(cd, srv)
     assert row["wakes"] == wakes + 1, row
+
+
+def test_a_pod_is_idle_when_every_container_is(cd, cri):
+    """Idle is the pod's: a quiet container of a pod whose other container works stays awake, and
+    the pod's containers hibernate once all of it is quiet."""
+    pod, config = cri.run_pod("pair", "quark", annotations={IDLE: "1s"})
+    quiet = cri.create_container(pod, config, "quiet", IMAGE, ["sleep", "300"])
+    cri.start_container(quiet)
+    busy = cri.create_container(pod, config, "busy", IMAGE, ["sh", "-c", "while :; do :; done"])
+    cri.start_container(busy)
+    time.sleep(4)   # four idle periods of the quiet one's own
+    assert snapshot_row(cd, quiet) is None and snapshot_row(cd, busy) is None
+    cri.call("StopContainer", pb.StopContainerRequest(container_id=busy, timeout=1))
+    assert wait_hibernated(cd, quiet)["reason"] == "idle"
+    cri.teardown_pod(pod)
 
 
 # --- a privileged pod's mounts and its volumes' propagation -----------------------------------------
