@@ -449,6 +449,35 @@ def test_a_service_with_no_ready_endpoint_refuses_and_others_are_left_alone(pods
             ls.close()
 
 
+def test_the_nodes_filters_decide_a_service_connection_by_its_endpoint(pods, path, lb):
+    """NetworkPolicy is never bypassed: the connection a ClusterIP connect becomes is the two pods'
+    own, made by the kernel's TCP through their veths, so the node's packet filters see the client
+    pod and the endpoint and decide it (here a REJECT in the endpoint pod's namespace, the stand-in
+    for a policy's enforcement: the connect is refused, as after kube-proxy's DNAT), and once the
+    rule goes the same Service connects and is carried."""
+    _, one, two = pods
+    for pod in (one, two):
+        path.register(pod.ip, _cookie(pod))
+    ep = _listen(two, two.ip, 8080)
+    rule = ["INPUT", "-p", "tcp", "-s", one.ip, "--dport", "8080", "-j", "REJECT", "--reject-with", "tcp-reset"]
+    try:
+        lb.sync({(VIP, 80): [(two.ip, 8080)]})
+        testbed.sh("iptables", "-w", "-A", *rule, netns=two.netns)
+        try:
+            with pytest.raises(ConnectionRefusedError):
+                _dial(one, VIP, 80)
+            assert not _readable(ep, 0.2)
+        finally:
+            testbed.sh("iptables", "-w", "-D", *rule, netns=two.netns)
+        with _dial(one, VIP, 80) as c:
+            server, _ = _ready([ep]).accept()
+            assert path.holds(c.getsockname(), server.getsockname(), _so_cookie(c))
+            assert _send_recv(c, server, b"allowed") == b"allowed"
+            server.close()
+    finally:
+        ep.close()
+
+
 def test_client_ip_affinity_keeps_a_pod_on_its_endpoint_until_it_goes_or_times_out(pods, lb):
     """sessionAffinity: ClientIP: a pod's connects reach the endpoint it had (kube-proxy's
     stickiness, the pod standing for its address); an endpoint that left frees it, and so does the
