@@ -18,10 +18,8 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 from typing import TYPE_CHECKING, Callable
 
-from qlib import linux as L
 from qvisor import cgroups, logfile
 from qvisor.state import ContainerState, StateStore
 
@@ -96,77 +94,27 @@ def supervise(ready_fd: int, launcher: int, a: SupervisorArgs) -> None:
 
 
 def _hand_over(ready_fd: int, args: SupervisorArgs) -> bool:
-    """In a factory worker that was given a seed: hand it what a fork of this worker would give
-    the supervisor (its SupervisorArgs; stdio, cwd, environment, umask, rlimits, oom score,
-    scheduling attributes, cgroups and command line), and it becomes the supervisor
-    (supervise_handed_over). False when there is no seed, or it cannot take the hand-over."""
-    from qlib import sched
+    """In a factory worker that was given a seed: hand it the create (qvisor/factory/seeds.py),
+    and it becomes the supervisor (supervise_handed_over). False when there is no seed, or it
+    cannot take the hand-over."""
     from qvisor import phases
-    from qvisor.factory import caller, seeds
-    seed = seeds.take_seed()
-    if seed is None:
-        return False
-    import pickle
-    import resource
-    cwd = -1
-    try:
-        with open("/proc/self/cgroup") as f:
-            cgroup = f.read()
-        with open("/proc/self/oom_score_adj") as f:
-            oom = f.read().strip()
-        with open("/proc/self/cmdline", "rb") as f:
-            cmdline = [os.fsdecode(a) for a in f.read().split(b"\0")[:-1]]
-        context = {"args": args, "umask": caller.current_umask(), "env": dict(os.environ), "cmdline": cmdline,
-                   "rlimits": {r: resource.getrlimit(r) for r in caller.RLIMITS}, "oom_score_adj": oom,
-                   "cgroup": cgroup, "log_level": logging.getLogger().level, "verb_started": phases.verb_started,
-                   "sched": sched.Scheduling.of(os.getpid())}
-        cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        socket.send_fds(seed, [pickle.dumps(context, pickle.HIGHEST_PROTOCOL)], [0, 1, 2, cwd, ready_fd])
-        return True
-    except OSError as e:   # it died, or the message is too big for its socket
-        log.debug("supervisor seed not used: %s", e)
-        return False
-    finally:
-        if cwd >= 0:
-            os.close(cwd)
-        seed.close()
+    from qvisor.factory import seeds
+    return seeds.hand_over("quark", {"args": args, "verb_started": phases.verb_started}, [ready_fd]) is not None
 
 
 def supervise_handed_over(data: bytes, fds: list[int]) -> None:
-    """In a seed of the factory's: take on what the worker handed over (_hand_over), as a fork of
-    that worker would have it, and supervise its container. Never returns."""
-    ready_fd = fds[4] if len(fds) == 5 else -1
+    """In a seed of the factory's (quark's "become"): take on what the worker handed over, as a
+    fork of that worker would have it, and supervise its container. Never returns."""
+    from qvisor.factory import seeds
+    ready_fd = fds[seeds.CONTEXT_FDS] if len(fds) == seeds.CONTEXT_FDS + 1 else -1
     try:
-        import pickle
-        import resource
-
         from qvisor import phases
         if ready_fd < 0:
-            raise ValueError(f"{len(fds)} fds handed over, not 5")
+            raise ValueError(f"{len(fds)} fds handed over, not {seeds.CONTEXT_FDS + 1}")
         os.set_inheritable(ready_fd, False)   # as the pipe the worker made (O_CLOEXEC)
-        context = pickle.loads(data)
-        for i in range(3):
-            os.dup2(fds[i], i)   # inheritable: the container's stdio, which stage 1 takes on
-        os.fchdir(fds[3])
-        for fd in fds[:4]:
-            os.close(fd)
-        os.umask(context["umask"])
-        os.environ.clear()
-        os.environ.update(context["env"])
-        for r, limits in context["rlimits"].items():
-            resource.setrlimit(r, limits)
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write(context["oom_score_adj"])
-        context["sched"].apply()   # the worker's, which it took on from its caller
-        cgroups.join(context["cgroup"])
-        try:
-            L.set_cmdline(context["cmdline"], context["env"])
-        except OSError:   # cosmetic (ps), as in the worker
-            pass
-        os.setsid()   # detach: a new session
-        logfile.root_level(context["log_level"])
-        phases.verb_started = context["verb_started"]
-        args = context["args"]
+        payload = seeds.take_on(data, fds[:seeds.CONTEXT_FDS])
+        phases.verb_started = payload["verb_started"]
+        args = payload["args"]
     except BaseException as e:   # noqa: BLE001 — tell the waiting create; nothing was made yet
         if ready_fd >= 0:
             msg = {"error": f"the supervisor could not take on the create's context: {e}"}

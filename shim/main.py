@@ -66,9 +66,12 @@ def _served_by_factory(argv: list[str]) -> bool:
 # shim's server is then forked with its modules loaded and shares their pages, and the clean-up
 # costs no Python start. Registered as an entry point of the "quark.factory" group
 # (pyproject.toml), so qvisor never imports the shim.
+SHIM_PROGRAM = "containerd-shim-quark-v1"   # its name in the group (pyproject.toml)
 FACTORY_PROGRAM = {"main": main, "serves": _served_by_factory,
                    "adopts_cgroups": lambda argv: bool(argv) and argv[-1] == "start",
-                   "preload": ("shim.serve", "shim.service", "shim.ttrpc", "shim.runtime")}
+                   "preload": ("shim.serve", "shim.service", "shim.ttrpc", "shim.runtime"),
+                   "wants_seed": lambda argv: bool(argv) and argv[-1] == "start",
+                   "become": lambda data, fds: _become_server(data, fds)}   # (defined below)
 
 
 def _answers(path: str) -> bool:
@@ -106,16 +109,15 @@ def start(args: argparse.Namespace, bundle: str) -> int:
             return 0
         os.unlink(path)  # a dead shim's socket
         listener = listen(path)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            _become_daemon()
-            from shim.serve import serve
-            code = serve(listener, address, args.namespace, bundle, args.debug)
-        except BaseException:
-            logging.getLogger("quark.shim").exception("shim server failed")
-            code = 1
-        os._exit(code)
+    # in the sandbox factory's worker: a seed forked ahead becomes the server, so it shares the
+    # factory's pages and none of those this worker wrote (measured: bench/README.md, "Pod overhead")
+    from qvisor.factory import seeds
+    pid = seeds.hand_over(SHIM_PROGRAM, {"address": address, "namespace": args.namespace, "bundle": bundle,
+                                         "debug": args.debug}, [listener.fileno()])
+    if pid is None:
+        pid = os.fork()
+        if pid == 0:
+            _serve(listener, address, args.namespace, bundle, args.debug)
     listener.close()
     _write_file(os.path.join(bundle, "address"), address)
     _write_file(os.path.join(bundle, "shim.pid"), str(pid))
@@ -124,9 +126,36 @@ def start(args: argparse.Namespace, bundle: str) -> int:
     return 0
 
 
+def _serve(listener: socket.socket, address: str, namespace: str, bundle: str, debug: bool) -> None:
+    """Be the shim's server. Never returns."""
+    try:
+        _become_daemon()
+        from shim.serve import serve
+        code = serve(listener, address, namespace, bundle, debug)
+    except BaseException:
+        logging.getLogger("quark.shim").exception("shim server failed")
+        code = 1
+    os._exit(code)
+
+
+def _become_server(data: bytes, fds: list[int]) -> None:
+    """A seed of the factory's handed a `start` (qvisor/factory/seeds.py) becomes the shim's server."""
+    from qvisor.factory import seeds
+    try:
+        if len(fds) != seeds.CONTEXT_FDS + 1:
+            raise ValueError(f"{len(fds)} fds handed over, not {seeds.CONTEXT_FDS + 1}")
+        payload = seeds.take_on(data, fds[:seeds.CONTEXT_FDS])
+        listener = socket.socket(fileno=fds[seeds.CONTEXT_FDS])
+        listener.set_inheritable(False)
+    except BaseException:   # `start` has answered containerd already: its connect finds no server
+        os._exit(1)
+    _serve(listener, payload["address"], payload["namespace"], payload["bundle"], payload["debug"])
+
+
 def _become_daemon() -> None:
     """Leave containerd's session and let go of the pipes it reads `start`'s output from."""
-    os.setsid()
+    if os.getsid(0) != os.getpid():   # (a seed that took on a `start` has a session of its own)
+        os.setsid()
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)

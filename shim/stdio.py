@@ -16,7 +16,6 @@ import os
 import select
 import socket
 import struct
-import subprocess
 import tempfile
 import termios
 import threading
@@ -44,7 +43,7 @@ class ProcessIO:
         self._console_dir: str | None = None
         self.master: int | None = None
         self._out_done = threading.Event()
-        self._logger: subprocess.Popen | None = None
+        self._logger: int | None = None   # the logging binary's pid
         self._out_fd: int | None = None
         try:
             if terminal:
@@ -106,18 +105,26 @@ class ProcessIO:
         self._keep(out_w)
         self._keep(err_w)
         env = dict(os.environ, CONTAINER_ID=cid, CONTAINER_NAMESPACE=ns)
+        # the ends go to 3, 4 and 5 by dup2 in the child, from copies above any of those numbers (a
+        # source may be 3, 4 or 5 itself); posix_spawn's file actions do it without a Python
+        # callback in the child, and need none of 3, 4, 5 open here (Popen's pass_fds does)
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (out_r, err_r, ready_w)]
         try:
-            self._logger = subprocess.Popen(
-                [u.path, *args], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, pass_fds=(3, 4, 5), start_new_session=True,
-                preexec_fn=lambda: _dup_to(out_r, err_r, ready_w))
+            self._logger = os.posix_spawn(u.path, [u.path, *args], env, setsid=True, file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
+                *((os.POSIX_SPAWN_DUP2, fd, target) for fd, target in zip(high, (3, 4, 5)))])
         except OSError as e:
             for fd in (out_r, err_r, ready_r, ready_w):
                 os.close(fd)
             raise RpcError(Code.INVALID_ARGUMENT, f"cannot start logging binary {u.path}: {e.strerror}") from None
+        finally:
+            for fd in high:
+                os.close(fd)
         for fd in (out_r, err_r, ready_w):
             os.close(fd)
-        threading.Thread(target=self._logger.wait, daemon=True, name="logger-reaper").start()
+        threading.Thread(target=os.waitpid, args=(self._logger, 0), daemon=True, name="logger-reaper").start()
         try:
             ready, _, _ = select.select([ready_r], [], [], BINARY_READY_TIMEOUT_S)
             if not ready:
@@ -238,11 +245,3 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-
-
-def _dup_to(out_r: int, err_r: int, ready_w: int) -> None:
-    """In the logging binary's child: put the pipe ends at fds 3, 4, 5 (sources may overlap them)."""
-    tmp = [os.dup(fd) for fd in (out_r, err_r, ready_w)]
-    for target, fd in zip((3, 4, 5), tmp):
-        os.dup2(fd, target)
-        os.close(fd)

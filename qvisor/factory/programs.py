@@ -5,8 +5,10 @@ factory imports them through the group, so it depends on no program and none on 
 A program is a dict: "main" (argv -> exit status), "serves" (argv -> whether the factory runs this
 call), "adopts_cgroups" (argv -> whether the worker joins the caller's cgroups: what it forks lives
 there), optionally "forwards_signals" (argv -> whether the client forwards its signals to the
-worker, which then tells the client its pid first: wire.py), "preload" (modules to import in the factory) and, optionally, "warm" (a callable that
-loads and compiles the rest ahead of the first request).
+worker, which then tells the client its pid first: wire.py), "preload" (modules to import in the factory),
+optionally "warm" (a callable that loads and compiles the rest ahead of the first request), and
+optionally "wants_seed" (argv -> whether the worker gets a seed, seeds.py, for what the call starts
+to live on) with "become" ((data, fds) -> never returns: what a seed handed that call becomes).
 """
 from __future__ import annotations
 

@@ -12,14 +12,19 @@ A create that gets no seed forks its supervisor as before.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
+import struct
 import sys
 from typing import Callable
 
+log = logging.getLogger("quark.factory")
+
 MAX_HAND_OVER = 1 << 20
-# what a seed becomes once a worker hands it a create: (the hand-over's data, its fds) -> never returns
+CONTEXT_FDS = 4   # stdin, stdout, stderr and the working directory come first in a hand-over
+# what a seed becomes once a worker hands it a request: (the hand-over's data, its fds) -> never returns
 Become = Callable[[bytes, list[int]], None]
 
 # in a worker handed a seed with its request: the channel to it (take_seed)
@@ -73,16 +78,105 @@ def zygote(sock: socket.socket, become: Become) -> None:
 
 
 def await_hand_over(sock: socket.socket, become: Become) -> None:
-    """The seed: wait for a worker's hand-over and become that create's supervisor; exit on EOF
-    (the factory is gone, or the worker that had us created nothing)."""
+    """The seed: wait for a worker's hand-over, tell it our pid, and become what it asks; exit on
+    EOF (the factory is gone, or the worker that had us used us for nothing)."""
     try:
         data, fds, flags, _ = socket.recv_fds(sock, MAX_HAND_OVER, 8)
+        if data and not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            sock.send(struct.pack("=i", os.getpid()))
     except OSError:
         os._exit(0)
     sock.close()
     if not data or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
         os._exit(0)
     become(data, fds)   # never returns
+
+
+def become_program(data: bytes, fds: list[int]) -> None:
+    """A seed's Become: the program named ahead of the payload (hand_over) makes it what it is."""
+    from qvisor.factory.programs import PROGRAMS
+    name, _, payload = data.partition(b"\0")
+    program = PROGRAMS.get(name.decode(errors="replace"))
+    if program is None or "become" not in program:
+        os._exit(1)
+    program["become"](payload, fds)   # never returns
+
+
+def hand_over(program: str, payload: object, fds: list[int]) -> int | None:
+    """In a factory worker that was given a seed: hand it what a fork of this worker would give a
+    child (stdio, cwd, environment, umask, rlimits, oom score, scheduling attributes, cgroups,
+    command line, log level), `payload` (pickled) and `fds` (after the context's: take_on), for
+    `program`'s "become". The seed's pid; None when there is no seed or it cannot take the
+    hand-over (the caller then forks)."""
+    import pickle
+    import resource
+
+    from qlib import sched
+    from qvisor.factory import caller
+    seed = take_seed()
+    if seed is None:
+        return None
+    cwd = -1
+    try:
+        with open("/proc/self/cgroup") as f:
+            cgroup = f.read()
+        with open("/proc/self/oom_score_adj") as f:
+            oom = f.read().strip()
+        with open("/proc/self/cmdline", "rb") as f:
+            cmdline = [os.fsdecode(a) for a in f.read().split(b"\0")[:-1]]
+        context = {"payload": payload, "umask": caller.current_umask(), "env": dict(os.environ), "cmdline": cmdline,
+                   "rlimits": {r: resource.getrlimit(r) for r in caller.RLIMITS}, "oom_score_adj": oom,
+                   "cgroup": cgroup, "log_level": logging.getLogger().level, "sched": sched.Scheduling.of(os.getpid())}
+        cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        data = program.encode() + b"\0" + pickle.dumps(context, pickle.HIGHEST_PROTOCOL)
+        socket.send_fds(seed, [data], [0, 1, 2, cwd, *fds])
+        seed.settimeout(5.0)
+        reply = seed.recv(4)
+        if len(reply) != 4:
+            raise OSError("the seed did not take the hand-over")
+        return struct.unpack("=i", reply)[0]
+    except OSError as e:   # it died, or the message is too big for its socket
+        log.debug("supervisor seed not used: %s", e)
+        return None
+    finally:
+        if cwd >= 0:
+            os.close(cwd)
+        seed.close()
+
+
+def take_on(data: bytes, fds: list[int]) -> object:
+    """In a seed: take on the context hand_over sent (`fds`: its first CONTEXT_FDS), as a fork of
+    that worker would have it, in a session of its own; the payload. Raises what went wrong: the
+    program tells its waiting caller."""
+    import pickle
+    import resource
+
+    from qvisor import cgroups, logfile
+    from qlib import linux as L
+    if len(fds) < CONTEXT_FDS:
+        raise ValueError(f"{len(fds)} fds handed over, fewer than {CONTEXT_FDS}")
+    context = pickle.loads(data)
+    for i in range(3):
+        os.dup2(fds[i], i)   # inheritable: what a fork would have had (the container's stdio, for stage 1)
+    os.fchdir(fds[3])
+    for fd in fds[:CONTEXT_FDS]:
+        os.close(fd)
+    os.umask(context["umask"])
+    os.environ.clear()
+    os.environ.update(context["env"])
+    for r, limits in context["rlimits"].items():
+        resource.setrlimit(r, limits)
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write(context["oom_score_adj"])
+    context["sched"].apply()   # the worker's, which it took on from its caller
+    cgroups.join(context["cgroup"])
+    try:
+        L.set_cmdline(context["cmdline"], context["env"])
+    except OSError:   # cosmetic (ps), as in the worker
+        pass
+    os.setsid()   # detach: a new session
+    logfile.root_level(context["log_level"])
+    return context["payload"]
 
 
 _fillers: list = []   # the zygote's: objects that fill the free blocks of the allocator's pools

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from qlib import linux as L
 from qlib import sched
-from qvisor import birth
 from qvisor.factory import caller, client, programs, seeds, worker
 from qvisor.factory.programs import PROGRAMS
 from qvisor.factory.wire import LOCK_NAME, MAX_REQUEST, PID_NAME, decline, decode_request, directory, socket_path
@@ -184,8 +183,10 @@ class Factory:
             return "the caller went away"
 
     def seed_for(self, prog: str, argv: list[str]) -> socket.socket | None:
-        """The seed's channel when this request forks a supervisor (a quark create or run -d)."""
-        if prog != "quark" or not PROGRAMS[prog]["adopts_cgroups"](argv):
+        """The seed's channel when this request starts something long-lived that its program has
+        a seed become (a quark create's supervisor, the shim's server)."""
+        wants = PROGRAMS[prog].get("wants_seed")
+        if wants is None or not wants(argv):
             return None
         if self.seed is None and self.seed_asked:   # creates back to back: the zygote is forking it
             self.take_seed_from_zygote(timeout=0.5)
@@ -243,7 +244,7 @@ class Factory:
             except OSError:
                 self.lost_zygote()
         self.seed = self.fork_detached("a supervisor seed",
-                                       lambda sock: seeds.await_hand_over(sock, birth.supervise_handed_over))
+                                       lambda sock: seeds.await_hand_over(sock, seeds.become_program))
 
     def start_zygote(self) -> None:
         """Fork the process that forks the seeds. Every page the factory writes after a fork is a
@@ -253,7 +254,7 @@ class Factory:
         its container, kept a copy of them all. The zygote runs one small loop and writes little,
         so what its seeds share with it stays shared."""
         self.zygote = self.fork_detached("the seeds' zygote",
-                                         lambda sock: seeds.zygote(sock, birth.supervise_handed_over))
+                                         lambda sock: seeds.zygote(sock, seeds.become_program))
 
     def fork_detached(self, what: str, run) -> socket.socket | None:
         """Fork a child that drops what is the factory's own (detach) and runs `run` with its end

@@ -26,6 +26,12 @@ def adopts_cgroups(argv: list[str]) -> bool:
     return cli.verb_of(argv) in ("create", "run")   # their supervisor lives where the caller's processes do
 
 
+def become(data: bytes, fds: list[int]) -> None:
+    """A seed handed a create (qvisor/factory/seeds.py) becomes its supervisor."""
+    from qvisor import birth
+    birth.supervise_handed_over(data, fds)
+
+
 def warm() -> None:
     for verb in cli.SERVED:
         importlib.import_module(f"qvisor.commands.{cli.COMMANDS[verb][0]}")
@@ -49,4 +55,5 @@ def warm() -> None:
 
 # the entry point "quark" of the "quark.factory" group (pyproject.toml)
 FACTORY_PROGRAM = {"main": main, "serves": cli.served_by_factory, "adopts_cgroups": adopts_cgroups,
-                   "forwards_signals": cli.forwards_signals, "preload": (), "warm": warm}
+                   "forwards_signals": cli.forwards_signals, "preload": (), "warm": warm,
+                   "wants_seed": adopts_cgroups, "become": become}

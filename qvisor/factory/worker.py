@@ -32,7 +32,7 @@ def serve_spare(sock: socket.socket) -> None:
     if len(fds) not in (5, 6) or len(data) < 4:
         os._exit(0)   # the factory exited, or was done with us
     sock.close()
-    if len(fds) == 6:   # a create: the supervisor to hand over to (birth.start)
+    if len(fds) == 6:   # a seed to hand over to (seeds.py: a create's supervisor, the shim's server)
         seeds.keep_seed(fds.pop())
     try:
         argv, env, umask, prog = decode_request(data[4:])

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -262,6 +263,31 @@ def test_containerd_restart_keeps_containers_and_reports_exits(cd):
     finally:
         remove(cd, keep)
         remove(cd, dies)
+
+
+def test_the_shims_server_is_a_seed_the_factory_forked_ahead(cd):
+    """Through the sandbox factory the shim's server is not forked by the worker that ran `start`
+    (whose pages it would keep for the pod's life) but is a seed forked ahead by the factory's
+    zygote and handed the start (qvisor/factory/seeds.py), as a create's supervisor is; it serves
+    as before (the container runs, its task answers)."""
+    from qlib.procfs import parent_pid
+    from qvisor.factory.wire import PID_NAME, directory
+    cid = "seeded"
+    cd.ctr("run", "--rm", *R, ce.IMAGE, "seeded0", "true")   # a create starts the factory if none runs
+    deadline = time.monotonic() + 20
+    while not Path(directory(), PID_NAME).exists():
+        assert time.monotonic() < deadline, "no sandbox factory started"
+        time.sleep(0.1)
+    cd.ctr("run", "-d", *R, ce.IMAGE, cid, "sleep", "1000")
+    try:
+        wait_status(cd, cid, "RUNNING")
+        shim = int((cd.state / "io.containerd.runtime.v2.task" / cd.namespace / cid / "shim.pid").read_text())
+        factory = int(Path(directory(), PID_NAME).read_text())
+        zygote = parent_pid(shim)
+        assert zygote not in (factory, 1) and parent_pid(zygote) == factory, (shim, zygote, factory)
+        assert cd.ctr("tasks", "exec", "--exec-id", "e1", cid, "echo", "served").stdout == b"served\n"
+    finally:
+        remove(cd, cid)
 
 
 def test_shim_killed_leaves_nothing_behind(cd):
