@@ -19,7 +19,8 @@ package manager and nothing runs on the host but the containerd restart. It
    test saw containerd refuse to start its CRI);
 4. chains quark-cni into the node's network: appended to the plugins of the conflist containerd
    uses (the first in its cri.cni.conf_dir), the original kept for --uninstall;
-5. writes /etc/quark/tsor.yaml and the cluster secret (0600) from the mounted ConfigMap/Secret;
+5. writes /etc/quark/config.yaml (quark's host configuration), /etc/quark/tsor.yaml and the cluster
+   secret (0600) from the mounted ConfigMap/Secret;
 6. restarts containerd when its configuration changed, and only then (--restart-containerd, run in
    the host's namespaces through nsenter);
 7. labels the node `quark.io/runtime=true` (the RuntimeClass schedules quark pods there).
@@ -202,7 +203,8 @@ class Installer:
     def tsor_config(self) -> None:
         if self.config_dir is None:
             return
-        for name, dest, mode in (("tsor.yaml", f"{QUARK_ETC}/tsor.yaml", 0o644),
+        for name, dest, mode in (("config.yaml", f"{QUARK_ETC}/config.yaml", 0o644),
+                                 ("tsor.yaml", f"{QUARK_ETC}/tsor.yaml", 0o644),
                                  ("tsor-secret", f"{QUARK_ETC}/tsor-secret", 0o600)):
             src = os.path.join(self.config_dir, name)
             if os.path.exists(src):

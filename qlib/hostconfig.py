@@ -5,6 +5,7 @@ every container of the host. One file, read here for every part that has a secti
   security     privileged, unconfined_seccomp   qvisor/security.py
   snapshot     swapfile                    qvisor/swap.py
   supervisor   memory_merge                qvisor/page_merge.py
+  factory      idle_seconds                qvisor/factory/wire.py
 
 Each part checks its own section and names the field it refuses; a key no part knows is refused
 here (a setting quark cannot honour is never silently dropped). The file is parsed once per
@@ -17,7 +18,7 @@ import os
 from qlib.errors import ConfigError
 
 CONFIG_PATH = "/etc/quark/config.yaml"
-SECTIONS = ("platform", "security", "snapshot", "supervisor")
+SECTIONS = ("platform", "security", "snapshot", "supervisor", "factory")
 
 
 def path() -> str:

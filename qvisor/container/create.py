@@ -12,6 +12,7 @@ from qlib.errors import QuarkError, from_kind
 from qlib.version import VERSION
 from qvisor import birth, cgroups
 from qvisor.container.common import CONFIG_COPY, preserved_fds
+from qvisor.factory import wire
 from qvisor.state import ContainerState, StateStore, now_rfc3339
 
 
@@ -33,6 +34,7 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     # privileged / Unconfined: refused here (nothing made yet) or honoured in the sandbox and reported
     report = security.apply(spec, security.load_settings())
     merge_pages = page_merge.load_setting()   # supervisor.memory_merge
+    wire.idle_seconds()   # factory.idle_seconds: a host setting quark cannot take fails here too, named
     if spec.process.terminal and not console_socket:
         raise QuarkError("process.terminal is true: --console-socket is required to receive the pty master")
     store.reserve(container_id)

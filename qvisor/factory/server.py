@@ -18,9 +18,11 @@ from pathlib import Path
 
 from qlib import linux as L
 from qlib import sched
+from qlib.errors import QuarkError
 from qvisor.factory import caller, client, programs, seeds, worker
 from qvisor.factory.programs import PROGRAMS
-from qvisor.factory.wire import LOCK_NAME, MAX_REQUEST, PID_NAME, decline, decode_request, directory, socket_path
+from qvisor.factory.wire import (LOCK_NAME, MAX_REQUEST, PID_NAME, decline, decode_request, directory, idle_seconds,
+                                 socket_path)
 
 log = logging.getLogger("quark.factory")
 
@@ -89,7 +91,8 @@ class Factory:
         try:
             while not self.stale:
                 watched = [self.listener, stop_r] + ([self.zygote] if self.zygote is not None else [])
-                ready, _, _ = select.select(watched, [], [], max(0.0, idle_until - time.monotonic()))
+                wait = None if self.idle_s == float("inf") else max(0.0, idle_until - time.monotonic())
+                ready, _, _ = select.select(watched, [], [], wait)
                 if self.zygote is not None and self.zygote in ready:
                     ready.remove(self.zygote)
                     self.take_seed_from_zygote()
@@ -353,8 +356,9 @@ def code_changed(fd: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qvisor.factory", description="quark's sandbox factory")
     p.add_argument("--dir", default=directory(), help="where its socket, lock and pid file live")
-    p.add_argument("--idle", type=float, default=float(os.environ.get("QUARK_FACTORY_IDLE", "300")),
-                   help="exit after this many seconds without a request")
+    p.add_argument("--idle", type=float, default=None,
+                   help="exit after this many seconds without a request (0: never; default: $QUARK_FACTORY_IDLE, "
+                        "else quark's host configuration, factory.idle_seconds, else 300)")
     p.add_argument("--stop", action="store_true", help="stop the factory serving --dir")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -362,4 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         pid = client.stop(args.dir)
         print(f"stopped {pid}" if pid else "no factory was running")
         return 0
-    return Factory(args.dir, args.idle).serve()
+    try:
+        idle = (args.idle if args.idle > 0 else float("inf")) if args.idle is not None else idle_seconds()
+    except QuarkError as e:
+        log.error("not started: %s", e)
+        return 1
+    return Factory(args.dir, idle).serve()

@@ -28,6 +28,40 @@ def directory() -> str:
     return os.environ.get("QUARK_FACTORY_DIR", "/run/quark")
 
 
+DEFAULT_IDLE_S = 300.0
+
+
+def idle_seconds(config_path: str | None = None) -> float:
+    """How long a factory waits for a request before it exits: $QUARK_FACTORY_IDLE, else `factory:
+    {idle_seconds: N}` in quark's host configuration (0: it never exits; a Kubernetes node's
+    setting, deploy/daemonset.yaml), else DEFAULT_IDLE_S. A value it cannot take is refused,
+    naming the field."""
+    from qlib import hostconfig
+    from qlib.errors import ConfigError
+    env = os.environ.get("QUARK_FACTORY_IDLE")
+    if env is not None:
+        try:
+            value = float(env)
+        except ValueError:
+            value = -1.0
+        if not value >= 0:
+            raise ConfigError("$QUARK_FACTORY_IDLE", "", f"{env!r}: expected seconds (0: never)")
+        return value if value > 0 else float("inf")
+    path = config_path or hostconfig.path()
+    section = hostconfig.entry(path, "factory")
+    if section is None:
+        return DEFAULT_IDLE_S
+    if not isinstance(section, dict):
+        raise ConfigError(path, "factory", "expected a mapping {idle_seconds: N}")
+    for key in section:
+        if key != "idle_seconds":
+            raise ConfigError(path, f"factory.{key}", "unknown setting (known: idle_seconds)")
+    value = section.get("idle_seconds", DEFAULT_IDLE_S)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+        raise ConfigError(path, "factory.idle_seconds", f"{value!r}: expected seconds, 0 or more (0: never)")
+    return float(value) if value > 0 else float("inf")
+
+
 def socket_path(where: str | None = None) -> str:
     return os.path.join(where or directory(), SOCK_NAME)
 

@@ -338,6 +338,40 @@ def test_an_idle_factory_exits_and_removes_its_socket(tmp_path):
     assert not os.path.exists(os.path.join(where, wire.PID_NAME))
 
 
+def test_the_host_configuration_sets_how_long_an_idle_factory_stays(tmp_path):
+    """factory.idle_seconds in quark's host configuration (a Kubernetes node's DaemonSet sets 0: a
+    factory that exited after a quiet spell left the next pod a fresh interpreter's memory for its
+    shim and first supervisor): a number of seconds, or 0 for never; a bad value is refused,
+    naming the field, and the factory does not start."""
+    env = {k: v for k, v in os.environ.items() if k != "QUARK_FACTORY_IDLE"}
+    config = tmp_path / "config.yaml"
+    env["QUARK_CONFIG"] = str(config)
+
+    def start(name: str) -> tuple[subprocess.Popen, str]:
+        where = str(tmp_path / name)
+        proc = subprocess.Popen([sys.executable, "-m", "qvisor.factory", "--dir", where], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        return proc, where
+
+    config.write_text("factory: {idle_seconds: 0.5}\n")
+    proc, _ = start("short")
+    assert proc.wait(60) == 0   # (the default, 300 s, would time this out)
+    assert "idle for" in proc.stderr.read()
+    config.write_text("factory: {idle_seconds: 0}\n")
+    proc, where = start("never")
+    try:
+        time.sleep(3)
+        assert proc.poll() is None and os.path.exists(os.path.join(where, wire.SOCK_NAME))
+    finally:
+        client.stop(where)
+        proc.wait(30)
+    config.write_text("factory: {idle_seconds: soon}\n")
+    proc, where = start("bad")
+    assert proc.wait(60) == 1
+    assert "factory.idle_seconds: 'soon': expected seconds" in proc.stderr.read()
+    assert not os.path.exists(os.path.join(where, wire.SOCK_NAME))
+
+
 def test_the_first_create_starts_a_factory_and_the_next_one_uses_it(quark, bundle, tmp_path):
     where = str(tmp_path / "ondemand")
     env = dict(os.environ, QUARK_FACTORY_DIR=where, QUARK_FACTORY="1")

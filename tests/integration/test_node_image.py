@@ -219,6 +219,9 @@ def test_daemonset_installs_serves_upgrades_and_cleans_up_a_fresh_node(bed, imag
     assert node.run(["/opt/quark/bin/quark", "--version"]).stdout.startswith(f"quark {VERSION} ")
     shim = "bin/containerd-shim-quark-v1"
     assert os.readlink(root / "usr/local" / shim) == f"{install.QUARK_HOME}/{shim}"
+    # quark's host configuration from the ConfigMap: the node's sandbox factory never exits when idle
+    assert (root / "etc/quark/config.yaml").read_text() == configmap["data"]["config.yaml"]
+    assert "idle_seconds: 0" in configmap["data"]["config.yaml"]
     wait_for("tsord's metrics", bed.metrics, timeout=120)
     assert runner.status(v1.containers["tsord"]).state == RUNNING
 

@@ -38,3 +38,24 @@ def test_the_path_follows_QUARK_CONFIG(monkeypatch, tmp_path):
     assert hostconfig.path() == str(tmp_path / "c.yaml")
     monkeypatch.delenv("QUARK_CONFIG")
     assert hostconfig.path() == "/etc/quark/config.yaml"
+
+
+def test_the_factorys_idle_time_from_the_environment_the_file_or_the_default(monkeypatch, tmp_path):
+    from qvisor.factory import wire
+    monkeypatch.delenv("QUARK_FACTORY_IDLE", raising=False)
+    p = tmp_path / "config.yaml"
+    assert wire.idle_seconds(str(p)) == wire.DEFAULT_IDLE_S          # no file
+    p.write_text("factory: {idle_seconds: 30}\n")
+    assert wire.idle_seconds(str(p)) == 30
+    p.write_text("factory: {idle_seconds: 0}\n")                     # a node's: never
+    assert wire.idle_seconds(str(p)) == float("inf")
+    monkeypatch.setenv("QUARK_FACTORY_IDLE", "5")                    # the environment first
+    assert wire.idle_seconds(str(p)) == 5
+    monkeypatch.delenv("QUARK_FACTORY_IDLE")
+    for bad, field in (("factory: {idle_seconds: -1}", "factory.idle_seconds"),
+                       ("factory: {idle_seconds: true}", "factory.idle_seconds"),
+                       ("factory: {idle: 3}", "factory.idle"), ("factory: 3", "factory")):
+        p.write_text(bad + "\n")
+        with pytest.raises(ConfigError) as e:
+            wire.idle_seconds(str(p))
+        assert f"{p}: {field}:" in str(e.value), str(e.value)
