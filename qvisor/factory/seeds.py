@@ -136,7 +136,7 @@ def hand_over(program: str, payload: object, fds: list[int]) -> int | None:
             raise OSError("the seed did not take the hand-over")
         return struct.unpack("=i", reply)[0]
     except OSError as e:   # it died, or the message is too big for its socket
-        log.debug("supervisor seed not used: %s", e)
+        log.debug("seed not used: %s", e)
         return None
     finally:
         if cwd >= 0:
