@@ -6,9 +6,11 @@ that ran `quark create` inherited the pages that worker wrote (the rehearsal, ar
 loading and checking the spec: pages it never touches again) and kept them for the container's
 life (measured: bench/README.md, "Start-up and supervisor memory"). So a seed is forked ahead by
 the zygote — a process that does nothing but fork seeds, and so writes little of what its seeds
-share with it — and waits; the worker that runs the create hands it what its fork would have
-given it (qvisor/birth.py: start, supervise_handed_over) and it becomes the supervisor.
-A create that gets no seed forks its supervisor as before.
+share with it — and waits; the worker that runs the request hands it what its fork would have
+given it (hand_over: the process context a fork keeps, the program's payload and fds) and it
+becomes what the program makes of it (take_on, then the program's "become": quark's create makes
+it the supervisor, qvisor/birth.py; the shim's `start` its server, shim/main.py). A request that
+gets no seed forks as before.
 """
 from __future__ import annotations
 
@@ -130,10 +132,11 @@ def hand_over(program: str, payload: object, fds: list[int]) -> int | None:
         cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         data = program.encode() + b"\0" + pickle.dumps(context, pickle.HIGHEST_PROTOCOL)
         socket.send_fds(seed, [data], [0, 1, 2, cwd, *fds])
-        seed.settimeout(5.0)
+        # no timeout: a seed answers right after it has the message, or its end closes (it died
+        # before it took anything on, and the caller forks instead): never both
         reply = seed.recv(4)
         if len(reply) != 4:
-            raise OSError("the seed did not take the hand-over")
+            raise OSError("the seed exited before it took the hand-over")
         return struct.unpack("=i", reply)[0]
     except OSError as e:   # it died, or the message is too big for its socket
         log.debug("seed not used: %s", e)
