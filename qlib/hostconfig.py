@@ -44,6 +44,20 @@ def entry(config_path: str, key: str) -> object:
 _parsed: list = [None, None]   # [(path, inode, mtime, size), its top-level mapping or None]
 
 
+def section(config_path: str, name: str, keys: tuple[str, ...], shape: str) -> dict | None:
+    """The section `name` as a mapping of the `keys` a part knows (None: no file, or no section);
+    refused naming the field otherwise (`shape`: what it should look like, for the message)."""
+    value = entry(config_path, name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(config_path, name, f"expected a mapping {shape}")
+    for key in value:
+        if key not in keys:
+            raise ConfigError(config_path, f"{name}.{key}", f"unknown setting (known: {', '.join(keys)})")
+    return value
+
+
 def _parse(config_path: str) -> dict | None:
     # imported here, not at the top: the CLI's create path imports this module and reads the file
     # only when --platform is not given, and yaml's import is a noticeable part of a CLI start

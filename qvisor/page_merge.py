@@ -35,14 +35,9 @@ def load_setting(config_path: str | None = None) -> bool:
     """supervisor.memory_merge from quark's host config (False when absent). A setting this kernel
     cannot honour is refused, naming the field."""
     path = config_path or hostconfig.path()
-    section = hostconfig.entry(path, "supervisor")
+    section = hostconfig.section(path, "supervisor", ("memory_merge",), "{memory_merge: true|false}")
     if section is None:
         return False
-    if not isinstance(section, dict):
-        raise ConfigError(path, "supervisor", "expected a mapping {memory_merge: true|false}")
-    for key in section:
-        if key != "memory_merge":
-            raise ConfigError(path, f"supervisor.{key}", "unknown setting (known: memory_merge)")
     value = section.get("memory_merge", False)
     if not isinstance(value, bool):
         raise ConfigError(path, _FIELD, f"{value!r}: expected true or false")

@@ -48,14 +48,9 @@ def idle_seconds(config_path: str | None = None) -> float:
             raise ConfigError("$QUARK_FACTORY_IDLE", "", f"{env!r}: expected seconds (0: never)")
         return value if value > 0 else float("inf")
     path = config_path or hostconfig.path()
-    section = hostconfig.entry(path, "factory")
+    section = hostconfig.section(path, "factory", ("idle_seconds",), "{idle_seconds: N}")
     if section is None:
         return DEFAULT_IDLE_S
-    if not isinstance(section, dict):
-        raise ConfigError(path, "factory", "expected a mapping {idle_seconds: N}")
-    for key in section:
-        if key != "idle_seconds":
-            raise ConfigError(path, f"factory.{key}", "unknown setting (known: idle_seconds)")
     value = section.get("idle_seconds", DEFAULT_IDLE_S)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
         raise ConfigError(path, "factory.idle_seconds", f"{value!r}: expected seconds, 0 or more (0: never)")
