@@ -66,11 +66,15 @@ def _served_by_factory(argv: list[str]) -> bool:
 # shim's server is then forked with its modules loaded and shares their pages, and the clean-up
 # costs no Python start. Registered as an entry point of the "quark.factory" group
 # (pyproject.toml), so qvisor never imports the shim.
+def _starts_server(argv: list[str]) -> bool:
+    # containerd's `start`: the server it starts lives in the caller's cgroups, and is a seed
+    return bool(argv) and argv[-1] == "start"
+
+
 SHIM_PROGRAM = "containerd-shim-quark-v1"   # its name in the group (pyproject.toml)
-FACTORY_PROGRAM = {"main": main, "serves": _served_by_factory,
-                   "adopts_cgroups": lambda argv: bool(argv) and argv[-1] == "start",
+FACTORY_PROGRAM = {"main": main, "serves": _served_by_factory, "adopts_cgroups": _starts_server,
                    "preload": ("shim.serve", "shim.service", "shim.ttrpc", "shim.runtime"),
-                   "wants_seed": lambda argv: bool(argv) and argv[-1] == "start",
+                   "wants_seed": _starts_server,
                    "become": lambda data, fds: _become_server(data, fds)}   # (defined below)
 
 
