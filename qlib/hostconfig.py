@@ -6,6 +6,7 @@ every container of the host. One file, read here for every part that has a secti
   snapshot     swapfile                    qvisor/swap.py
   supervisor   memory_merge                qvisor/page_merge.py
   factory      idle_seconds                qvisor/factory/wire.py
+  shim         scope                       shim/paths.py
 
 Each part checks its own section and names the field it refuses; a key no part knows is refused
 here (a setting quark cannot honour is never silently dropped). The file is parsed once per
@@ -18,7 +19,7 @@ import os
 from qlib.errors import ConfigError
 
 CONFIG_PATH = "/etc/quark/config.yaml"
-SECTIONS = ("platform", "security", "snapshot", "supervisor", "factory")
+SECTIONS = ("platform", "security", "snapshot", "supervisor", "factory", "shim")
 
 
 def path() -> str:

@@ -4,7 +4,8 @@ containerd runs it with Go-style flags and a verb, in the bundle directory:
   -namespace NS -address ADDR -publish-binary BIN [-debug] -id ID start
       bind the shim's socket, fork the server into its own session, write `address` (and
       `shim.pid`) into the bundle, print only the address and exit. A container of a pod whose
-      sandbox already has a shim gets that shim's address.
+      sandbox already has a shim gets that shim's address; with `shim: {scope: node}` in quark's
+      host configuration every container gets the node's shim (one per containerd and namespace).
   ... -id ID delete
       clean up after a shim that died: force-delete the container in quark, unmount its rootfs,
       write a binary DeleteResponse on stdout.
@@ -21,6 +22,8 @@ import sys
 from shim import paths
 
 log = logging.getLogger("quark.shim")
+
+CONNECT_TIMEOUT_S = 10.0   # a shim answers Connect at once; this only bounds a stuck one
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,17 +81,6 @@ FACTORY_PROGRAM = {"main": main, "serves": _served_by_factory, "adopts_cgroups":
                    "become": lambda data, fds: _become_server(data, fds)}   # (defined below)
 
 
-def _answers(path: str) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
 def _write_file(path: str, text: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="ascii") as f:
@@ -97,45 +89,86 @@ def _write_file(path: str, text: str) -> None:
 
 
 def start(args: argparse.Namespace, bundle: str) -> int:
-    from shim.ttrpc import listen, socket_path
-
-    group = paths.shim_group(bundle, args.id)
-    address = paths.socket_address(args.address, args.namespace, group)
-    path = socket_path(address)
+    from qlib.errors import QuarkError
     try:
-        listener = listen(path)
-    except OSError as e:
-        if e.errno != errno.EADDRINUSE:
-            raise
-        if group != args.id and _answers(path):  # the pod's shim is up: it serves this container too
-            _write_file(os.path.join(bundle, "address"), address)
-            print(address, end="")
-            return 0
-        os.unlink(path)  # a dead shim's socket
-        listener = listen(path)
-    # in the sandbox factory's worker: a seed forked ahead becomes the server, so it shares the
-    # factory's pages and none of those this worker wrote (measured: bench/README.md, "Pod overhead")
-    from qvisor.factory import seeds
-    pid = seeds.hand_over(SHIM_PROGRAM, {"address": address, "namespace": args.namespace, "bundle": bundle,
-                                         "debug": args.debug}, [listener.fileno()])
-    if pid is None:
-        pid = os.fork()
-        if pid == 0:
-            _serve(listener, address, args.namespace, bundle, args.debug)
-    listener.close()
-    _write_file(os.path.join(bundle, "address"), address)
-    _write_file(os.path.join(bundle, "shim.pid"), str(pid))
+        shim_scope = paths.scope()
+    except QuarkError as e:   # a host setting quark cannot take: containerd shows this line
+        print(f"containerd-shim-quark-v1: {e}", file=sys.stderr)
+        return 1
+    group = paths.group_of(bundle, args.id, shim_scope)
+    address = paths.socket_address(args.address, args.namespace, group)
+    if shim_scope == "node":
+        # the node's shim exits once idle (shim/serve.py): deciding to go and a `start` finding it
+        # up are serialized by this lock, so an answer here is a shim that stays for this container
+        # (held only while looking: a forked server must not inherit it)
+        with paths.sockets_locked():
+            listener = _bind_or_join(bundle, address, args.id)
+    else:   # (a container that is its own group never finds its shim up: that one is a dead one's)
+        listener = _bind_or_join(bundle, address, args.id, joins=group != args.id)
+    if listener is not None:
+        # in the sandbox factory's worker: a seed forked ahead becomes the server, so it shares the
+        # factory's pages and none of those this worker wrote (measured: bench/README.md, "Pod overhead")
+        from qvisor.factory import seeds
+        pid = seeds.hand_over(SHIM_PROGRAM, {"address": address, "namespace": args.namespace, "bundle": bundle,
+                                             "debug": args.debug, "scope": shim_scope}, [listener.fileno()])
+        if pid is None:
+            pid = os.fork()
+            if pid == 0:
+                _serve(listener, address, args.namespace, bundle, args.debug, shim_scope)
+        listener.close()
+        _write_file(os.path.join(bundle, "address"), address)
+        _write_file(os.path.join(bundle, "shim.pid"), str(pid))
     sys.stdout.write(address)
     sys.stdout.flush()
     return 0
 
 
-def _serve(listener: socket.socket, address: str, namespace: str, bundle: str, debug: bool) -> None:
+def _bind_or_join(bundle: str, address: str, container_id: str, joins: bool = True) -> socket.socket | None:
+    """The listening socket for a new shim at `address`, or None when the shim already there serves
+    this container too (if it `joins` one), its address and pid then written in the bundle."""
+    from shim.ttrpc import listen, socket_path
+
+    path = socket_path(address)
+    try:
+        return listen(path)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+    pid = _shim_pid(path, container_id) if joins else 0
+    if pid:   # the pod's (or the node's) shim is up: it serves this container too
+        _write_file(os.path.join(bundle, "address"), address)
+        _write_file(os.path.join(bundle, "shim.pid"), str(pid))
+        return None
+    os.unlink(path)  # a dead shim's socket
+    return listen(path)
+
+
+def _shim_pid(path: str, container_id: str) -> int:
+    """The pid of the shim answering at `path` (0: none answers). For the node's shim this answer
+    to Connect also keeps it up for the container containerd is about to create there
+    (shim/serve.py, NODE_IDLE_S)."""
+    from shim.pb import shim_pb2 as pb
+    from shim.service import SERVICE
+    from shim.ttrpc import Client, RpcError
+    try:
+        client = Client(path, timeout=CONNECT_TIMEOUT_S)
+    except OSError:
+        return 0
+    try:
+        return client.call(SERVICE, "Connect", pb.ConnectRequest(id=container_id), pb.ConnectResponse).shim_pid
+    except (OSError, ConnectionError, RpcError):
+        return 0
+    finally:
+        client.close()
+
+
+def _serve(listener: socket.socket, address: str, namespace: str, bundle: str, debug: bool,
+           shim_scope: str) -> None:
     """Be the shim's server. Never returns."""
     try:
         _become_daemon()
         from shim.serve import serve
-        code = serve(listener, address, namespace, bundle, debug)
+        code = serve(listener, address, namespace, bundle, debug, shim_scope)
     except BaseException:
         logging.getLogger("quark.shim").exception("shim server failed")
         code = 1
@@ -153,7 +186,8 @@ def _become_server(data: bytes, fds: list[int]) -> None:
         listener.set_inheritable(False)
     except BaseException:   # `start` has answered containerd already: its connect finds no server
         os._exit(1)
-    _serve(listener, payload["address"], payload["namespace"], payload["bundle"], payload["debug"])
+    _serve(listener, payload["address"], payload["namespace"], payload["bundle"], payload["debug"],
+           payload.get("scope", "pod"))
 
 
 def _become_daemon() -> None:

@@ -1,8 +1,9 @@
 """containerd.task.v2.Task: the RPCs containerd sends a shim, served by driving the `quark` CLI.
 
-One shim serves every container of a pod sandbox (or a single container). Container processes
-are children of quark's supervisor, not of the shim, so exits come from one wait on the
-supervisor per process, watched from a thread; a Wait call holds no thread (see wait), and a
+One shim serves every container of a pod sandbox (or a single container), or with `shim: {scope:
+node}` every quark container of its containerd and namespace (shim/serve.py says when it goes).
+Container processes are children of quark's supervisor, not of the shim, so exits come from one
+wait on the supervisor per process, watched from a thread; a Wait call holds no thread (see wait), and a
 Kill for an exec'd process goes through the supervisor (see kill). Events keep containerd's
 order: an exit that races a start is held back until TaskStart is queued.
 
@@ -15,6 +16,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -39,14 +41,17 @@ START_FAILURE_EXIT_WAIT_S = 5.0   # the init's exit after a failed start: its ou
 
 class TaskService(ProcessTable):
     def __init__(self, quark: Quark, publish: Callable[[Message], None], namespace: str,
-                 on_shutdown: Callable[[], None]) -> None:
+                 on_shutdown: Callable[[], None],
+                 on_containers: Callable[[list[str]], None] | None = None) -> None:
         self.quark = quark
         self.publish = publish
         self.namespace = namespace
         self.on_shutdown = on_shutdown
+        self.on_containers = on_containers   # told the bundles served, oldest first, after a change
         self.containers: dict[str, Container] = {}
         self._creating: set[str] = set()
         self.lock = threading.RLock()  # guards containers, process status and event order
+        self.last_call = time.monotonic()   # when a call last came (see idle_seconds)
 
     def register(self, server: Server) -> None:
         for name, (req_type, handler) in {
@@ -60,8 +65,26 @@ class TaskService(ProcessTable):
             "Stats": (pb.StatsRequest, self.stats), "Connect": (pb.ConnectRequest, self.connect),
             "Shutdown": (pb.ShutdownRequest, self.shutdown),
         }.items():
-            server.register(SERVICE, name, Method(req_type, lambda req, _md, h=handler: h(req),
+            server.register(SERVICE, name, Method(req_type, lambda req, _md, h=handler: self._called(h, req),
                                                   deferred=handler == self.wait))
+
+    def _called(self, handler: Callable, req: Message):
+        self.last_call = time.monotonic()
+        return handler(req)
+
+    def idle_seconds(self) -> float | None:
+        """How long this shim has served no container and answered no call; None while it serves
+        one (or one is being created)."""
+        with self.lock:
+            if self.containers or self._creating:
+                return None
+            return time.monotonic() - self.last_call
+
+    def _containers_changed(self) -> None:
+        if self.on_containers is not None:
+            with self.lock:
+                bundles = [c.bundle for c in self.containers.values()]
+            self.on_containers(bundles)
 
     # lifecycle
 
@@ -112,6 +135,7 @@ class TaskService(ProcessTable):
                 checkpoint=req.checkpoint))
         self._watch(c, init)
         c.oom = oom.watch(pid, lambda: self.publish(ev.TaskOOM(container_id=req.id)), c.oom_stop)
+        self._containers_changed()
         return pb.CreateTaskResponse(pid=pid)
 
     def start(self, req: pb.StartRequest) -> pb.StartResponse:
@@ -208,6 +232,7 @@ class TaskService(ProcessTable):
             self.containers.pop(c.id, None)
             self.publish(ev.TaskDelete(container_id=c.id, pid=resp.pid, exit_status=resp.exit_status,
                                        exited_at=resp.exited_at))
+        self._containers_changed()
         return resp
 
     @staticmethod

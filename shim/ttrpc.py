@@ -162,16 +162,17 @@ class _Connection:
 
 class Server:
     """Serves registered methods on a listening unix socket: a thread per connection (at most
-    MAX_CONNECTIONS) and at most MAX_WORKERS threads answering requests, for all connections
+    max_connections, MAX_CONNECTIONS unless told) and at most MAX_WORKERS threads answering requests, for all connections
     together. A request that finds every worker busy waits unread in its connection's socket, so a
     flood is queued by the kernel, not by threads. A deferred method (Wait) holds no thread while
     it waits; MAX_PARKED of them may wait at once, and more are refused with RESOURCE_EXHAUSTED."""
 
-    def __init__(self, listener: socket.socket) -> None:
+    def __init__(self, listener: socket.socket, max_connections: int = MAX_CONNECTIONS) -> None:
         self.listener = listener
         self.methods: dict[tuple[str, str], Method] = {}
         self._closing = False
-        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.max_connections = max_connections
+        self._connections = threading.BoundedSemaphore(max_connections)
         self._workers = threading.BoundedSemaphore(MAX_WORKERS)
         self._parked = threading.BoundedSemaphore(MAX_PARKED)
 
@@ -187,7 +188,7 @@ class Server:
                     return
                 raise
             if not self._connections.acquire(blocking=False):
-                log.warning("refusing a ttrpc connection: %d are open already", MAX_CONNECTIONS)
+                log.warning("refusing a ttrpc connection: %d are open already", self.max_connections)
                 conn.close()
                 continue
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))

@@ -280,9 +280,11 @@ state = "{self.state}"
 
 
 @contextlib.contextmanager
-def running(**kw) -> Iterator[CriContainerd]:
-    """A CriContainerd(**kw) started, its images imported; closed (everything removed) on leaving."""
+def running(env: dict[str, str] | None = None, **kw) -> Iterator[CriContainerd]:
+    """A CriContainerd(**kw) started (with `env` added to its environment), its images imported;
+    closed (everything removed) on leaving."""
     d = CriContainerd(**kw)
+    d.env.update(env or {})
     try:
         d.start()
         d.import_images()

@@ -24,6 +24,7 @@ from shim.runtime import Exit, parse_rfc3339
 from shim.service import SERVICE, TaskService
 from shim.ttrpc import (HEADER, MAX_CONNECTIONS, MAX_PARKED, MAX_WORKERS, MESSAGE_LENGTH_MAX, Client, Code,
                         RpcError, Server, frame, listen, read_frame)
+from tests.support.processes import alive
 
 
 class FakeQuark:
@@ -404,7 +405,7 @@ def test_lingering_shim_leaves_the_next_shims_socket_alone(tmp_path):
         second = subprocess.run(argv, cwd=bundle, env=env, capture_output=True, text=True, check=True).stdout
         pids.append(int((bundle / "shim.pid").read_text()))
         assert second == first and pids[0] != pids[1]
-        assert wait_for(lambda: not os.path.exists(f"/proc/{pids[0]}") or _zombie(pids[0]), timeout=5)
+        assert wait_for(lambda: not alive(pids[0]), timeout=5)
         time.sleep(0.1)
         assert os.path.exists(path), "the old shim removed the new shim's socket"
         with pytest.raises(RpcError) as e:
@@ -417,17 +418,9 @@ def test_lingering_shim_leaves_the_next_shims_socket_alone(tmp_path):
             except (OSError, RpcError):
                 pass
         for pid in pids:
-            wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), timeout=5)
-            if os.path.exists(f"/proc/{pid}") and not _zombie(pid):
+            wait_for(lambda: not alive(pid), timeout=5)
+            if alive(pid):
                 os.kill(pid, 9)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def _threads() -> int:
