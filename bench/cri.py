@@ -1,7 +1,7 @@
 """Pod start through containerd's CRI, quark vs runc, in one containerd, interleaved.
 
-Each run is what kubelet does for a one-container pod: RunPodSandbox (runtime handler `quark` or
-`runc`), CreateContainer, StartContainer, then the time until the container's first output line
+Each run is what kubelet does for a one-container pod: RunPodSandbox (runtime handler `runc`, or
+`quark` with a shim per pod, the default, and with one shim for the node, `shim: {scope: node}`), CreateContainer, StartContainer, then the time until the container's first output line
 is in its CRI log (the file containerd writes for kubelet). Timed per phase; then the pod is torn
 down (StopPodSandbox, RemovePodSandbox: timed too, apart). The containerd is tests/integration/
 cri_env.py's (private, CRI plugin on, bridge CNI); the shim is the one the tests use (the C front
@@ -25,7 +25,9 @@ from tests.integration import containerd_env as ce  # noqa: E402
 from tests.integration import cri_env  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-HANDLERS = ("quark", "runc")
+# what each pod is made with: CRI's runtime handler, and for quark the shim's scope (`shim: {scope}` in
+# quark's host configuration, rewritten before each pod: a shim's `start` reads it each time)
+KINDS = {"quark": ("quark", "pod"), "quark_node_shim": ("quark", "node"), "runc": ("runc", None)}
 PHASES = ("run_pod", "create", "start", "first_output", "total", "teardown")
 
 
@@ -34,11 +36,14 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def one_pod(cri, handler: str, i: int) -> dict[str, float]:
+def one_pod(cri, kind: str, i: int, quark_config: Path) -> dict[str, float]:
     """Seconds of each phase of one pod's start (and its teardown)."""
+    handler, scope = KINDS[kind]
+    if scope:
+        quark_config.write_text(f"shim:\n  scope: {scope}\n")
     t: dict[str, float] = {}
     t0 = time.perf_counter()
-    pod, config = cri.run_pod(f"bench-{handler}-{i}", handler)
+    pod, config = cri.run_pod(f"bench-{kind.replace('_', '-')}-{i}", handler)
     t1 = time.perf_counter()
     cid = cri.create_container(pod, config, "main", cri_env.BUSYBOX_IMAGE, ["sh", "-c", "echo ready; exec sleep 300"])
     t2 = time.perf_counter()
@@ -63,10 +68,10 @@ def one_pod(cri, handler: str, i: int) -> dict[str, float]:
     return t
 
 
-def rows(samples: dict[str, list[dict[str, float]]]) -> list[dict]:
+def rows(samples: dict[str, list[dict[str, float]]], kind: str = "quark") -> list[dict]:
     out = []
     for phase in PHASES:
-        q = [s[phase] for s in samples["quark"]]
+        q = [s[phase] for s in samples[kind]]
         r = [s[phase] for s in samples["runc"]]
         qm, rm = statistics.median(q), statistics.median(r)
         out.append({"phase": phase, "runs": len(q), "quark_median_ms": round(qm * 1e3, 1),
@@ -86,30 +91,36 @@ def main() -> int:
         return 1
     from tests.support.cri.client import CriClient
     d = cri_env.CriContainerd(with_quark_cni=False, shim_dir=a.shim_dir)
+    quark_config = d.base / "quark-config.yaml"
+    d.env["QUARK_CONFIG"] = str(quark_config)   # the shim's scope, per pod (one_pod)
     shim = os.path.join(a.shim_dir or ce._BIN, "containerd-shim-quark-v1")
     result: dict = {"command": "python bench/cri.py " + " ".join(sys.argv[1:]), "shim": os.path.realpath(shim),
                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    samples: dict[str, list[dict[str, float]]] = {h: [] for h in HANDLERS}
+    samples: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
     try:
         d.start()
         d.import_images()
         with CriClient(d.address, cgroup_parent=d.cgroup_parent, log_root=str(d.log_dir)) as cri:
-            for h in HANDLERS:            # warm-up: image snapshots, page cache, the factory
-                one_pod(cri, h, -1)
-            for i in range(a.runs):       # interleaved, alternating who goes first, so drift hits both alike
-                for h in (HANDLERS if i % 2 == 0 else HANDLERS[::-1]):
-                    samples[h].append(one_pod(cri, h, i))
+            for k in KINDS:               # warm-up: image snapshots, page cache, the factory
+                one_pod(cri, k, -1, quark_config)
+            order = list(KINDS)
+            for i in range(a.runs):       # interleaved, alternating who goes first, so drift hits all alike
+                for k in (order if i % 2 == 0 else order[::-1]):
+                    samples[k].append(one_pod(cri, k, i, quark_config))
     finally:
         d.close()
     result["phases"] = rows(samples)
+    result["phases_node_shim"] = rows(samples, "quark_node_shim")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "cri.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"{result['command']}  ({result['date']}, shim {result['shim']})")
-    print("| phase | runs | quark median | quark p95 | runc median | runc p95 | ratio (median) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in result["phases"]:
-        print(f"| {r['phase']} | {r['runs']} | {r['quark_median_ms']} ms | {r['quark_p95_ms']} ms | "
-              f"{r['runc_median_ms']} ms | {r['runc_p95_ms']} ms | {r['ratio']}x |")
+    for title, key in (("a shim per pod", "phases"), ("one shim for the node", "phases_node_shim")):
+        print(f"quark with {title}:")
+        print("| phase | runs | quark median | quark p95 | runc median | runc p95 | ratio (median) |")
+        print("|---|---|---|---|---|---|---|")
+        for r in result[key]:
+            print(f"| {r['phase']} | {r['runs']} | {r['quark_median_ms']} ms | {r['quark_p95_ms']} ms | "
+                  f"{r['runc_median_ms']} ms | {r['runc_p95_ms']} ms | {r['ratio']}x |")
     return 0
 
 

@@ -1,13 +1,15 @@
 """What a pod costs beyond its own cgroup, through containerd's CRI: quark vs runc, per pod.
 
-Each run starts N pods per handler (`quark` and `runc`, interleaved), each what kubelet makes of a
-one-container pod: the pause sandbox and one busybox `sleep`. Once they have all started, for each
-pod:
+Each run starts N pods of each kind, interleaved: `runc`, `quark` with a shim per pod (the default),
+and `quark` with one shim for the node (`shim: {scope: node}` in quark's host configuration), each
+what kubelet makes of a one-container pod: the pause sandbox and one busybox `sleep`. Once they have
+all started, for each pod:
 
 * **outside the pod's cgroup** — what the runtime spends on the pod that the pod's cgroup (and so
   its memory limit and kubelet's accounting of it) does not see: the PSS (/proc/PID/smaps_rollup)
-  of the pod's shim and, for quark, of the supervisor of each of its two sandboxes (the pause's and
-  the container's), each with those of its descendants that are not in the pod's cgroup. The shim
+  of the pod's shim (the node's shim: its PSS divided by the pods of the run it serves) and, for
+  quark, of the supervisor of each of its two sandboxes (the pause's and the container's), each
+  with those of its descendants that are not in the pod's cgroup. The shim
   is the one the sandbox's bundle names (`shim.pid`; containerd's runc shim writes none, and it is
   the parent of the pod's processes), a supervisor the parent of its sandbox's init (the init's pid
   from CRI's verbose PodSandboxStatus / ContainerStatus, as `crictl inspect` shows it);
@@ -46,9 +48,12 @@ from tests.integration import containerd_env as ce  # noqa: E402
 from tests.integration import cri_env  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-HANDLERS = ("quark", "runc")
+# what each pod is made with: CRI's runtime handler, and for quark the shim's scope (`shim: {scope}`
+# in quark's host configuration, rewritten before each pod: a shim's `start` reads it each time)
+KINDS = {"quark": ("quark", "pod"), "quark_node_shim": ("quark", "node"), "runc": ("runc", None)}
 MiB = 1024 * 1024
 SETTLE_S = 3.0   # after the last pod started: supervisors finish what start-up left to do
+SHIMS_GONE_S = 30.0   # at most, after a run's pods are removed, for their shims to go
 
 
 def pss_kib(pid: int) -> int | None:
@@ -122,15 +127,19 @@ def parent(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def start_pod(cri, handler: str, name: str) -> dict:
+def start_pod(cri, kind: str, name: str, quark_config: Path) -> dict:
+    handler, scope = KINDS[kind]
+    if scope:
+        quark_config.write_text(f"shim:\n  scope: {scope}\n")
     pod, config = cri.run_pod(name, handler)
     cid = cri.create_container(pod, config, "main", cri_env.BUSYBOX_IMAGE, ["sleep", "3600"])
     cri.start_container(cid)
-    return {"handler": handler, "pod": pod, "cid": cid, "cgroup": config.linux.cgroup_parent}
+    return {"kind": kind, "handler": handler, "pod": pod, "cid": cid, "cgroup": config.linux.cgroup_parent}
 
 
-def measure(cri, cd, p: dict, kids: dict[int, list[int]]) -> dict:
-    """One pod's figures in MiB (see the module's docstring)."""
+def measure(cri, cd, p: dict, kids: dict[int, list[int]], sharing: dict[int, int]) -> dict:
+    """One pod's figures in MiB (see the module's docstring); `sharing`: how many of the pods
+    measured each shim serves (the node's shim counts for each pod its share)."""
     from tests.support.cri import cri_v1_pb2 as pb
     pause = init_pid(cri.pod_status(p["pod"], verbose=True).info)
     app = init_pid(cri.call("ContainerStatus", pb.ContainerStatusRequest(container_id=p["cid"], verbose=True)).info)
@@ -151,8 +160,11 @@ def measure(cri, cd, p: dict, kids: dict[int, list[int]]) -> dict:
     for role, root in roles.items():
         pids = [q for q in tree_outside(root, p["cgroup"], kids) if q not in seen]
         seen.update(pids)
-        out[f"{role}_mib"] = round(sum(pss_kib(q) or 0 for q in pids) / 1024, 2)
+        share = sharing.get(root, 1) if role == "shim" else 1
+        out[f"{role}_mib"] = round(sum(pss_kib(q) or 0 for q in pids) / 1024 / share, 2)
         out[f"{role}_processes"] = len(pids)
+        if role == "shim":
+            out["shim_serves_pods"] = share
     out["outside_mib"] = round(sum(v for k, v in out.items() if k.endswith("_mib")), 2)
     inside = cgroup_pids(p["cgroup"])
     out["inside_processes"] = len(inside)
@@ -162,6 +174,20 @@ def measure(cri, cd, p: dict, kids: dict[int, list[int]]) -> dict:
     if seen & inside:
         raise RuntimeError(f"pod {p['pod'][:12]}: a process counted both outside and inside its cgroup")
     return out
+
+
+SCENARIOS = ("quark", "quark_factory_exited", "quark_node_shim", "quark_node_shim_factory_exited", "runc")
+
+
+def _sharing(cd, pods: list[dict]) -> dict[int, int]:
+    """How many of `pods` each quark shim serves (by the pid their sandbox's bundle names)."""
+    counts: dict[int, int] = {}
+    for p in pods:
+        f = cd.state / "io.containerd.runtime.v2.task" / cri_env.NAMESPACE / p["pod"] / "shim.pid"
+        if p["handler"] == "quark" and f.exists():
+            pid = int(f.read_text())
+            counts[pid] = counts.get(pid, 0) + 1
+    return counts
 
 
 def factory_pss_mib(factory_dir: str) -> float:
@@ -210,12 +236,14 @@ def main() -> int:
     factory_dir = os.path.join(work, "factory")
     os.environ["QUARK_FACTORY_DIR"] = factory_dir   # inherited by containerd, its shims and their quark
     d = cri_env.CriContainerd(with_quark_cni=False, shim_dir=a.shim_dir)
+    quark_config = Path(work, "config.yaml")
+    d.env["QUARK_CONFIG"] = str(quark_config)   # the shim's scope, per pod (start_pod)
     shim = os.path.join(a.shim_dir or ce._BIN, "containerd-shim-quark-v1")
     result: dict = {"command": "python bench/pod_overhead.py " + " ".join(sys.argv[1:]),
                     "shim": os.path.realpath(shim), "cpus": os.cpu_count(), "kernel": platform.release(),
                     "pods": a.pods, "runs": a.runs,
                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    samples: dict[str, list[dict]] = {"quark": [], "quark_factory_exited": [], "runc": []}
+    samples: dict[str, list[dict]] = {kind: [] for kind in SCENARIOS}
     factory: list[float] = []
     factory_left: list[float] = []
     try:
@@ -225,15 +253,17 @@ def main() -> int:
             for run in range(a.runs):
                 # warm-up: the first create of a run starts the factory; the pods then measured are
                 # all made through it, as on a node that keeps starting pods
-                for h in HANDLERS:
-                    cri.teardown_pod(start_pod(cri, h, f"warm-{h}-{run}")["pod"])
+                for k in KINDS:
+                    cri.teardown_pod(start_pod(cri, k, f"warm-{k}-{run}", quark_config)["pod"])
                 time.sleep(1)
-                pods = [start_pod(cri, h, f"ov-{h}-{run}-{i}") for i in range(a.pods)
-                        for h in (HANDLERS if i % 2 == 0 else HANDLERS[::-1])]
+                order = list(KINDS)
+                pods = [start_pod(cri, k, f"ov-{k.replace('_', '-')}-{run}-{i}", quark_config) for i in range(a.pods)
+                        for k in (order if i % 2 == 0 else order[::-1])]
                 time.sleep(SETTLE_S)
                 kids = children_map()
+                sharing = _sharing(d, pods)
                 for p in pods:
-                    samples[p["handler"]].append(measure(cri, d, p, kids) | {"run": run})
+                    samples[p["kind"]].append(measure(cri, d, p, kids, sharing) | {"run": run})
                 factory.append(factory_pss_mib(factory_dir))
                 client.stop(factory_dir)
                 time.sleep(SETTLE_S)
@@ -241,14 +271,17 @@ def main() -> int:
                 kids = children_map()
                 for p in pods:
                     if p["handler"] == "quark":
-                        samples["quark_factory_exited"].append(measure(cri, d, p, kids) | {"run": run})
+                        samples[f"{p['kind']}_factory_exited"].append(measure(cri, d, p, kids, sharing) | {"run": run})
                 for p in pods:
                     cri.teardown_pod(p["pod"])
-                q = statistics.median(s["outside_mib"] for s in samples["quark"] if s["run"] == run)
-                qx = statistics.median(s["outside_mib"] for s in samples["quark_factory_exited"] if s["run"] == run)
-                r = statistics.median(s["outside_mib"] for s in samples["runc"] if s["run"] == run)
-                print(f"run {run}: outside the pod's cgroup, median per pod: quark {q:.2f} MiB "
-                      f"({qx:.2f} once the factory exited), runc {r:.2f} MiB", flush=True)
+                # the node's shim goes once idle (shim/serve.py): each run starts without it, as the
+                # first (one left from a run whose factory was stopped shares no page with the next)
+                deadline = time.monotonic() + SHIMS_GONE_S
+                while d.shim_pids() and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                med = {k: statistics.median(s["outside_mib"] for s in v if s["run"] == run) for k, v in samples.items()}
+                print(f"run {run}: outside the pod's cgroup, median per pod (MiB): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in med.items()), flush=True)
     finally:
         d.close()
         client.stop(factory_dir)
@@ -267,13 +300,13 @@ def main() -> int:
 def _report(result: dict) -> None:
     print(f"{result['command']}  ({result['date']}, shim {result['shim']}, {result['pods']} pods per handler "
           f"x {result['runs']} runs)")
-    print("| per pod, MiB | quark | quark, factory exited | runc |")
-    print("|---|---|---|---|")
+    print("| per pod, MiB | quark | quark, factory exited | quark, node's shim | quark, node's shim, factory exited | runc |")
+    print("|---|---|---|---|---|---|")
     s = result["summary"]
     for key in ("outside_mib", "shim_mib", "supervisor_pause_mib", "supervisor_app_mib", "inside_cgroup_mib",
                 "inside_pss_mib"):
         cells = []
-        for scenario in ("quark", "quark_factory_exited", "runc"):
+        for scenario in SCENARIOS:
             m = s[scenario].get(key)
             cells.append(f"{m['median']} ({m['min']}-{m['max']}, p95 {m['p95']})" if m and m.get("n") else "-")
         print(f"| {key.removesuffix('_mib')} | " + " | ".join(cells) + " |")
