@@ -183,7 +183,10 @@ class FreshNode:
         ])
         script = (f"set -e; {join}; exec unshare --cgroup --mount --pid --net --uts --ipc --fork "
                   f"--propagation private -- bash -c {shlex.quote(inner)}")
-        self.proc = subprocess.Popen(["bash", "-c", script], env={**os.environ, "NODE_INIT": NODE_INIT},
+        # the init traps HUP and TERM, which a shell cannot do to a signal ignored when it started
+        # (a test run under nohup ignores HUP): env gives them back their default first
+        self.proc = subprocess.Popen(["env", "--default-signal=HUP,TERM,INT", "bash", "-c", script],
+                                     env={**os.environ, "NODE_INIT": NODE_INIT},
                                      stdin=subprocess.DEVNULL, stdout=open(self.base / "node.log", "ab"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30
