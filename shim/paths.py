@@ -3,7 +3,8 @@
 - socket: /run/containerd/s/<sha256(containerd address, namespace, group)>, the same scheme as
   containerd's runc shim, so one pod's containers find their sandbox's shim. The group is the pod
   (`shim: {scope: pod}`, the default), or the node (`shim: {scope: node}` in quark's host
-  configuration): then one shim serves every quark container of that containerd and namespace.
+  configuration): then one shim serves every quark container of that containerd and namespace
+  created by this quark (node_group).
 - quark --root: <containerd state dir>/quark/<namespace> when the bundle sits in containerd's
   `io.containerd.runtime.v2.task/<namespace>/<id>` (so a private containerd keeps a private
   quark root, as runc's /run/containerd/runc/<namespace>); /run/containerd/quark/<namespace>
@@ -69,9 +70,17 @@ def scope(config_path: str | None = None) -> str:
     return value
 
 
+def node_group(code: str | None = None) -> str:
+    """The node's shim's group, one per quark installed (its version and where its code lies, by
+    default this one's): a `start` after an upgrade makes a node's shim of the new quark, and the old
+    one goes once the pods it serves are gone."""
+    from qlib.version import VERSION
+    return f"{NODE_GROUP} {VERSION} {code or os.path.dirname(os.path.dirname(os.path.realpath(__file__)))}"
+
+
 def group_of(bundle: str, container_id: str, shim_scope: str) -> str:
     """The group whose shim serves a container: the node's, else its pod's (see shim_group)."""
-    return NODE_GROUP if shim_scope == "node" else shim_group(bundle, container_id)
+    return node_group() if shim_scope == "node" else shim_group(bundle, container_id)
 
 
 def shim_group(bundle: str, container_id: str) -> str:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from google.protobuf import empty_pb2
@@ -29,6 +31,7 @@ pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the shim's socket lives under /run/containerd/s")]
 
 SHIM = os.path.join(os.path.dirname(sys.executable), "containerd-shim-quark-v1")
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Node:
@@ -48,10 +51,15 @@ class Node:
         (b / "config.json").write_text(json.dumps({"annotations": {paths.SANDBOX_ANNOTATION: pod}}))
         return str(b)
 
-    def start(self, cid: str, pod: str = "") -> tuple[str, int]:
+    def start(self, cid: str, pod: str = "", code: str | None = None) -> tuple[str, int]:
+        """containerd's `start` of the shim; `code`: a directory holding another installation of
+        quark's packages to run it from (as after an upgrade)."""
         bundle = self.bundle(cid, pod or cid)
-        p = subprocess.run([SHIM, "-namespace", "t", "-address", self.containerd, "-id", cid, "start"],
-                           cwd=bundle, env=self.env, capture_output=True, text=True, timeout=60)
+        argv, env = [SHIM], self.env
+        if code:
+            argv, env = [sys.executable, "-m", "shim.main"], dict(self.env, PYTHONPATH=code)
+        p = subprocess.run([*argv, "-namespace", "t", "-address", self.containerd, "-id", cid, "start"],
+                           cwd=bundle, env=env, capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, p.stderr
         pid = int(open(os.path.join(bundle, "shim.pid")).read())
         self.pids.add(pid)
@@ -84,9 +92,26 @@ def test_containers_of_different_pods_are_served_by_the_nodes_one_shim(node):
     b, pid_b = node.start("b1", pod="pod-b")
     c, pid_c = node.start("lone")
     assert a == b == c and pid_a == pid_b == pid_c
-    assert a == paths.socket_address(node.containerd, "t", paths.NODE_GROUP)
+    assert a == paths.socket_address(node.containerd, "t", paths.node_group())
     assert call(a, "Connect", pb.ConnectRequest(id="b1"), pb.ConnectResponse).shim_pid == pid_a
     assert os.readlink(f"/proc/{pid_a}/cwd") == "/"   # it holds none of the bundles it outlives
+
+
+def test_a_quark_installed_beside_makes_a_node_shim_of_its_own_and_leaves_the_old_one_serving(node, tmp_path):
+    """After an upgrade the new quark's `start` does not join the node's shim of the old one (which
+    would run the old code for every new pod): it makes its own, and the old one serves on."""
+    old, old_pid = node.start("before", pod="pod-a")
+    upgraded = tmp_path / "upgraded"
+    for pkg in ("shim", "qlib", "qvisor", "qkernel", "tsor"):
+        shutil.copytree(REPO / pkg, upgraded / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    new, new_pid = node.start("after", pod="pod-b", code=str(upgraded))
+    assert new != old and new_pid != old_pid
+    assert new == paths.socket_address(node.containerd, "t", paths.node_group(str(upgraded)))
+    assert open(f"/proc/{new_pid}/cmdline", "rb").read().split(b"\0")[:3] == [sys.executable.encode(), b"-m", b"shim.main"]
+    assert call(old, "Connect", pb.ConnectRequest(id="before"), pb.ConnectResponse).shim_pid == old_pid
+    assert call(new, "Connect", pb.ConnectRequest(id="after"), pb.ConnectResponse).shim_pid == new_pid
+    again, again_pid = node.start("after2", pod="pod-c", code=str(upgraded))
+    assert (again, again_pid) == (new, new_pid)
 
 
 def test_a_pods_shim_is_still_one_per_pod_by_default(tmp_path):
@@ -140,5 +165,5 @@ def test_a_shim_scope_quark_cannot_take_is_refused_at_start_naming_the_field(nod
     assert p.returncode == 1 and p.stdout == ""
     assert f"{node.config}: {why}:" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not os.path.exists(os.path.join(bundle, "shim.pid"))
-    for group in (paths.NODE_GROUP, "bad"):
+    for group in (paths.node_group(), "bad"):
         assert not os.path.exists(socket_path(paths.socket_address(node.containerd, "t", group)))
