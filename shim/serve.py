@@ -15,6 +15,7 @@ import resource
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from shim import paths
 from shim.events import Publisher
@@ -99,12 +100,13 @@ def serve(listener: socket.socket, address: str, namespace: str, bundle: str, de
         os.chdir("/")   # it outlives the bundle it was started in
         _raise_open_files_limit()
     server = Server(listener, NODE_MAX_CONNECTIONS if node else MAX_CONNECTIONS)
-    exit_when_idle = _ExitWhenIdle(server, address, bound_ino, done)
+    if node:
+        on_shutdown = _ExitWhenIdle(server, address, bound_ino, done, lambda: service.idle_seconds()).kick
+    else:
+        def on_shutdown() -> None:   # a pod's shim: once the answer has left
+            threading.Timer(SHUTDOWN_GRACE_S, done.set).start()
     service = TaskService(Quark(paths.quark_root(bundle, namespace)), publisher.publish, namespace,
-                          on_shutdown=(exit_when_idle.kick if node else
-                                       lambda: threading.Timer(SHUTDOWN_GRACE_S, done.set).start()),
-                          on_containers=handler.follow)
-    exit_when_idle.service = service
+                          on_shutdown=on_shutdown, on_containers=handler.follow)
     service.register(server)
     threading.Thread(target=server.serve_forever, daemon=True, name="accept").start()
     log.info("serving %s for namespace %s (one shim per %s)", address, namespace, scope)
@@ -138,12 +140,13 @@ class _ExitWhenIdle:
     """The node's shim's way out: after a Shutdown, once it has served no container and answered no
     call for NODE_IDLE_S, it removes its socket and stops accepting under the lock `start` holds."""
 
-    def __init__(self, server: Server, address: str, bound_ino: int | None, done: threading.Event) -> None:
+    def __init__(self, server: Server, address: str, bound_ino: int | None, done: threading.Event,
+                 idle_seconds: Callable[[], float | None]) -> None:
         self.server = server
         self.address = address
         self.bound_ino = bound_ino
         self.done = done
-        self.service: TaskService | None = None
+        self.idle_seconds = idle_seconds   # the Task service's (None while it serves a container)
         self._kicked = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -154,19 +157,18 @@ class _ExitWhenIdle:
             self._thread.start()
 
     def _run(self) -> None:
-        assert self.service is not None
         while True:
             self._kicked.wait()
             self._kicked.clear()   # a Shutdown from now on looks again after this look
             while True:
-                idle = self.service.idle_seconds()
+                idle = self.idle_seconds()
                 if idle is None:   # serving a container: its Shutdown will kick again
                     break
                 if idle < NODE_IDLE_S:
                     time.sleep(NODE_IDLE_S - idle)
                     continue
                 with paths.sockets_locked():
-                    idle = self.service.idle_seconds()
+                    idle = self.idle_seconds()
                     if idle is None or idle < NODE_IDLE_S:
                         continue
                     _remove_socket(self.address, self.bound_ino)   # a `start` from now on makes a shim
