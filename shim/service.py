@@ -3,8 +3,8 @@
 One shim serves every container of a pod sandbox (or a single container), or with `shim: {scope:
 node}` every quark container of its containerd and namespace (shim/serve.py says when it goes).
 Container processes are children of quark's supervisor, not of the shim, so exits come from one
-wait on the supervisor per process, watched from a thread; a Wait call holds no thread (see wait), and a
-Kill for an exec'd process goes through the supervisor (see kill). Events keep containerd's
+wait on the supervisor per process, watched from a thread; a Wait call holds no thread (see wait),
+and a Kill for an exec'd process goes through the supervisor (see kill). Events keep containerd's
 order: an exit that races a start is held back until TaskStart is queued.
 
 The process records, their lookups and the exit bookkeeping are in shim/processes.py

@@ -162,8 +162,8 @@ class _Connection:
 
 class Server:
     """Serves registered methods on a listening unix socket: a thread per connection (at most
-    max_connections, MAX_CONNECTIONS unless told) and at most MAX_WORKERS threads answering requests, for all connections
-    together. A request that finds every worker busy waits unread in its connection's socket, so a
+    max_connections, MAX_CONNECTIONS unless told) and at most MAX_WORKERS threads answering
+    requests, for all connections together. A request that finds every worker busy waits unread in its connection's socket, so a
     flood is queued by the kernel, not by threads. A deferred method (Wait) holds no thread while
     it waits; MAX_PARKED of them may wait at once, and more are refused with RESOURCE_EXHAUSTED."""
 

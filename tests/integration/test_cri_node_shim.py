@@ -23,11 +23,10 @@ pytestmark = [pytest.mark.root, pytest.mark.timeout(600),
               pytest.mark.skipif(cri_env.skip_reason() is not None, reason=cri_env.skip_reason() or "")]
 
 if cri_env.skip_reason() is None:
+    from tests.integration.test_cri import IMAGE, wait_for
     from tests.support.cri import cri_v1_pb2 as pb
     from tests.support.cri.client import CriClient
     from tests.support.processes import alive
-
-IMAGE = cri_env.BUSYBOX_IMAGE
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +43,6 @@ def cri(cd):
     with CriClient(cd.address, cgroup_parent=cd.cgroup_parent, log_root=str(cd.log_dir)) as c:
         yield c
         c.remove_all_pods()
-
-
-def wait_for(what, predicate, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def bundle(cd, cid: str):
