@@ -1,7 +1,8 @@
 """Pod start through containerd's CRI, quark vs runc, in one containerd, interleaved.
 
 Each run is what kubelet does for a one-container pod: RunPodSandbox (runtime handler `runc`, or
-`quark` with a shim per pod, the default, and with one shim for the node, `shim: {scope: node}`), CreateContainer, StartContainer, then the time until the container's first output line
+`quark` with a shim per pod, the default, with one shim for the node, `shim: {scope: node}`, and with
+that and one supervisor per pod, `supervisor: {scope: pod}`), CreateContainer, StartContainer, then the time until the container's first output line
 is in its CRI log (the file containerd writes for kubelet). Timed per phase; then the pod is torn
 down (StopPodSandbox, RemovePodSandbox: timed too, apart). The containerd is tests/integration/
 cri_env.py's (private, CRI plugin on, bridge CNI); the shim is the one the tests use (the C front
@@ -25,9 +26,11 @@ from tests.integration import containerd_env as ce  # noqa: E402
 from tests.integration import cri_env  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# what each pod is made with: CRI's runtime handler, and for quark the shim's scope (`shim: {scope}` in
-# quark's host configuration, rewritten before each pod: a shim's `start` reads it each time)
-KINDS = {"quark": ("quark", "pod"), "quark_node_shim": ("quark", "node"), "runc": ("runc", None)}
+# what each pod is made with: CRI's runtime handler, and for quark the shim's and the supervisor's
+# scope (`shim: {scope}`, `supervisor: {scope}` in quark's host configuration, rewritten before each
+# pod: a shim's `start` and quark's create read it each time)
+KINDS = {"quark": ("quark", "pod", "container"), "quark_node_shim": ("quark", "node", "container"),
+         "quark_pod": ("quark", "node", "pod"), "runc": ("runc", None, None)}
 PHASES = ("run_pod", "create", "start", "first_output", "total", "teardown")
 
 
@@ -38,9 +41,9 @@ def _pct(xs: list[float], q: float) -> float:
 
 def one_pod(cri, kind: str, i: int, quark_config: Path) -> dict[str, float]:
     """Seconds of each phase of one pod's start (and its teardown)."""
-    handler, scope = KINDS[kind]
-    if scope:
-        quark_config.write_text(f"shim:\n  scope: {scope}\n")
+    handler, shim_scope, supervisor_scope = KINDS[kind]
+    if shim_scope:
+        quark_config.write_text(f"shim:\n  scope: {shim_scope}\nsupervisor:\n  scope: {supervisor_scope}\n")
     t: dict[str, float] = {}
     t0 = time.perf_counter()
     pod, config = cri.run_pod(f"bench-{kind.replace('_', '-')}-{i}", handler)
@@ -111,10 +114,12 @@ def main() -> int:
         d.close()
     result["phases"] = rows(samples)
     result["phases_node_shim"] = rows(samples, "quark_node_shim")
+    result["phases_pod_supervisor"] = rows(samples, "quark_pod")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "cri.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"{result['command']}  ({result['date']}, shim {result['shim']})")
-    for title, key in (("a shim per pod", "phases"), ("one shim for the node", "phases_node_shim")):
+    for title, key in (("a shim per pod", "phases"), ("one shim for the node", "phases_node_shim"),
+                       ("one shim for the node and one supervisor per pod", "phases_pod_supervisor")):
         print(f"quark with {title}:")
         print("| phase | runs | quark median | quark p95 | runc median | runc p95 | ratio (median) |")
         print("|---|---|---|---|---|---|---|")

@@ -1,14 +1,16 @@
 """What a pod costs beyond its own cgroup, through containerd's CRI: quark vs runc, per pod.
 
 Each run starts N pods of each kind, interleaved: `runc`, `quark` with a shim per pod (the default),
-and `quark` with one shim for the node (`shim: {scope: node}` in quark's host configuration), each
+`quark` with one shim for the node (`shim: {scope: node}` in quark's host configuration) and
+`quark_pod`, with the node's shim and one supervisor per pod (`supervisor: {scope: pod}`), each
 what kubelet makes of a one-container pod: the pause sandbox and one busybox `sleep`. Once they have
 all started, for each pod:
 
 * **outside the pod's cgroup** — what the runtime spends on the pod that the pod's cgroup (and so
   its memory limit and kubelet's accounting of it) does not see: the PSS (/proc/PID/smaps_rollup)
   of the pod's shim (the node's shim: its PSS divided by the pods of the run it serves) and, for
-  quark, of the supervisor of each of its two sandboxes (the pause's and the container's), each
+  quark, of the supervisor of each of its two sandboxes (the pause's and the container's; one
+  process for both with the pod's supervisor, counted once, as supervisor_pause), each
   with those of its descendants that are not in the pod's cgroup. The shim
   is the one the sandbox's bundle names (`shim.pid`; containerd's runc shim writes none, and it is
   the parent of the pod's processes), a supervisor the parent of its sandbox's init (the init's pid
@@ -48,9 +50,11 @@ from tests.integration import containerd_env as ce  # noqa: E402
 from tests.integration import cri_env  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# what each pod is made with: CRI's runtime handler, and for quark the shim's scope (`shim: {scope}`
-# in quark's host configuration, rewritten before each pod: a shim's `start` reads it each time)
-KINDS = {"quark": ("quark", "pod"), "quark_node_shim": ("quark", "node"), "runc": ("runc", None)}
+# what each pod is made with: CRI's runtime handler, and for quark the shim's and the supervisor's
+# scope (`shim: {scope}`, `supervisor: {scope}` in quark's host configuration, rewritten before each
+# pod: a shim's `start` and quark's create read it each time)
+KINDS = {"quark": ("quark", "pod", "container"), "quark_node_shim": ("quark", "node", "container"),
+         "quark_pod": ("quark", "node", "pod"), "runc": ("runc", None, None)}
 MiB = 1024 * 1024
 SETTLE_S = 3.0   # after the last pod started: supervisors finish what start-up left to do
 SHIMS_GONE_S = 30.0   # at most, after a run's pods are removed, for their shims to go
@@ -127,10 +131,16 @@ def parent(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
+def supervisor(cd, cid: str) -> int:
+    """The supervisor serving the container (its state, as quark keeps it)."""
+    state = cd.state / "quark" / cri_env.NAMESPACE / cid / "state.json"
+    return json.loads(state.read_text())["supervisor_pid"]
+
+
 def start_pod(cri, kind: str, name: str, quark_config: Path) -> dict:
-    handler, scope = KINDS[kind]
-    if scope:
-        quark_config.write_text(f"shim:\n  scope: {scope}\n")
+    handler, shim_scope, supervisor_scope = KINDS[kind]
+    if shim_scope:
+        quark_config.write_text(f"shim:\n  scope: {shim_scope}\nsupervisor:\n  scope: {supervisor_scope}\n")
     pod, config = cri.run_pod(name, handler)
     cid = cri.create_container(pod, config, "main", cri_env.BUSYBOX_IMAGE, ["sleep", "3600"])
     cri.start_container(cid)
@@ -146,8 +156,8 @@ def measure(cri, cd, p: dict, kids: dict[int, list[int]], sharing: dict[int, int
     shim_pid_file = cd.state / "io.containerd.runtime.v2.task" / cri_env.NAMESPACE / p["pod"] / "shim.pid"
     shim = int(shim_pid_file.read_text()) if shim_pid_file.exists() else parent(pause)
     roles = {"shim": shim}
-    if p["handler"] == "quark":
-        roles |= {"supervisor_pause": parent(pause), "supervisor_app": parent(app)}
+    if p["handler"] == "quark":   # (a pod's supervisor is no parent of the app's init: pod.py)
+        roles |= {"supervisor_pause": supervisor(cd, p["pod"]), "supervisor_app": supervisor(cd, p["cid"])}
         if shim in (roles["supervisor_pause"], roles["supervisor_app"]):
             raise RuntimeError(f"pod {p['pod'][:12]}: the shim is a sandbox's parent, not a supervisor")
     elif parent(app) != shim:
@@ -176,7 +186,8 @@ def measure(cri, cd, p: dict, kids: dict[int, list[int]], sharing: dict[int, int
     return out
 
 
-SCENARIOS = ("quark", "quark_factory_exited", "quark_node_shim", "quark_node_shim_factory_exited", "runc")
+SCENARIOS = ("quark", "quark_factory_exited", "quark_node_shim", "quark_node_shim_factory_exited", "quark_pod",
+             "quark_pod_factory_exited", "runc")
 
 
 def _sharing(cd, pods: list[dict]) -> dict[int, int]:
@@ -300,8 +311,8 @@ def main() -> int:
 def _report(result: dict) -> None:
     print(f"{result['command']}  ({result['date']}, shim {result['shim']}, {result['pods']} pods per handler "
           f"x {result['runs']} runs)")
-    print("| per pod, MiB | quark | quark, factory exited | quark, node's shim | quark, node's shim, factory exited | runc |")
-    print("|---|---|---|---|---|---|")
+    print("| per pod, MiB | " + " | ".join(SCENARIOS) + " |")
+    print("|---" * (len(SCENARIOS) + 1) + "|")
     s = result["summary"]
     for key in ("outside_mib", "shim_mib", "supervisor_pause_mib", "supervisor_app_mib", "inside_cgroup_mib",
                 "inside_pss_mib"):

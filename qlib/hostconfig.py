@@ -4,7 +4,7 @@ every container of the host. One file, read here for every part that has a secti
   platform     seccomp | ptrace            qkernel/config.py
   security     privileged, unconfined_seccomp   qvisor/security.py
   snapshot     swapfile                    qvisor/swap.py
-  supervisor   memory_merge                qvisor/page_merge.py
+  supervisor   memory_merge, scope         qvisor/page_merge.py, qvisor/pods.py
   factory      idle_seconds                qvisor/factory/wire.py
   shim         scope                       shim/paths.py
 

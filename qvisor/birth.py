@@ -5,6 +5,9 @@ sandbox and reports back on a pipe. Where that supervisor comes from depends on 
 runs, and this module is the only place that knows:
   - from a shell or a manager (the Python CLI): forked twice, so its parent exits at once and it
     learns who adopts it (a manager that reaps the init itself; see reaper.py's _choose_reaper);
+  - a container of a pod whose sandbox's supervisor serves the pod (`supervisor: {scope: pod}`):
+    no supervisor of its own; the worker builds it and hands it to that supervisor
+    (qvisor/supervisor/pod.py);
   - in a sandbox factory's worker (qvisor/factory/): handed over to a seed the factory forked
     ahead (qvisor/factory/seeds.py), so it shares the factory's pages and none of the worker's;
     forked once from the worker when there is no seed (the factory declines every caller whose
@@ -43,6 +46,7 @@ class SupervisorArgs:
     log_format: str                 # --log-format, for --log
     cgroup: cgroups.Cgroup | None   # the one the create opened, taken on rather than opened again
     merge_pages: bool               # supervisor.memory_merge
+    pod_scope: bool = False         # supervisor.scope is pod: a pod's supervisor serves its containers (pods.py)
 
 
 def start(args: SupervisorArgs, *, in_factory: bool, before_fork: Callable[[], None] = lambda: None) -> int:
@@ -52,6 +56,8 @@ def start(args: SupervisorArgs, *, in_factory: bool, before_fork: Callable[[], N
     reaped). `before_fork` runs just before a fork (never before a hand-over)."""
     r, w = os.pipe2(os.O_CLOEXEC)
     try:
+        if in_factory and _to_pod(w, args):
+            return r
         if in_factory and _hand_over(w, args):
             return r
         before_fork()
@@ -89,8 +95,21 @@ def supervise(ready_fd: int, launcher: int, a: SupervisorArgs) -> None:
     from qvisor import security
     security.log_report(a.state.annotations)
     a.state.supervisor_pid = os.getpid()
+    from qvisor import pods
     Supervisor(a.store, a.state, a.spec, a.platform, a.console_socket, ready_fd, launcher, a.preserve_fds,
-               caller_may_reap=launcher != 0, cgroup=a.cgroup).main()
+               caller_may_reap=launcher != 0, cgroup=a.cgroup,
+               pod_scope=a.pod_scope and pods.is_sandbox(a.state.annotations)).main()
+
+
+def _to_pod(ready_fd: int, args: SupervisorArgs) -> bool:
+    """A container of a pod whose sandbox's supervisor takes the pod's containers: built here and
+    handed to it (qvisor/supervisor/pod.py), which reports on `ready_fd`. Only in a factory's
+    worker: its callers never reap the init, and the factory (a child subreaper) adopts it."""
+    from qvisor import pods
+    if not args.pod_scope or pods.sandbox_of(args.state.id, args.state.annotations) is None:
+        return False
+    from qvisor.supervisor import pod
+    return pod.create_in_pod(args, ready_fd)
 
 
 def _hand_over(ready_fd: int, args: SupervisorArgs) -> bool:

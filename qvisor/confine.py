@@ -106,24 +106,24 @@ def install_filter(platform: str, allow_chroot: bool = False, caps: frozenset[st
     process's configured capabilities) and `own_namespaces` decide which of QKernel's grants its
     exec'd processes need through this filter.
 
-    The filter is compiled once per distinct outcome (_filter_key) and kept as BPF, which the
+    The filter is compiled once per distinct outcome (filter_key) and kept as BPF, which the
     sandbox factory compiles for the usual case before it forks supervisors: compiling it with
     libseccomp in each supervisor wrote pages shared with the factory (the syscall table's objects,
     libseccomp's bindings) into the supervisor's private memory, for every sandbox (how much:
     bench/README.md, "Start-up and supervisor memory")."""
-    key = _filter_key(platform, allow_chroot, caps, own_namespaces)
+    key = filter_key(platform, allow_chroot, caps, own_namespaces)
     bpf = _COMPILED.get(key)
     if bpf is None:
         bpf = _COMPILED[key] = _compile(*key)
     _load_bpf(bpf)
 
 
-# BPF of the supervisor's filter by _filter_key; filled in the factory (warm) and on first use
+# BPF of the supervisor's filter by filter_key; filled in the factory (warm) and on first use
 _COMPILED: dict[tuple, bytes] = {}
 _GRANTS: tuple[tuple[str, str, str], ...] | None = None   # (syscall, capability, namespace) of DENIED's grants
 
 
-def _filter_key(platform: str, allow_chroot: bool, caps: frozenset[str], own_namespaces: frozenset[str]) -> tuple:
+def filter_key(platform: str, allow_chroot: bool, caps: frozenset[str], own_namespaces: frozenset[str]) -> tuple:
     """What the filter depends on: whether ptrace is let through, chroot, and which grants apply."""
     global _GRANTS
     if _GRANTS is None:
@@ -182,7 +182,7 @@ def _load_bpf(bpf: bytes) -> None:
 def warm() -> None:
     """In the sandbox factory: compile the filter of the usual sandbox (the seccomp platform, a
     mount namespace of its own, no grant) so supervisors forked from it only load it."""
-    install_key = _filter_key("seccomp", False, frozenset(), frozenset())
+    install_key = filter_key("seccomp", False, frozenset(), frozenset())
     if install_key not in _COMPILED:
         _COMPILED[install_key] = _compile(*install_key)
 

@@ -81,3 +81,52 @@ def root_level(level: int) -> None:
     level = min(level, logging.INFO) or logging.INFO
     if root.level != level:
         root.setLevel(level)
+
+
+# ---- a pod's supervisor: each container's records in its own log ------------------------------------
+
+_route = [""]   # the container whose work runs now (ContainerLoop's callbacks): its records go to its log
+
+
+class Routed(logging.Handler):
+    """A pod supervisor's log (qvisor/supervisor/pod.py): a record goes to the log of the container
+    whose work it was logged in, else to the supervisor's own (the sandbox container's)."""
+
+    def __init__(self, default: logging.Handler) -> None:
+        super().__init__()
+        self.default = default
+        self.by_container: dict[str, LogFile] = {}
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        self.emit(record)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        (self.by_container.get(_route[0]) or self.default).emit(record)
+
+
+def route(container_id: str, path: str, log_format: str) -> None:
+    """From now on, records logged in `container_id`'s work go to `path`."""
+    root = logging.getLogger()
+    if len(root.handlers) != 1:
+        return
+    handler = root.handlers[0]
+    if not isinstance(handler, Routed):
+        handler = root.handlers[0] = Routed(handler)
+    handler.by_container[container_id] = LogFile(path, log_format)
+
+
+def unroute(container_id: str) -> None:
+    root = logging.getLogger()
+    handler = root.handlers[0] if len(root.handlers) == 1 else None
+    if isinstance(handler, Routed) and container_id in handler.by_container:
+        handler.by_container.pop(container_id).close()
+
+
+def in_container(container_id: str, fn, *args) -> object:
+    """Run fn(*args) with its records going to `container_id`'s log."""
+    before, _route[0] = _route[0], container_id
+    try:
+        return fn(*args)
+    finally:
+        _route[0] = before

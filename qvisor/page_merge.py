@@ -35,7 +35,8 @@ def load_setting(config_path: str | None = None) -> bool:
     """supervisor.memory_merge from quark's host config (False when absent). A setting this kernel
     cannot honour is refused, naming the field."""
     path = config_path or hostconfig.path()
-    section = hostconfig.section(path, "supervisor", ("memory_merge",), "{memory_merge: true|false}")
+    from qvisor import pods
+    section = hostconfig.section(path, "supervisor", pods.SUPERVISOR_KEYS, pods.SUPERVISOR_SHAPE)
     if section is None:
         return False
     value = section.get("memory_merge", False)

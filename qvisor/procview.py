@@ -171,7 +171,11 @@ def _inner_pid(tid: int) -> int:
 
 # ---- the served view -------------------------------------------------------------------------------
 
-_view: View | None = None   # the view this supervisor serves (a supervisor serves one sandbox)
+_views: list[View] = []   # the views this supervisor serves: one per container (a pod's supervisor serves several)
+
+
+def _view_of(cgroup: Any) -> View | None:
+    return next((v for v in _views if v.source.cgroup is cgroup), None)
 
 
 class View:
@@ -206,20 +210,18 @@ class View:
 
     def close(self) -> None:
         """The filesystem is gone from every mount (or was never attached): stop serving."""
-        global _view
         if self.dev >= 0:
             self.loop.remove_reader(self.dev)
             os.close(self.dev)
             self.dev = -1
-        if _view is self:
-            _view = None
+        if self in _views:
+            _views.remove(self)
 
 
 def serve(loop: Any, cgroup: Any, init_pid: int, start_ticks: int = 0) -> int:
     """Start serving the sandbox's view on `loop` and return it as a detached mount (an fd the
     caller sends to the container's init, which attaches it, and then closes). Raises OSError
     where FUSE is not available (no /dev/fuse, no fuse filesystem, not permitted)."""
-    global _view
     from qvisor import fuse
     dev = fuse.open_device()
     try:
@@ -227,10 +229,34 @@ def serve(loop: Any, cgroup: Any, init_pid: int, start_ticks: int = 0) -> int:
     except BaseException:
         os.close(dev)
         raise
-    if _view is not None:
-        _view.close()
-    _view = View(loop, Source(cgroup, init_pid, start_ticks), dev)
+    adopt(loop, cgroup, init_pid, start_ticks, dev)
     return mnt
+
+
+def adopt(loop: Any, cgroup: Any, init_pid: int, start_ticks: int, dev: int, server: dict | None = None) -> None:
+    """Serve the view on `dev` (ours from now on) on `loop`: made here (serve), or by the process
+    that created a pod's container and handed it to us (`server`: the connection's state there,
+    from handed_over)."""
+    old = _view_of(cgroup)
+    if old is not None:
+        old.close()
+    view = View(loop, Source(cgroup, init_pid, start_ticks), dev)
+    if server:
+        for name, value in server.items():
+            setattr(view.server, name, value)
+    _views.append(view)
+
+
+def handed_over(cgroup: Any) -> tuple[int, dict] | None:
+    """The view served for `cgroup`'s container, to go to the supervisor that serves the container
+    from now on: its FUSE connection (no longer watched here) and that connection's state."""
+    view = _view_of(cgroup)
+    if view is None or view.dev < 0:
+        return None
+    view.loop.remove_reader(view.dev)
+    _views.remove(view)
+    server = view.server
+    return view.dev, {"minor": server.minor, "mtime": server.mtime, "open": server.open, "next_fh": server.next_fh}
 
 
 def sysinfo(cgroup: Any, init_pid: int, host: dict[str, int] | None = None) -> dict[str, Any]:
@@ -239,7 +265,7 @@ def sysinfo(cgroup: Any, init_pid: int, host: dict[str, int] | None = None) -> d
     threads, and loads its /proc/loadavg's when the view is served (else the caller keeps the
     host's: no sampling runs without a view). `host`: the host's MemTotal, SwapTotal and SwapFree
     in kB when the caller has them (from the real sysinfo: the same page counts meminfo shows)."""
-    view = _view if _view is not None and _view.source.cgroup is cgroup else None
+    view = _view_of(cgroup)
     source = view.source if view else Source(cgroup, init_pid)
     kb = source.memory(host=host)
     up, _ = source.uptime(idle=False)

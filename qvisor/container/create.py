@@ -22,7 +22,7 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     """Build the sandbox; its init waits for start. The caller's fds 3..2+preserve_fds are the
     init's too (the supervisor inherits them at those numbers and hands them on). `in_factory`:
     run in a sandbox factory's worker (birth.start says what that changes)."""
-    from qvisor import page_merge, security, validate
+    from qvisor import page_merge, pods, security, validate
     from qvisor.spec import load_spec
     preserved_fds(preserve_fds)   # first: loading the spec must not take one of those numbers
     grace = cgroups.start_move_grace_period()   # the supervisor's move of stage 1 then waits less
@@ -34,6 +34,7 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
     # privileged / Unconfined: refused here (nothing made yet) or honoured in the sandbox and reported
     report = security.apply(spec, security.load_settings())
     merge_pages = page_merge.load_setting()   # supervisor.memory_merge
+    pod_scope = pods.scope() == "pod"          # supervisor.scope
     wire.idle_seconds()   # factory.idle_seconds: a host setting quark cannot take fails here too, named
     if spec.process.terminal and not console_socket:
         raise QuarkError("process.terminal is true: --console-socket is required to receive the pty master")
@@ -48,7 +49,7 @@ def create(root: str, container_id: str, bundle: str, *, pid_file: str = "", con
                             annotations=security.reported(spec.annotations, report), rootfs=spec.root.path,
                             platform=platform, cgroup_path=cgroup.path, version=VERSION)
         args = birth.SupervisorArgs(store, st, spec, platform, console_socket, preserve_fds, log_file, log_format,
-                                    cgroup, merge_pages)
+                                    cgroup, merge_pages, pod_scope)
         # (a fork while the grace period's thread writes would give the supervisor its open cgroup.procs)
         r = birth.start(args, in_factory=in_factory, before_fork=grace.join)
         try:

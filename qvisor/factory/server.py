@@ -81,6 +81,9 @@ class Factory:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)
         signal.signal(signal.SIGCHLD, lambda *_: None)
+        # the init of a pod's container that a worker built for the pod's supervisor comes to us when
+        # its stage 1 exits (qvisor/supervisor/pod.py): reaped below, its status read from its pidfd
+        L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)
         gc.collect()
         gc.freeze()   # the imported objects stay out of the collector's passes: their pages stay shared
         log.info("serving %s (pid %d)", path, os.getpid())
@@ -98,7 +101,7 @@ class Factory:
                     self.take_seed_from_zygote()
                 if stop_r in ready:
                     sigs = os.read(stop_r, 64)
-                    L.reap_exited()   # workers (spares included)
+                    L.reap_exited()   # workers (spares included), and what we adopted
                     if set(sigs) - {signal.SIGCHLD}:
                         break   # SIGTERM, SIGINT or SIGHUP
                 if self.listener in ready:

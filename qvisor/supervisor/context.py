@@ -51,3 +51,41 @@ class Container:
         sockets = tsor is not None and tsor.traps_sockets
         return {"sockets": sockets, "sockopt_offload": sockets and tsor.offload is not None,
                 "sockmap": tsor is not None and not sockets}
+
+
+class ContainerLoop:
+    """The supervisor's loop as the parts of one container handed to a pod's supervisor see it
+    (pod.py): every callback runs with that container's log (qvisor/logfile.py, route)."""
+
+    def __init__(self, loop: Loop, container_id: str) -> None:
+        self.loop, self.container_id = loop, container_id
+
+    @property
+    def lock(self):
+        return self.loop.lock
+
+    def _bound(self, callback):
+        from qvisor import logfile
+        cid = self.container_id
+        return lambda *a: logfile.in_container(cid, callback, *a)
+
+    def add_reader(self, fd: int, callback) -> None:
+        self.loop.add_reader(fd, self._bound(callback))
+
+    def add_writer(self, fd: int, callback) -> None:
+        self.loop.add_writer(fd, self._bound(callback))
+
+    def call_later(self, delay: float, callback) -> None:
+        self.loop.call_later(delay, self._bound(callback))
+
+    def has_reader(self, fd: int) -> bool:
+        return self.loop.has_reader(fd)
+
+    def remove_reader(self, fd: int) -> None:
+        self.loop.remove_reader(fd)
+
+    def remove_writer(self, fd: int) -> None:
+        self.loop.remove_writer(fd)
+
+    def run_once(self, max_wait: float | None = None) -> None:
+        self.loop.run_once(max_wait)

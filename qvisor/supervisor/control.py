@@ -50,9 +50,22 @@ class Control:
             s.bind(address)
         os.chmod(path, 0o600)
         s.listen(16)
-        s.setblocking(False)
-        self.sock = s
-        self.c.loop.add_reader(s.fileno(), self._accept)
+        self.serve(s)
+
+    def serve(self, sock: socket.socket) -> None:
+        """Serve on a control socket bound already (a container handed over: pod.py)."""
+        sock.setblocking(False)
+        self.sock = sock
+        self.c.loop.add_reader(sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        """Stop serving: the socket and every client's connection."""
+        for conn, _ in list(self.clients.values()):
+            self._drop(conn)
+        if self.sock is not None:
+            self.c.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
 
     def _accept(self) -> None:
         try:

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Callable
 
 from qlib.errors import QuarkError, SetupError, from_kind
 from qvisor import channel, confine, hooks, rootfs, sandbox
@@ -36,6 +37,10 @@ class Creation:
         self.console_socket = console_socket   # --console-socket: where the pty master goes
         self.preserve_fds = preserve_fds       # the caller's fds 3.. that go to the init (--preserve-fds)
         self.procview_mnt: int | None = None   # the /proc view made for the init (-1: could not be)
+        # a pod's container, created by the factory's worker (pod.py): once created, handed to its
+        # pod's supervisor, which starts its QKernel, serves it and reports to `quark create`
+        self.hand_over: Callable[[Child], None] | None = None
+        self.keep_stdio = False   # (a pod's worker: its stdio stay the caller's)
 
     def create(self) -> None:
         self.c.cgroup.create()
@@ -47,18 +52,19 @@ class Creation:
             sandbox.run_child(child, lambda: sandbox.stage1(child, self.c.spec, self.preserve_fds))
         child.close()
         os.closerange(3, 3 + self.preserve_fds)   # stage 1 has them for the init: none are ours to keep
-        self.c.init = Child(parent, self._on_init_msg, stage1_pid=pid)
+        self.c.init = Child(parent, self.on_init_msg, stage1_pid=pid)
         # the container's stdio now live in stage 1 and the init; ours go to /dev/null so that
         # a caller reading them sees EOF when the container, not the runtime, closes them
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-        os.close(null)
+        if not self.keep_stdio:
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.close(null)
         self.c.cgroup.add_pid(pid)
         channel.send(parent, {"type": "go"})
         children.watch(self.c.loop, self.c.init)
 
-    def _on_init_msg(self, child: Child, msg: dict, fds: list[int]) -> None:
+    def on_init_msg(self, child: Child, msg: dict, fds: list[int]) -> None:
         kind = msg.get("type")
         if kind == "log":
             return child_log(msg)
@@ -75,7 +81,8 @@ class Creation:
             # the init builds its rootfs from here on: what we set up meanwhile (QKernel, the /proc
             # view it will ask for) runs beside it, not before it, so create does not wait for it
             self._send_prepare(child)
-            self._start_kernel(child.pid)
+            if self.hand_over is None:   # (a handed-over container's runs in the supervisor it goes to)
+                self.start_kernel(child.pid)
             self._make_procview(child)
         elif kind == "create-runtime":
             st = self.c.hook_state()
@@ -91,6 +98,10 @@ class Creation:
             self.c.state.status = CREATED
             self.c.store.save(self.c.state)
             self.control.open()
+            if self.hand_over is not None:
+                self.c.phases.mark("created")
+                self.c.phases.write()
+                return self.hand_over(child)
             # from here on the supervisor serves the container: hold only what that needs (before
             # the report: if this fails, create fails and leaves nothing; it costs create a
             # little time, within "create: state saved, control socket, supervisor confined" of
@@ -161,7 +172,7 @@ class Creation:
             with open(f"/proc/{pid}/{name}", "w") as f:
                 f.write(text)
 
-    def _start_kernel(self, init_pid: int) -> None:
+    def start_kernel(self, init_pid: int) -> None:
         import qkernel
         from qvisor import procview
         ctx = qkernel.SandboxContext(container_id=self.c.state.id, init_pid=init_pid,

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 
 from qlib import linux as L
 from qlib import procfs
@@ -45,8 +46,9 @@ class Reaper:
         self.waiters: dict[int, list[socket.socket]] = {}
         self.exits: dict[int, tuple[int, str]] = {}   # exec pid -> exit no wait has collected yet
 
-    def setup_process(self) -> None:
-        """Choose who reaps, and reap on SIGCHLD where we do; the signals a supervisor ignores."""
+    def setup_process(self, reap: Callable[[], None]) -> None:
+        """Choose who reaps, and reap on SIGCHLD where we do (`reap`: the supervisor's, which gives
+        each exit to the container it belongs to); the signals a supervisor ignores."""
         self.caller_reaps = self.c.state.caller_reaps = self._choose_reaper()
         if not self.caller_reaps:
             L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)
@@ -55,7 +57,7 @@ class Reaper:
         r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        self.c.loop.add_reader(r, lambda: (self._drain(r), self._reap()))
+        self.c.loop.add_reader(r, lambda: (self._drain(r), reap()))
 
     def _choose_reaper(self) -> bool:
         """Who becomes the parent of the container's processes.
@@ -92,12 +94,14 @@ class Reaper:
         log.info("the container's processes go to pid %d, which reaps them", adopter)
         return True
 
-    def watch_exit(self, pid: int) -> None:
-        """(caller reaps) Learn when `pid` exits and, once reaped by its parent, its status."""
-        try:
-            fd = L.pidfd_open(pid)
-        except OSError:
-            return self.exited(pid, 255)   # already gone and reaped: the status is lost
+    def watch_exit(self, pid: int, fd: int = -1) -> None:
+        """(another process reaps) Learn when `pid` exits and, once reaped by its parent, its
+        status; `fd`: a pidfd of it opened already (ours from now on)."""
+        if fd < 0:
+            try:
+                fd = L.pidfd_open(pid)
+            except OSError:
+                return self.exited(pid, 255)   # already gone and reaped: the status is lost
         self.c.loop.add_reader(fd, lambda: self._pidfd_readable(pid, fd, time.monotonic()))
 
     def _pidfd_readable(self, pid: int, fd: int, since: float) -> None:
@@ -155,19 +159,16 @@ class Reaper:
         ex = self.execs.table.get(pid)
         return ex is not None and ex.pid == pid
 
-    def _reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG | WAIT_ALL)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            if self.c.kernel is not None and self.c.kernel.on_child_status(pid, status):
-                continue
-            if os.WIFSTOPPED(status):
-                continue
-            self.exited(pid, L.exit_code(status))
+    def knows(self, pid: int) -> bool:
+        """`pid` is this container's init, an exec'd process or an exec's stage 1."""
+        return (self.c.init is not None and pid == self.c.init.pid) or pid in self.execs.table
+
+    def drain_pending(self) -> None:
+        """Read the messages of the execs whose process is not known yet: stage 1 sends its "pid"
+        before it exits, and only then does that process become our child, so its exit can come
+        first."""
+        for ex in [ex for ex in self.execs.table.values() if ex.pid == 0]:
+            children.drain(self.c.loop, ex)
 
     def kill_rest(self) -> None:
         """Kill what is left in the cgroup without holding the loop: freezing can take seconds to
@@ -222,14 +223,9 @@ class Reaper:
                     self.execs.on_msg(ex, {"type": "eof"}, [])
                 ex.sock.close()
         else:
-            # not a process we know: a stage 1 whose process was reported, an orphan the container
-            # left us. Or an exec'd process whose "pid" message is still queued (stage 1 sends it
-            # before it exits, and only then does its process become our child): read those first.
-            pending = [ex for ex in self.execs.table.values() if ex.pid == 0]
-            for ex in pending:
-                children.drain(self.c.loop, ex)
-            if any(ex.pid == pid for ex in pending):
-                return self.exited(pid, code)
+            # not a process we know (the supervisor's _reap asks knows first, after drain_pending):
+            # a stage 1 whose process was reported, an orphan the container left us
+            return
         for conn in self.waiters.pop(pid, []):
             reply(conn, _exit_reply(pid, code, at))
         if init:

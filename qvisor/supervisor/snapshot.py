@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from qlib import linux as L
 from qlib import procfs
 from qlib.errors import InvalidState, QuarkError
-from qvisor import hibernate
+from qvisor import hibernate, pods
 from qvisor.state import HIBERNATION_RECORD, RUNNING, now_rfc3339
 from qvisor.supervisor.context import Container
 from qvisor.supervisor.control import fail, reply
@@ -33,8 +33,6 @@ from qvisor.supervisor.control import fail, reply
 log = logging.getLogger("quark.supervisor")
 
 IDLE_ANNOTATION = "io.quark.hibernate.idle-after"
-# what names a container's pod (containerd's CRI, CRI-O): its cgroup's parent is the pod's
-POD_ANNOTATIONS = ("io.kubernetes.cri.sandbox-id", "io.kubernetes.cri-o.SandboxID")
 IDLE_CPU_NS = 1_000_000   # less CPU than this (all the container's processes) in a check period is idle
 
 
@@ -85,7 +83,7 @@ class Hibernation:
         self.idle_after = parse_duration(idle) if idle else 0.0
         # idle is the pod's: a container of a pod waits until every container of it is quiet (the
         # pod's cgroup counts them all), so a pod hibernates as one, not a sidecar while its app works
-        in_pod = any(c.spec.annotations.get(a) for a in POD_ANNOTATIONS)
+        in_pod = any(c.spec.annotations.get(a) for a in pods.SANDBOX_ID)
         self.idle_cgroup = (c.cgroup.parent() if in_pod else None) or c.cgroup
         self._idle_gen = 0                 # bumped to cancel the pending idle check
 

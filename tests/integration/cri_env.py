@@ -280,11 +280,16 @@ state = "{self.state}"
 
 
 @contextlib.contextmanager
-def running(env: dict[str, str] | None = None, **kw) -> Iterator[CriContainerd]:
+def running(env: dict[str, str] | None = None, quark_config: str | None = None, **kw) -> Iterator[CriContainerd]:
     """A CriContainerd(**kw) started (with `env` added to its environment), its images imported;
-    closed (everything removed) on leaving."""
+    closed (everything removed) on leaving. `quark_config`: quark's host configuration (YAML) for
+    its shims and their quark (QUARK_CONFIG)."""
     d = CriContainerd(**kw)
     d.env.update(env or {})
+    if quark_config is not None:
+        path = d.base / "quark-config.yaml"
+        path.write_text(quark_config)
+        d.env["QUARK_CONFIG"] = str(path)
     try:
         d.start()
         d.import_images()

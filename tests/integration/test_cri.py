@@ -38,9 +38,12 @@ IMAGE = cri_env.BUSYBOX_IMAGE
 HTTPD = ["sh", "-c", "mkdir -p /www && echo hello-$NAME > /www/index.html && exec httpd -f -p 8080 -h /www"]
 
 
-@pytest.fixture(scope="module")
-def cd():
-    with cri_env.running() as d:
+@pytest.fixture(scope="module", params=["container", "pod"], ids=["supervisor-per-container", "supervisor-per-pod"])
+def cd(request):
+    """This module's containerd (and test_cri_pod_features.py's), once with each supervisor scope:
+    every test passes with a supervisor per container (the default) and with one per pod
+    (`supervisor: {scope: pod}`, docs/kubernetes.md)."""
+    with cri_env.running(quark_config=f"supervisor:\n  scope: {request.param}\n") as d:
         yield d
 
 

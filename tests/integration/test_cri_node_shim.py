@@ -30,11 +30,8 @@ if cri_env.skip_reason() is None:
 
 
 @pytest.fixture(scope="module")
-def cd(tmp_path_factory):
-    config = tmp_path_factory.mktemp("quark-config") / "config.yaml"
-    config.write_text("shim:\n  scope: node\n")
-    # QUARK_CONFIG: inherited by its shims and their quark
-    with cri_env.running(with_quark_cni=False, env={"QUARK_CONFIG": str(config)}) as d:
+def cd():
+    with cri_env.running(with_quark_cni=False, quark_config="shim:\n  scope: node\n") as d:
         yield d
 
 

@@ -7,7 +7,6 @@ not run here, and every container has `--network none`.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 

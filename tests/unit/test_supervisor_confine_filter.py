@@ -13,11 +13,11 @@ from qvisor import confine
 
 
 def test_the_filter_key_names_only_the_grants_a_container_gets():
-    assert confine._filter_key("seccomp", False, frozenset({"CAP_KILL"}), frozenset({"pid", "mount"})) == \
+    assert confine.filter_key("seccomp", False, frozenset({"CAP_KILL"}), frozenset({"pid", "mount"})) == \
         (False, False, ())
-    admin = confine._filter_key("seccomp", False, frozenset({"CAP_SYS_ADMIN"}), frozenset({"mount", "uts"}))
+    admin = confine.filter_key("seccomp", False, frozenset({"CAP_SYS_ADMIN"}), frozenset({"mount", "uts"}))
     assert {"mount", "sethostname"} <= set(admin[2]) and "reboot" not in admin[2]
-    assert confine._filter_key("ptrace", True, frozenset(), frozenset()) == (True, True, ())
+    assert confine.filter_key("ptrace", True, frozenset(), frozenset()) == (True, True, ())
 
 
 def test_each_outcome_is_compiled_once_and_a_grant_compiles_another(monkeypatch):

@@ -60,14 +60,15 @@ class CriClient:
 
     def create_container(self, pod_id: str, sandbox: pb.PodSandboxConfig, name: str, image: str,
                          command: list[str], *, tty: bool = False, stdin: bool = False,
-                         envs: dict[str, str] | None = None) -> str:
+                         envs: dict[str, str] | None = None, add_capabilities: list[str] | None = None) -> str:
         config = pb.ContainerConfig(
             metadata=pb.ContainerMetadata(name=name, attempt=0), image=pb.ImageSpec(image=image),
             command=command, log_path=f"{name}/0.log", tty=tty, stdin=stdin,
             envs=[pb.KeyValue(key=k, value=v) for k, v in (envs or {}).items()],
             labels={"io.kubernetes.container.name": name},
             linux=pb.LinuxContainerConfig(security_context=pb.LinuxContainerSecurityContext(
-                namespace_options=pb.NamespaceOption(network=pb.POD, pid=pb.CONTAINER, ipc=pb.POD))))
+                namespace_options=pb.NamespaceOption(network=pb.POD, pid=pb.CONTAINER, ipc=pb.POD),
+                capabilities=pb.Capability(add_capabilities=add_capabilities or []))))
         resp = self.call("CreateContainer", pb.CreateContainerRequest(
             pod_sandbox_id=pod_id, config=config, sandbox_config=sandbox))
         return resp.container_id
