@@ -15,6 +15,7 @@ _SUPERVISOR_MODULES = (
     "qvisor.fuse", "qvisor.security", "qvisor.hibernate", "qvisor.readiness", "qvisor.swap", "qkernel.fastpath",
     "qkernel", "qkernel.seccomp_platform", "qkernel.policy", "tsor.intercept", "tsor.sandbox",
     "qvisor.cgroups.v1", "qvisor.cgroups.v2", "yaml", "seccomp",
+    "qvisor.pods", "qvisor.supervisor.pod",   # a pod's supervisor, and the worker that builds its containers
     "pickle")   # the hand-over to a supervisor seed (birth.start)
 
 
