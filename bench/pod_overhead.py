@@ -1,9 +1,10 @@
 """What a pod costs beyond its own cgroup, through containerd's CRI: quark vs runc, per pod.
 
-Each run starts N pods of each kind, interleaved: `runc`, `quark` with a shim per pod (the default),
-`quark` with one shim for the node (`shim: {scope: node}` in quark's host configuration) and
-`quark_pod`, with the node's shim and one supervisor per pod (`supervisor: {scope: pod}`), each
-what kubelet makes of a one-container pod: the pause sandbox and one busybox `sleep`. Once they have
+Each run starts N pods of each kind, interleaved: `runc`; `quark` as installed (a shim per pod and
+one supervisor per pod, the defaults); `quark_container_supervisors`, a supervisor per container
+(`supervisor: {scope: container}` in quark's host configuration); and `quark_node_shim`, one shim
+for the node (`shim: {scope: node}`) and one supervisor per pod. Each is what kubelet makes of a
+one-container pod: the pause sandbox and one busybox `sleep`. Once they have
 all started, for each pod:
 
 * **outside the pod's cgroup** — what the runtime spends on the pod that the pod's cgroup (and so
@@ -53,8 +54,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # what each pod is made with: CRI's runtime handler, and for quark the shim's and the supervisor's
 # scope (`shim: {scope}`, `supervisor: {scope}` in quark's host configuration, rewritten before each
 # pod: a shim's `start` and quark's create read it each time)
-KINDS = {"quark": ("quark", "pod", "container"), "quark_node_shim": ("quark", "node", "container"),
-         "quark_pod": ("quark", "node", "pod"), "runc": ("runc", None, None)}
+KINDS = {"quark": ("quark", "pod", "pod"), "quark_container_supervisors": ("quark", "pod", "container"),
+         "quark_node_shim": ("quark", "node", "pod"), "runc": ("runc", None, None)}
 MiB = 1024 * 1024
 SETTLE_S = 3.0   # after the last pod started: supervisors finish what start-up left to do
 SHIMS_GONE_S = 30.0   # at most, after a run's pods are removed, for their shims to go
@@ -186,8 +187,8 @@ def measure(cri, cd, p: dict, kids: dict[int, list[int]], sharing: dict[int, int
     return out
 
 
-SCENARIOS = ("quark", "quark_factory_exited", "quark_node_shim", "quark_node_shim_factory_exited", "quark_pod",
-             "quark_pod_factory_exited", "runc")
+SCENARIOS = ("quark", "quark_factory_exited", "quark_container_supervisors",
+             "quark_container_supervisors_factory_exited", "quark_node_shim", "quark_node_shim_factory_exited", "runc")
 
 
 def _sharing(cd, pods: list[dict]) -> dict[int, int]:

@@ -1,10 +1,11 @@
 """Which pod a container belongs to, and whether its pod's supervisor serves it (`supervisor:
-{scope: pod}` in quark's host configuration).
+{scope: pod|container}` in quark's host configuration).
 
 A CRI runtime names a pod's sandbox in every container's annotations: the sandbox (pause)
-container says it is one, the others name it. With the pod scope, the sandbox container's
-supervisor serves the pod's other containers too (qvisor/supervisor/pod.py), so a pod costs one
-supervisor however many containers it has. The default, `container`, gives each its own.
+container says it is one, the others name it. With the pod scope (the default), the sandbox
+container's supervisor serves the pod's other containers too (qvisor/supervisor/pod.py), so a pod
+costs one supervisor however many containers it has; a container outside a pod is a pod of one.
+`container` gives each container a supervisor of its own.
 """
 from __future__ import annotations
 
@@ -14,19 +15,19 @@ from qlib.errors import ConfigError
 # (containerd's CRI, CRI-O)
 SANDBOX_ID = ("io.kubernetes.cri.sandbox-id", "io.kubernetes.cri-o.SandboxID")
 CONTAINER_TYPE = ("io.kubernetes.cri.container-type", "io.kubernetes.cri-o.ContainerType")
-SCOPES = ("container", "pod")
+SCOPES = ("pod", "container")
 FIELD = "supervisor.scope"
 POD_SOCK = "pod.sock"   # in the sandbox container's state directory, while its supervisor takes the pod's containers
 SUPERVISOR_KEYS = ("memory_merge", "scope")   # the supervisor section's settings (qvisor/page_merge.py reads the other)
-SUPERVISOR_SHAPE = "{memory_merge: true|false, scope: container|pod}"
+SUPERVISOR_SHAPE = "{memory_merge: true|false, scope: pod|container}"
 
 
 def scope(config_path: str | None = None) -> str:
-    """Whom one supervisor serves: "container" (the default) or "pod"; a value quark cannot take is
+    """Whom one supervisor serves: "pod" (the default) or "container"; a value quark cannot take is
     refused, naming the field."""
     path = config_path or hostconfig.path()
     section = hostconfig.section(path, "supervisor", SUPERVISOR_KEYS, SUPERVISOR_SHAPE)
-    value = "container" if section is None else section.get("scope", "container")
+    value = "pod" if section is None else section.get("scope", "pod")
     if value not in SCOPES:
         raise ConfigError(path, FIELD, f"{value!r}: expected one of {', '.join(SCOPES)}")
     return value

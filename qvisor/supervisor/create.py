@@ -172,7 +172,11 @@ class Creation:
             with open(f"/proc/{pid}/{name}", "w") as f:
                 f.write(text)
 
-    def start_kernel(self, init_pid: int) -> None:
+    def start_kernel(self, init_pid: int, tsor_pid: int = 0) -> None:
+        """QKernel for the container whose init is `init_pid`, and its TSoR registration, which
+        names `tsor_pid` (default the init) to tsord: a process of the container's network
+        namespace that descends from us (tsor/identity.py; a pod's supervisor names its sandbox's
+        init for a container the factory reaps, pod.py)."""
         import qkernel
         from qvisor import procview
         ctx = qkernel.SandboxContext(container_id=self.c.state.id, init_pid=init_pid,
@@ -183,7 +187,7 @@ class Creation:
         elif self.c.kernel.can_install_fds:
             # TSoR: register with the node's tsord (None: no tsord socket, or the host's network)
             from tsor.intercept import SocketIntercept
-            ctx.tsor = SocketIntercept.attach(self.c.loop, self.c.state.id, init_pid, self.c.cgroup.pids,
+            ctx.tsor = SocketIntercept.attach(self.c.loop, self.c.state.id, tsor_pid or init_pid, self.c.cgroup.pids,
                                               self.c.spec.annotations)
 
     def _forward_console(self, master: int, name: str) -> None:

@@ -13,7 +13,10 @@ Who reaps that container's init: stage 1 exits once it has forked it, so the ini
 nearest child subreaper above the worker, the sandbox factory (qvisor/factory/server.py), which
 reaps it. The supervisor learns its exit status from its pidfd (PIDFD_GET_INFO, Linux 6.15+:
 reaper.py's watch_exit); on an older kernel every container keeps a supervisor of its own.
-Exec'd processes are the supervisor's children, as before.
+Exec'd processes are the supervisor's children, as before. tsord accepts a TSoR registration only
+for a process that descends from the supervisor that sends it (tsor/identity.py), so a handed-over
+container's registration names the sandbox's init, and only a container in the sandbox's network
+namespace is taken (containerd's CRI puts every container of a pod there).
 
 The supervisor takes a hand-over only from a peer that is root with no seccomp filter (no
 supervisor, no container process), before it reads a byte of it; what it sends back is JSON.
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING
 from qlib import linux as L
 from qlib import procfs
 from qvisor import paths, pods
+from qvisor.state import STOPPED
 
 if TYPE_CHECKING:
     from qvisor.birth import SupervisorArgs
@@ -88,8 +92,8 @@ def create_in_pod(args: SupervisorArgs, ready_fd: int) -> bool:
     try:
         with paths.socket_address(args.store.path(sandbox, pods.POD_SOCK)) as address:
             conn.connect(address)
-        conn.send(pickle.dumps({"op": "join", "confinement": Confinement.of(args.spec, args.platform)},
-                               pickle.HIGHEST_PROTOCOL))
+        conn.send(pickle.dumps({"op": "join", "confinement": Confinement.of(args.spec, args.platform),
+                                "netns": _joined_netns(args.spec)}, pickle.HIGHEST_PROTOCOL))
         answer = _answer(conn)
     except OSError as e:   # no such pod supervisor (any more)
         log.debug("pod %s: no supervisor takes containers (%s)", sandbox, e)
@@ -104,6 +108,17 @@ def create_in_pod(args: SupervisorArgs, ready_fd: int) -> bool:
     finally:
         conn.close()
     return True
+
+
+def _joined_netns(spec: Spec) -> int | None:
+    """The network namespace the container joins (its inode), None when it makes one of its own."""
+    ns = spec.linux.namespace("network")
+    if ns is not None and not ns.path:
+        return None
+    try:
+        return os.stat(ns.path if ns is not None else "/proc/self/ns/net").st_ino   # (none listed: ours)
+    except OSError:
+        return None
 
 
 def _answer(conn: socket.socket) -> dict:
@@ -261,13 +276,34 @@ class Pod:
             return self._drop(conn)
         msg = pickle.loads(data)   # from unconfined root only (peer_may_hand_over)
         if msg.get("op") == "join":
-            why = self.confinement.refuses(msg["confinement"])
+            why = self._refuses(msg)
             return _send(conn, {"declined": why} if why else {"ok": True})
         if msg.get("op") != "take" or len(fds) < 4:
             for fd in fds:
                 os.close(fd)
             return self._drop(conn)
         self._take(conn, msg, fds)
+
+    def _sandbox_init(self) -> int:
+        """The running sandbox container's init (0: it is stopped)."""
+        first = self.supervisor.first
+        running = self.supervisor.served.get(first.c.state.id) is first and first.c.state.status != STOPPED
+        return first.c.init.pid if running and first.c.init is not None else 0
+
+    def _refuses(self, msg: dict) -> str:
+        """Why a container that asks to join cannot be served here ("" if it can). It must be in
+        the sandbox's network namespace: its TSoR registration names the sandbox's init, a child of
+        ours, as tsord asks (tsor/identity.py), where its own init is the factory's."""
+        sandbox = self._sandbox_init()
+        if not sandbox:
+            return "the pod's sandbox container is stopped"
+        try:
+            netns = os.stat(f"/proc/{sandbox}/ns/net").st_ino
+        except OSError:
+            return "the pod's sandbox container is stopped"
+        if msg.get("netns") != netns:
+            return "it does not join the network namespace of the pod's sandbox"
+        return self.confinement.refuses(msg["confinement"])
 
     def _take(self, conn: socket.socket, msg: dict, fds: list[int]) -> None:
         init_sock, control_sock = socket.socket(fileno=fds[0]), socket.socket(fileno=fds[1])
@@ -302,7 +338,10 @@ class Pod:
         c.init = Child(init_sock, served.creation.on_init_msg, pid=pid)
         if msg.get("procview") and rest:
             procview.adopt(c.loop, c.cgroup, pid, state.pid_start_time, rest[0], msg["procview"])
-        served.creation.start_kernel(pid)
+        sandbox = self._sandbox_init()
+        if not sandbox:
+            raise RuntimeError("the pod's sandbox container stopped")
+        served.creation.start_kernel(pid, tsor_pid=sandbox)
         served.control.serve(control_sock)
         init_sock.setblocking(True)
         children.watch(c.loop, c.init)

@@ -41,8 +41,8 @@ HTTPD = ["sh", "-c", "mkdir -p /www && echo hello-$NAME > /www/index.html && exe
 @pytest.fixture(scope="module", params=["container", "pod"], ids=["supervisor-per-container", "supervisor-per-pod"])
 def cd(request):
     """This module's containerd (and test_cri_pod_features.py's), once with each supervisor scope:
-    every test passes with a supervisor per container (the default) and with one per pod
-    (`supervisor: {scope: pod}`, docs/kubernetes.md)."""
+    every test passes with a supervisor per container (`supervisor: {scope: container}`) and with
+    one per pod (the default, docs/kubernetes.md)."""
     with cri_env.running(quark_config=f"supervisor:\n  scope: {request.param}\n") as d:
         yield d
 

@@ -1,4 +1,4 @@
-"""Pods through containerd 1.6's CRI with one supervisor per pod (`supervisor: {scope: pod}`).
+"""Pods through containerd 1.6's CRI with one supervisor per pod (`supervisor: {scope: pod}`, the default).
 
 The pod's sandbox (pause) container's supervisor serves the pod's other containers: one supervisor
 process per pod, however many containers, and each container behaves as with a supervisor of its

@@ -27,9 +27,15 @@ def pod_scope(tmp_path, monkeypatch):
     monkeypatch.setenv("QUARK_CONFIG", str(config))   # read by every create
 
 
-def annotate(bundle: str, pod: str, kind: str) -> str:
+def annotate(quark, bundle: str, pod: str, kind: str, own_netns: bool = False) -> str:
+    """A pod's container as containerd's CRI writes it: annotated and, unless it is the sandbox or
+    `own_netns`, joining the sandbox's network namespace."""
     def edit(spec):
         spec["annotations"] = {"io.kubernetes.cri.container-type": kind, "io.kubernetes.cri.sandbox-id": pod}
+        if kind != "sandbox" and not own_netns:
+            for ns in spec["linux"]["namespaces"]:
+                if ns["type"] == "network":
+                    ns["path"] = f"/proc/{quark.state(pod)['pid']}/ns/net"
     edit_config(bundle, edit)
     return bundle
 
@@ -54,10 +60,10 @@ def wait_status(quark, cid: str, status: str, timeout: float = 10) -> dict:
 
 
 def test_the_pods_containers_share_the_sandboxs_supervisor_and_outlive_the_sandbox(quark, bundle):
-    run_detached(quark, "pod1", annotate(bundle(["sleep", "300"]), "pod1", "sandbox"))
+    run_detached(quark, "pod1", annotate(quark, bundle(["sleep", "300"]), "pod1", "sandbox"))
     sup = supervisor_of(quark, "pod1")
-    c1 = run_detached(quark, "c1", annotate(bundle(["sleep", "300"]), "pod1", "container"))
-    c2 = run_detached(quark, "c2", annotate(bundle(["sleep", "300"]), "pod1", "container"))
+    c1 = run_detached(quark, "c1", annotate(quark, bundle(["sleep", "300"]), "pod1", "container"))
+    c2 = run_detached(quark, "c2", annotate(quark, bundle(["sleep", "300"]), "pod1", "container"))
     assert supervisor_of(quark, "c1") == supervisor_of(quark, "c2") == sup
     assert c1["pid"] != c2["pid"] and alive(c1["pid"])
     r = quark("exec", "c1", "sh", "-c", "echo $$; exit 4", check=False)
@@ -83,10 +89,21 @@ def test_the_pods_containers_share_the_sandboxs_supervisor_and_outlive_the_sandb
     assert cgroup_dirs(cgroup) == []
 
 
+def test_a_container_outside_the_pods_network_namespace_gets_a_supervisor_of_its_own(quark, bundle):
+    """Its TSoR registration could not name the sandbox's init (tsor/identity.py): the pod's
+    supervisor declines it, and it runs as any container does."""
+    run_detached(quark, "pod5", annotate(quark, bundle(["sleep", "300"]), "pod5", "sandbox"))
+    run_detached(quark, "own", annotate(quark, bundle(["sleep", "300"]), "pod5", "container", own_netns=True))
+    assert supervisor_of(quark, "own") != supervisor_of(quark, "pod5")
+    assert quark("exec", "own", "echo", "ok").stdout == "ok\n"
+    for cid in ("own", "pod5"):
+        quark("delete", "--force", cid)
+
+
 def test_a_failed_create_in_the_pod_leaves_nothing_and_the_pod_is_served_on(quark, bundle):
-    run_detached(quark, "pod2", annotate(bundle(["sleep", "300"]), "pod2", "sandbox"))
+    run_detached(quark, "pod2", annotate(quark, bundle(["sleep", "300"]), "pod2", "sandbox"))
     sup = supervisor_of(quark, "pod2")
-    bad = annotate(bundle(["sleep", "300"]), "pod2", "container")
+    bad = annotate(quark, bundle(["sleep", "300"]), "pod2", "container")
     edit_config(bad, lambda spec: spec["process"].update(cwd="/no/such/dir", args=["/no/such/binary"]))
     edit_config(bad, lambda spec: spec["mounts"].append({"destination": "/x", "type": "bind",
                                                           "source": "/no/such/source", "options": ["bind"]}))
@@ -95,7 +112,7 @@ def test_a_failed_create_in_the_pod_leaves_nothing_and_the_pod_is_served_on(quar
     assert "Traceback" not in r.stderr
     assert not os.path.exists(os.path.join(quark.root, "bad"))
     assert not cgroup_dirs(cgroups.default_path("bad")) and alive(sup)
-    run_detached(quark, "ok", annotate(bundle(["sleep", "300"]), "pod2", "container"))
+    run_detached(quark, "ok", annotate(quark, bundle(["sleep", "300"]), "pod2", "container"))
     assert supervisor_of(quark, "ok") == sup
     for cid in ("ok", "pod2"):
         quark("delete", "--force", cid)
@@ -132,7 +149,7 @@ def log_of(quark, cid: str) -> str:
 
 @pytest.mark.parametrize("mode", ["confined", "user"])
 def test_the_pod_supervisor_takes_nothing_from_a_confined_or_unprivileged_caller(quark, bundle, mode):
-    run_detached(quark, "pod3", annotate(bundle(["sleep", "300"]), "pod3", "sandbox"))
+    run_detached(quark, "pod3", annotate(quark, bundle(["sleep", "300"]), "pod3", "sandbox"))
     sup = supervisor_of(quark, "pod3")
     path = os.path.join(quark.root, "pod3", "pod.sock")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -143,7 +160,7 @@ def test_the_pod_supervisor_takes_nothing_from_a_confined_or_unprivileged_caller
     assert expected in log_of(quark, "pod3")
     assert alive(sup) and sorted(quark.ids()) == ["pod3"]
     # and the pod goes on taking its containers
-    run_detached(quark, "c3", annotate(bundle(["sleep", "300"]), "pod3", "container"))
+    run_detached(quark, "c3", annotate(quark, bundle(["sleep", "300"]), "pod3", "container"))
     assert supervisor_of(quark, "c3") == sup
     for cid in ("c3", "pod3"):
         quark("delete", "--force", cid)
