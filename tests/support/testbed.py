@@ -204,7 +204,9 @@ class Node:
                                       env=dict(os.environ, PYTHONPATH=REPO))
         log.close()
         if wait:
-            deadline = time.monotonic() + 10
+            # 30 s: in the RDMA lane's emulated guest (TCG) a cold start of tsord, imports and all,
+            # once took longer than 10 s on a loaded host (its log still empty)
+            deadline = time.monotonic() + 30
             while not os.path.exists(self.socket):
                 if self.tsord.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"tsord {self.name} did not start: {self.log()}")
