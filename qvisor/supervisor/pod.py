@@ -141,7 +141,7 @@ def _create(args: SupervisorArgs, ready_fd: int, conn: socket.socket) -> None:
     from qvisor import cgroups, phases
     from qvisor.supervisor.context import Container
     from qvisor.supervisor.served import Served
-    args.state.supervisor_pid = _peer_pid(conn)
+    args.state.supervisor_pid = _peer(conn)[0]
     c = Container(args.store, args.state, args.spec, args.platform,
                   args.cgroup if args.cgroup is not None else cgroups.open_cgroup(args.state.cgroup_path),
                   Loop(), phases.Phases(args.state.id), ready_fd)
@@ -197,8 +197,10 @@ def _hand_over(served: Served, child: Child, conn: socket.socket, args: Supervis
     return True
 
 
-def _peer_pid(conn: socket.socket) -> int:
-    return struct.unpack("=iII", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """SO_PEERCRED's pid and uid: who is on the other end (the kernel says, not the peer)."""
+    pid, uid, _ = struct.unpack("=iII", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
 
 
 # ---- in the supervisor ----------------------------------------------------------------------------
@@ -361,14 +363,13 @@ def _send(conn: socket.socket, msg: dict) -> None:
 def peer_may_hand_over(conn: socket.socket) -> str:
     """Why the peer may not hand containers over ("" if it may): only root with no seccomp filter,
     which no supervisor and no container process is."""
-    pid, uid, _ = struct.unpack("=iII", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    pid, uid = _peer(conn)
     if uid != 0:
         return f"uid {uid} is not root"
     try:
-        with open(f"/proc/{pid}/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        seccomp = procfs.status(pid).get("Seccomp")
     except OSError:
         return "the caller is gone"
-    if fields.get("Seccomp", "").strip() != "0":
+    if seccomp != "0":
         return "a confined process may not hand containers over"
     return ""
