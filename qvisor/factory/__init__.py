@@ -22,7 +22,9 @@ rlimits exceed the factory's, when the caller's parent chain holds a runc-compat
 that reaps the container's init itself (the supervisor must then be re-parented to it, see
 Supervisor._choose_reaper), and when quark's code on disk changed since the factory imported it
 (then it also exits; the next create starts a fresh one). It is started by the first create and
-exits after QUARK_FACTORY_IDLE seconds without a request (default 300). QUARK_FACTORY=0 turns it
+exits after QUARK_FACTORY_IDLE seconds without a request (default 300). "Exits" means it stops
+serving: socket and lock go at once, and the process stays, as the child subreaper of what it
+adopted (a pod's handed-over inits, the supervisors of its zygote), until those have exited. QUARK_FACTORY=0 turns it
 off; QUARK_FACTORY_DIR moves its socket, lock and pid file (default /run/quark).
 
 The parts: wire.py (the one message each way, and where the factory's files live), client.py (the

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 from qlib.errors import QuarkError
 from qvisor.factory.caller import current_umask
@@ -92,7 +93,7 @@ def ensure_running(where: str | None = None) -> None:
 
 def stop(where: str | None = None, timeout: float = 5.0) -> int:
     """Stop the factory serving `where` (SIGTERM by the pid it recorded, confirmed by the lock it
-    holds); its pid, or 0 when none ran."""
+    holds) and wait until it serves no more; its pid, or 0 when none ran."""
     where = where or directory()
     try:
         with open(os.path.join(where, PID_NAME)) as f:
@@ -109,7 +110,15 @@ def stop(where: str | None = None, timeout: float = 5.0) -> int:
         pidfd = os.pidfd_open(pid)
         try:
             signal.pidfd_send_signal(pidfd, signal.SIGTERM)
-            select.select([pidfd], [], [], timeout)
+            # until it has stopped serving: its lock is free (it may stay on as the reaper of what
+            # it adopted, server.py's reap_what_is_left) or it has exited
+            deadline = time.monotonic() + timeout
+            while not select.select([pidfd], [], [], 0.01)[0] and time.monotonic() < deadline:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    pass
         finally:
             os.close(pidfd)
         return pid

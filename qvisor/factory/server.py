@@ -112,7 +112,33 @@ class Factory:
                     break
         finally:
             self.close()
+        self.reap_what_is_left(stop_r)
         return 0
+
+    def reap_what_is_left(self, wakeup: int) -> None:
+        """Stopped serving (socket and lock given up: another factory may start): stay, as the
+        child subreaper that the processes we adopted have, until the last of them has exited. Those
+        are the inits of containers handed to a pod's supervisor (qvisor/supervisor/pod.py), which
+        reads their exit statuses from pidfds once we reap them, and the supervisors our zygote
+        forked (theirs once it exits). Going sooner would hand them to whatever reaps above us,
+        and on a host whose pid 1 does not reap, a container's exit status would never come.
+        Another SIGTERM does not end this: their exits would be lost."""
+        try:
+            L.set_cmdline(["quark-factory (reaping)"], {})   # what `ps` shows: it serves nothing now
+        except OSError:
+            pass
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return   # none left
+            if pid:
+                continue
+            select.select([wakeup], [], [])   # the next signal: SIGCHLD, most likely
+            try:
+                os.read(wakeup, 64)
+            except BlockingIOError:
+                pass
 
     def close(self) -> None:
         # the socket first, while the lock still says the name is ours

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from qlib import procfs
 from qvisor import cgroups
 from tests.integration.conftest import cgroup_dirs, edit_config
 from tests.support.processes import alive, wait_gone
@@ -165,3 +166,33 @@ def test_the_pod_supervisor_takes_nothing_from_a_confined_or_unprivileged_caller
     for cid in ("c3", "pod3"):
         quark("delete", "--force", cid)
     wait_gone(sup, 10)
+
+
+def test_a_stopped_factory_stays_as_the_reaper_of_the_inits_it_adopted(quark, bundle, tmp_path, monkeypatch):
+    """A container handed to the pod's supervisor is reaped by the factory (its init is no child of
+    the supervisor's). A factory that stops serving (a stop, its idle time, a code change) gives up
+    its socket at once, so that another can serve, but stays until what it adopted has exited: the
+    container's exit status still comes (7: the factory reaped it, the supervisor read its pidfd)."""
+    from qvisor.factory import client, wire
+    where = str(tmp_path / "factory")
+    monkeypatch.setenv("QUARK_FACTORY_DIR", where)   # a factory of this test's own
+    run_detached(quark, "pod6", annotate(quark, bundle(["sleep", "300"]), "pod6", "sandbox"))
+    sup = supervisor_of(quark, "pod6")
+    script = 'trap "exit 7" TERM; while :; do sleep 0.1; done'
+    c = run_detached(quark, "c6", annotate(quark, bundle(["sh", "-c", script]), "pod6", "container"))
+    assert supervisor_of(quark, "c6") == sup
+    with open(os.path.join(where, wire.PID_NAME)) as f:
+        factory = int(f.read())
+    assert procfs.parent_pid(c["pid"]) == factory   # adopted when its stage 1 exited
+    assert client.stop(where) == factory
+    assert not os.path.exists(os.path.join(where, wire.SOCK_NAME))   # another may serve from now on
+    time.sleep(0.5)
+    assert alive(factory) and procfs.parent_pid(c["pid"]) == factory
+    quark("kill", "c6", "TERM")
+    st = wait_status(quark, "c6", "stopped")
+    with open(os.path.join(quark.root, "c6", "state.json")) as f:
+        assert json.load(f)["exit_status"] == 7, st
+    for cid in ("c6", "pod6"):
+        quark("delete", "--force", cid)
+    wait_gone(sup, 10)
+    wait_gone(factory, 10)   # nothing of its own left to reap: it exits
