@@ -165,8 +165,7 @@ def take_on(data: bytes, fds: list[int]) -> object:
     for fd in fds[:CONTEXT_FDS]:
         os.close(fd)
     os.umask(context["umask"])
-    os.environ.clear()
-    os.environ.update(context["env"])
+    _set_environ(context["env"])
     for r, limits in context["rlimits"].items():
         resource.setrlimit(r, limits)
     with open("/proc/self/oom_score_adj", "w") as f:
@@ -180,6 +179,18 @@ def take_on(data: bytes, fds: list[int]) -> object:
     os.setsid()   # detach: a new session
     logfile.root_level(context["log_level"])
     return context["payload"]
+
+
+def _set_environ(env: dict[str, str]) -> None:
+    """Make os.environ `env`, changing only what differs: the caller's environment is mostly the
+    factory's own, and clearing and refilling it wrote new objects and touched the shared ones, a
+    seed's private pages for the supervisor's life (bench/README.md, "Start-up and supervisor
+    memory")."""
+    for key in [k for k in os.environ if k not in env]:
+        del os.environ[key]
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 _fillers: list = []   # the zygote's: objects that fill the free blocks of the allocator's pools
