@@ -9,7 +9,7 @@ APT_PACKAGES := runc containerd containernetworking-plugins busybox-static iperf
 	iproute2 gcc libc6-dev procps util-linux wrk libibverbs-dev clang libbpf-dev libbpf1 \
 	patchelf mmdebstrap
 
-.PHONY: install apt kubectl container-clients payload image node-root venv links bytecode fastpath rdma-pump bpf frontend trampoline demo test test-unit test-rdma test-cgroup2 vm-deps bench proto clean
+.PHONY: install apt kubectl container-clients payload image node-root venv links bytecode fastpath rdma-pump bpf frontend trampoline demo test test-unit test-rdma test-rdma-pair test-cgroup2 vm-deps bench proto clean
 install: apt kubectl container-clients venv links fastpath rdma-pump bpf
 
 apt:
@@ -119,11 +119,13 @@ demo: install
 	$(PY) -m tests.demo.tsor_demo
 
 # the host's suite, then the cgroup v2 lane (a qemu guest, about 4 minutes; see test-cgroup2), then
-# the RDMA lane's short subset on soft-RoCE (tests/vm/lane.py's RDMA_SMOKE; `make test-rdma`: all of it)
+# the RDMA lane's short subset on soft-RoCE (tests/vm/lane.py's RDMA_SMOKE; `make test-rdma`: all of it),
+# then the two-guest RDMA lane (tests/vm/pair.py: two hosts' soft-RoCE devices on one wire, about 1 minute)
 test: install vm-deps node-root
 	$(VENV)/bin/pytest -q -ra tests
 	$(PY) -m tests.vm.lane
 	$(PY) -m tests.vm.lane --rdma --smoke
+	$(PY) -m tests.vm.pair
 
 test-unit: install
 	$(VENV)/bin/pytest -q -ra tests/unit
@@ -138,6 +140,11 @@ test-rdma: install vm-deps
 	else \
 		$(PY) -m tests.vm.lane --rdma -- $(ARGS); \
 	fi
+
+# The two-guest RDMA lane (tests/vm/README.md): two qemu guests joined by a wire, a soft-RoCE device
+# on each end; guest a runs pytest on tests/pair against guest b (tests/pair/peer.py)
+test-rdma-pair: install vm-deps
+	$(PY) -m tests.vm.pair
 
 # The cgroup v2 lane (tests/vm/README.md): pytest in a qemu guest (TCG) booting Debian 12's own 6.1
 # kernel on a cgroup2-only hierarchy, the host's / shared over 9p. Runs the v2 subset (tests/vm/lane.py), or ARGS

@@ -4,7 +4,8 @@
 # stage 1, PID 1 in the initramfs: load the 9p/virtio/overlay modules, mount the host's / (9p tag
 # "hostroot", read-only) under an overlay whose upper layer is tmpfs, so the guest may write
 # anywhere and the host sees nothing of it; mount the results share (9p tag "results", the host's
-# temporary directory, read-write) at /.quark-vm/results; switch_root into the overlay.
+# temporary directory, read-write) at /.quark-vm/results, and the "pair" share two guests have in
+# common (tests/vm/pair.py) at /.quark-vm/pair where there is one; switch_root into the overlay.
 # stage 2, PID 1 in the host's tree: mount what a booted Debian 12 has (proc, sys, a cgroup2-only
 # /sys/fs/cgroup as systemd mounts it, dev with kmod's static nodes, pts, shm, mqueue, fresh /run
 # and /tmp), bring lo up, run the host's results/run.sh (cd to the checkout, pytest), keep its
@@ -30,6 +31,9 @@ stage1() {
         || die "overlay over the 9p root failed"
     mkdir -p /newroot$RES
     mount -t 9p -o "$opts,cache=none" results /newroot$RES || die "mounting the results share (9p) failed"
+    # the two guests of tests/vm/pair.py share one more directory ("pair"); a lone guest has none
+    mkdir -p /newroot$VM/pair
+    mount -t 9p -o "$opts,cache=none" pair /newroot$VM/pair 2>/dev/null || rmdir /newroot$VM/pair
     # stage 2's own busybox and script: the host's /bin/busybox is not needed
     cp /bin/busybox /init /static-nodes /newroot$VM/
     umount /proc /sys /dev
@@ -82,7 +86,7 @@ stage2() {
     $bb ln -sf /proc/self/fd/2 /dev/stderr
     fresh_tmpfs /run
     fresh_tmpfs /tmp
-    $bb hostname quark-vm
+    if [ -f $RES/hostname ]; then $bb hostname "$($bb cat $RES/hostname)"; else $bb hostname quark-vm; fi
     $bb ip link set lo up
     # modules beyond the initramfs's (veth, bridge, netfilter, ...) load on demand from the
     # unpacked package, through busybox's modprobe

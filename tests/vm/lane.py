@@ -114,12 +114,10 @@ def run_script(pytest_args: list[str], rdma: bool = False, command: str | None =
             + f"exec env PYTHONDONTWRITEBYTECODE=1{env} {shlex.join(argv)}\n")
 
 
-def qemu_argv(kernel: Kernel, initramfs: Path, results: Path, memory: int, smp: int) -> list[str]:
-    def share(tag: str, path: str, *opts: str) -> list[str]:
-        # multidevs=remap: the host's / spans several filesystems; keep inode numbers unique
-        return ["-fsdev", ",".join(["local", f"id={tag}", f"path={path}", "security_model=none",
-                                    "multidevs=remap", *opts]),
-                "-device", f"virtio-9p-pci,fsdev={tag},mount_tag={tag}"]
+def qemu_argv(kernel: Kernel, initramfs: Path, results: Path, memory: int, smp: int,
+              extra: tuple[str, ...] = ()) -> list[str]:
+    """`extra`: more of qemu's arguments (tests/vm/pair.py: a network device, one more share)."""
+    share = share_argv
     return [QEMU, "-name", "quark-vm", "-no-user-config", "-nodefaults",
             "-accel", "tcg,thread=multi", "-cpu", "max", "-smp", str(smp), "-m", str(memory),
             # qboot, not SeaBIOS: boots -kernel faster and writes no terminal-reset escapes to
@@ -130,26 +128,43 @@ def qemu_argv(kernel: Kernel, initramfs: Path, results: Path, memory: int, smp: 
             # a scratch disk, /dev/vda in the guest, for tests that need a block device (io.max):
             # qemu's null driver, so no image file; it reads zeros and drops writes
             "-blockdev", f"driver=null-co,node-name=scratch,size={SCRATCH_BYTES},read-zeroes=on",
-            "-device", "virtio-blk-pci,drive=scratch"]
+            "-device", "virtio-blk-pci,drive=scratch", *extra]
+
+
+def share_argv(tag: str, path: str, *opts: str) -> list[str]:
+    """A 9p share of the host's `path`, mounted in the guest by its `tag`."""
+    # multidevs=remap: the host's / spans several filesystems; keep inode numbers unique
+    return ["-fsdev", ",".join(["local", f"id={tag}", f"path={path}", "security_model=none", "multidevs=remap", *opts]),
+            "-device", f"virtio-9p-pci,fsdev={tag},mount_tag={tag}"]
 
 
 class Console:
-    """Copies qemu's serial output to stdout as it comes, and notes when the guest is up."""
+    """Copies qemu's serial output to stdout as it comes (each line after `prefix`: two guests'
+    consoles on one terminal), and notes when the guest is up."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream, prefix: bytes = b"") -> None:
         self.stream = stream
+        self.prefix = prefix
         self.booted_at: float | None = None
         self.thread = threading.Thread(target=self._pump, daemon=True)
         self.thread.start()
 
     def _pump(self) -> None:
-        tail = b""
+        tail = pending = b""
         while chunk := self.stream.read1(4096):
-            sys.stdout.buffer.write(chunk.replace(b"\r", b""))
+            text = chunk.replace(b"\r", b"")
+            if self.prefix:   # whole lines only, each after the prefix
+                pending += text
+                text, _, pending = pending.rpartition(b"\n")
+                text = b"".join(self.prefix + line + b"\n" for line in text.split(b"\n")) if text or _ else b""
+            sys.stdout.buffer.write(text)
             sys.stdout.flush()
             tail = (tail + chunk)[-256:]
             if self.booted_at is None and BOOTED.search(tail):
                 self.booted_at = time.monotonic()
+        if pending:
+            sys.stdout.buffer.write(self.prefix + pending + b"\n")
+            sys.stdout.flush()
 
 
 def _stop(qemu: subprocess.Popen) -> None:

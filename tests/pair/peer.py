@@ -1,0 +1,63 @@
+"""Guest b of the two-guest RDMA lane (tests/vm/pair.py): the far host the tests on guest a
+(tests/pair) talk to, over the wire between them.
+
+It serves, on its wire address, until guest a writes $QUARK_PAIR_DIR/a-done (or PEER_TIMEOUT_S):
+- ECHO_PORT, TCP: each connection's bytes back (the wire works);
+- APP_PORT, TCP: what a connection the rdma transport carries is served (rdma_node.serve_app: echo
+  or hash by its first byte), for plain TCP side by side with the link (bench/pair_rdma.py);
+- rdma_node.CONTROL_PORT, TCP: each connection sets up a node of TSoR's rdma transport on this
+  guest's RoCE device, linked to guest a's (tests/pair/rdma_node.py), serving what it carries.
+Ready once $QUARK_PAIR_DIR/b-ready exists.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.pair import rdma_node  # noqa: E402
+
+ECHO_PORT, APP_PORT = 7601, 7604
+PEER_TIMEOUT_S = 1500
+
+
+def _echo(conn: socket.socket) -> None:
+    with conn:
+        while data := conn.recv(65536):
+            conn.sendall(data)
+
+
+def _serve(listener: socket.socket, handle) -> None:
+    while True:
+        try:
+            conn = listener.accept()[0]
+        except OSError:
+            return
+        threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+
+def main() -> int:
+    address, pair = os.environ["QUARK_PAIR_SELF"], os.environ["QUARK_PAIR_DIR"]
+    echo = socket.create_server((address, ECHO_PORT))
+    app = socket.create_server((address, APP_PORT), backlog=128)
+    control = socket.create_server((address, rdma_node.CONTROL_PORT))
+    threading.Thread(target=_serve, args=(echo, _echo), daemon=True).start()
+    threading.Thread(target=_serve, args=(control, rdma_node.serve_control), daemon=True).start()
+    threading.Thread(target=_serve, args=(app, rdma_node.serve_app), daemon=True).start()
+    open(os.path.join(pair, "b-ready"), "w").close()
+    print("peer: serving", flush=True)
+    deadline = time.monotonic() + PEER_TIMEOUT_S
+    while not os.path.exists(os.path.join(pair, "a-done")):
+        if time.monotonic() > deadline:
+            print("peer: guest a never said it was done", flush=True)
+            return 1
+        time.sleep(0.2)
+    print("peer: guest a is done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
