@@ -3,12 +3,18 @@ hosts: the two guests of the pair lane (tests/vm/pair.py), soft-RoCE on each, on
 
     .venv/bin/python -m tests.vm.pair --out /tmp/pair \
         --a '.venv/bin/python bench/pair_rdma.py --json $QUARK_VM_OUT/pair_rdma.json'
+    # with the kernel's SMC-R beside them (its link comes up over rxe from 6.12 on):
+    .venv/bin/python -m tests.vm.pair --kernel-suite bookworm-backports --out /tmp/pair \
+        --a '.venv/bin/python bench/pair_rdma.py --smc --json $QUARK_VM_OUT/pair_rdma_smc.json' \
+        --b '.venv/bin/python -m tests.pair.peer --smc'
 
 Runs on guest a against guest b's peer (tests/pair/peer.py). The same application protocol over
 each path (tests/pair/rdma_node.py's serve_app: b"S" hash what comes, b"E" echo): over plain TCP to
 the peer's APP_PORT, and over one rdma link with the compiled pump (tsord's default) and with the
-Python engine, the link's ends being what tsord's are (the engine, its device, one RC QP). Rows, the
-three paths alternating per run: a stream of --mib MiB (Gb/s), 64 B round trips (p50 us), and a
+Python engine, the link's ends being what tsord's are (the engine, its device, one RC QP), and with
+--smc over the kernel's SMC-R (AF_SMC sockets; the pair lane's set-up gives it a pnet and a UEID,
+tests/support/smc.py). Rows, the
+paths alternating within each run: a stream of --mib MiB (Gb/s), 64 B round trips (p50 us), and a
 connection's set-up with its first round trip (p50 us). CPU per GB: the guest's busy jiffies
 (/proc/stat) per GB streamed, this guest's only. Under TCG every figure is the emulator's; the
 ratios between paths on the same guests are the finding, not the values.
@@ -24,7 +30,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.pair.peer import APP_PORT  # noqa: E402
+from tests.pair.peer import APP_PORT, SMC_APP_PORT  # noqa: E402
 from tests.pair.rdma_node import PUMPS, dial  # noqa: E402
 
 
@@ -88,6 +94,7 @@ def main() -> int:
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--rtts", type=int, default=300)
     p.add_argument("--setups", type=int, default=50)
+    p.add_argument("--smc", action="store_true", help="also the kernel's SMC-R (guest b's peer run with --smc)")
     p.add_argument("--json")
     a = p.parse_args()
     pair, peer = os.environ["QUARK_PAIR_DIR"], os.environ["QUARK_PAIR_PEER"]
@@ -96,6 +103,14 @@ def main() -> int:
     nodes = {pump: dial(peer, pump) for pump in PUMPS}
     paths = {"tcp": lambda: socket.create_connection((peer, APP_PORT), timeout=60),
              **{f"rdma ({pump} pump)": nodes[pump][0].open for pump in PUMPS}}
+    if a.smc:
+        from tests.support import smc
+
+        def over_smc() -> socket.socket:
+            s = smc.smc_socket()
+            smc.connect(s, peer, SMC_APP_PORT)
+            return s
+        paths["SMC-R"] = over_smc
     rows: dict[str, dict[str, list[float]]] = {k: {"gbps": [], "cpu_s_per_gb": [], "rtt_us": [], "setup_us": []}
                                               for k in paths}
     for _ in range(a.runs):
@@ -108,7 +123,6 @@ def main() -> int:
     for node, ctl in nodes.values():
         ctl.close()
         node.close()
-    open(os.path.join(pair, "a-done"), "w").close()
     res = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": a.runs, "mib": a.mib,
            "kernel": os.uname().release, "paths": rows}
     tcp = rows["tcp"]
@@ -123,6 +137,7 @@ def main() -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)
+    open(os.path.join(pair, "a-done"), "w").close()   # every connection closed: guest b may go
     return 0
 
 

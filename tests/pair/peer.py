@@ -5,6 +5,8 @@ It serves, on its wire address, until guest a writes $QUARK_PAIR_DIR/a-done (or 
 - ECHO_PORT, TCP: each connection's bytes back (the wire works);
 - APP_PORT, TCP: what a connection the rdma transport carries is served (rdma_node.serve_app: echo
   or hash by its first byte), for plain TCP side by side with the link (bench/pair_rdma.py);
+- with --smc, SMC_APP_PORT, AF_SMC: the same, over the kernel's SMC-R (bench/pair_rdma.py --smc;
+  not by default: on 6.1's rxe an SMC-R connection hangs, tests/vm/README.md);
 - rdma_node.CONTROL_PORT, TCP: each connection sets up a node of TSoR's rdma transport on this
   guest's RoCE device, linked to guest a's (tests/pair/rdma_node.py), serving what it carries.
 Ready once $QUARK_PAIR_DIR/b-ready exists.
@@ -20,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.pair import rdma_node  # noqa: E402
 
-ECHO_PORT, APP_PORT = 7601, 7604
+ECHO_PORT, APP_PORT, SMC_APP_PORT = 7601, 7604, 7605
 PEER_TIMEOUT_S = 1500
 
 
@@ -30,10 +32,10 @@ def _echo(conn: socket.socket) -> None:
             conn.sendall(data)
 
 
-def _serve(listener: socket.socket, handle) -> None:
+def _serve(listener: socket.socket, handle, accept=lambda s: s.accept()[0]) -> None:
     while True:
         try:
-            conn = listener.accept()[0]
+            conn = accept(listener)
         except OSError:
             return
         threading.Thread(target=handle, args=(conn,), daemon=True).start()
@@ -47,6 +49,12 @@ def main() -> int:
     threading.Thread(target=_serve, args=(echo, _echo), daemon=True).start()
     threading.Thread(target=_serve, args=(control, rdma_node.serve_control), daemon=True).start()
     threading.Thread(target=_serve, args=(app, rdma_node.serve_app), daemon=True).start()
+    if "--smc" in sys.argv[1:]:
+        from tests.support import smc
+        over_smc = smc.smc_socket()
+        smc.bind(over_smc, address, SMC_APP_PORT)
+        over_smc.listen(128)
+        threading.Thread(target=_serve, args=(over_smc, rdma_node.serve_app, smc.accept), daemon=True).start()
     open(os.path.join(pair, "b-ready"), "w").close()
     print("peer: serving", flush=True)
     deadline = time.monotonic() + PEER_TIMEOUT_S

@@ -26,13 +26,16 @@ MODULES = ("virtio_pci", "9pnet_virtio", "9p", "overlay", "virtio_blk")
 
 def module_order(modules_dir: Path, wanted: tuple[str, ...] = MODULES) -> list[str]:
     """Paths (relative to modules_dir) of `wanted` and what they depend on, each after its
-    dependencies, from the modules.dep that depmod wrote."""
+    dependencies, from the modules.dep that depmod wrote; a module the kernel has built in (a later
+    kernel's virtio_pci) is left out."""
     deps: dict[str, list[str]] = {}
     by_name: dict[str, str] = {}
     for line in (modules_dir / "modules.dep").read_text().splitlines():
         path, _, rest = line.partition(":")
         deps[path] = rest.split()
         by_name[_name(path)] = path
+    builtin_list = modules_dir / "modules.builtin"   # built into the kernel (=y): nothing to load
+    builtin = {_name(p) for p in builtin_list.read_text().split()} if builtin_list.exists() else set()
     order: list[str] = []
 
     def visit(path: str) -> None:
@@ -42,6 +45,8 @@ def module_order(modules_dir: Path, wanted: tuple[str, ...] = MODULES) -> list[s
             visit(d)
         order.append(path)
     for name in wanted:
+        if name in builtin and name not in by_name:
+            continue
         if name not in by_name:
             raise LaneError(f"module {name} is not in {modules_dir}/modules.dep")
         visit(by_name[name])
@@ -164,7 +169,10 @@ def ensure_initramfs(kernel: Kernel) -> Path:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(build(kernel))
     tmp.rename(path)
-    for old in CACHE.glob("initramfs-*.cpio.gz"):   # other kernels' or older builders'
-        if old != path:
+    # older builders' for this kernel, and those of kernels no longer cached (each suite keeps its own)
+    cached = {d.name for d in CACHE.iterdir() if d.is_dir()}
+    for old in CACHE.glob("initramfs-*.cpio.gz"):
+        version = old.name[len("initramfs-"):].rsplit("-", 1)[0]
+        if old != path and (version == kernel.version or version not in cached):
             old.unlink(missing_ok=True)
     return path

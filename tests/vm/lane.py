@@ -67,10 +67,10 @@ BOOTED = re.compile(rb"quark-vm: \S+ up in ")   # the guest's line just before i
 SUMMARY = re.compile(r"^=*\s*((\d+ \w+|no tests ran)[^=]* in [\d.]+s( \([\d:]+\))?)\s*=*$")
 
 
-def prepare() -> tuple[Kernel, Path]:
+def prepare(suite: str = "bookworm") -> tuple[Kernel, Path]:
     if shutil.which(QEMU) is None:
         raise LaneError(f"{QEMU} is not installed: run `make vm-deps` (apt-get install qemu-system-x86)")
-    kernel = ensure_kernel()
+    kernel = ensure_kernel(suite)
     with cache_lock():
         return kernel, ensure_initramfs(kernel)
 

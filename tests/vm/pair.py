@@ -2,7 +2,7 @@
 soft-RoCE device on its own end of it — two RDMA hosts, as two nodes of a cluster are.
 
     python -m tests.vm.pair [--timeout S] [--memory MiB] [--smp N] [--out DIR]
-                            [--a COMMAND] [--b COMMAND]
+                            [--a COMMAND] [--b COMMAND] [--kernel-suite bookworm-backports]
 
 (`make test-rdma-pair` runs the default.) Each guest is tests/vm/lane.py's (Debian 12's 6.1 kernel
 under TCG, the host's / read-only over 9p, a results share of its own), plus:
@@ -88,9 +88,10 @@ def _listening(port: int) -> bool:
         return any(int(p, 16) == port for p in LISTENING.findall(f.read()))
 
 
-def run(commands: dict[str, str], timeout: float, memory: int, smp: int, out: Path | None = None) -> int:
+def run(commands: dict[str, str], timeout: float, memory: int, smp: int, out: Path | None = None,
+        suite: str = "bookworm") -> int:
     start = time.monotonic()
-    kernel, initramfs = prepare()
+    kernel, initramfs = prepare(suite)
     pair = Path(tempfile.mkdtemp(prefix="quark-pair-"))
     results = {role: Path(tempfile.mkdtemp(prefix=f"quark-vm-{role}-")) for role in ("a", "b")}
     keep = [str(PROJECT)] + ([sys.prefix] if not Path(sys.prefix).is_relative_to(PROJECT) else [])
@@ -163,10 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--a", default=DEFAULT_A, help="guest a's shell command (default: pytest tests/pair)")
     p.add_argument("--b", default=DEFAULT_B, help="guest b's shell command (default: tests/pair/peer.py)")
     p.add_argument("--out", type=Path, help="copy what each command wrote under $QUARK_VM_OUT to DIR/a, DIR/b")
+    p.add_argument("--kernel-suite", default="bookworm", choices=["bookworm", "bookworm-backports"],
+                   help="whose kernel the guests boot (default bookworm's 6.1; backports' carries SMC-R over rxe)")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # as ^C: run() kills both qemus
     try:
-        return run({"a": a.a, "b": a.b}, a.timeout, a.memory, a.smp, a.out)
+        return run({"a": a.a, "b": a.b}, a.timeout, a.memory, a.smp, a.out, a.kernel_suite)
     except (LaneError, OSError) as e:
         print(f"quark-pair: {e}", file=sys.stderr)
         return 1

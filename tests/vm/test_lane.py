@@ -107,3 +107,36 @@ def test_summary_line(line, want) -> None:
 def test_summary_line_absent() -> None:
     assert lane.summary_line("quark-vm: mounting cgroup2 failed\n") is None
 
+
+
+def test_a_module_the_kernel_has_built_in_is_not_loaded(tmp_path) -> None:
+    """6.12 builds virtio_pci in (modules.builtin): the initramfs needs no module for it; a wanted
+    module that is neither built in nor a module is still an error."""
+    (tmp_path / "modules.dep").write_text("kernel/fs/9p/9p.ko.xz: kernel/net/9p/9pnet.ko.xz\n"
+                                          "kernel/net/9p/9pnet.ko.xz:\n")
+    (tmp_path / "modules.builtin").write_text("kernel/drivers/virtio/virtio_pci.ko\n")
+    assert module_order(tmp_path, ("virtio_pci", "9p")) == ["kernel/net/9p/9pnet.ko.xz", "kernel/fs/9p/9p.ko.xz"]
+    with pytest.raises(LaneError, match="overlay"):
+        module_order(tmp_path, ("overlay",))
+
+
+def test_each_kernel_suite_keeps_its_own_kernel_and_apt_lists(tmp_path, monkeypatch) -> None:
+    """The two-guest lane's bookworm-backports kernel sits beside the other lanes' bookworm one (neither
+    removes the other), and backports is read through apt lists of the cache's own: the host's apt
+    sources are never touched."""
+    from tests.vm import kernel
+    monkeypatch.setattr(kernel, "CACHE", tmp_path)
+    for version, suite in (("6.1.0-57-amd64", None), ("6.12.95+deb12-amd64", "bookworm-backports")):
+        (tmp_path / version).mkdir()
+        (tmp_path / version / kernel.DONE).touch()
+        if suite:
+            (tmp_path / version / kernel.SUITE_FILE).write_text(suite + "\n")
+    assert [k.version for k in kernel.cached_kernels()] == ["6.1.0-57-amd64"]
+    assert [k.version for k in kernel.cached_kernels("bookworm-backports")] == ["6.12.95+deb12-amd64"]
+    assert kernel._apt_options("bookworm") == []
+    opts = kernel._apt_options("bookworm-backports")
+    lists = tmp_path / "apt-bookworm-backports"
+    assert f"Dir::State::Lists={lists}/lists" in opts and "Dir::Etc::SourceParts=/dev/null" in opts
+    assert (lists / "sources.list").read_text().split()[2] == "bookworm-backports"
+    with pytest.raises(LaneError, match="no kernel suite"):
+        kernel.ensure_kernel("sid")
