@@ -14,7 +14,8 @@ the peer's APP_PORT, and over one rdma link with the compiled pump (tsord's defa
 Python engine, the link's ends being what tsord's are (the engine, its device, one RC QP), and with
 --smc over the kernel's SMC-R (AF_SMC sockets; the pair lane's set-up gives it a pnet and a UEID,
 tests/support/smc.py). Rows, the
-paths alternating within each run: a stream of --mib MiB (Gb/s), 64 B round trips (p50 us), and a
+paths alternating within each run: a stream of --mib MiB (Gb/s), --streams streams of --mib MiB in all
+at once (Gb/s), 64 B round trips (p50 us), and a
 connection's set-up with its first round trip (p50 us). CPU per GB: the guest's busy jiffies
 (/proc/stat) per GB streamed, this guest's only. Under TCG every figure is the emulator's; the
 ratios between paths on the same guests are the finding, not the values.
@@ -58,6 +59,29 @@ def stream(open_conn, mib: int) -> tuple[float, float]:
     return gb * 8 / t, cpu / gb
 
 
+def parallel(open_conn, mib: int, n: int) -> float:
+    """Gb/s of n streams at once, mib MiB in all (each on its own connection and thread)."""
+    import threading
+    block = os.urandom(1 << 20)
+    conns = [open_conn() for _ in range(n)]
+
+    def send(s: socket.socket) -> None:
+        s.settimeout(600)
+        s.sendall(b"S")
+        for _ in range(mib // n):
+            s.sendall(block)
+        s.shutdown(socket.SHUT_WR)
+        s.recv(100)
+        s.close()
+    threads = [threading.Thread(target=send, args=(s,)) for s in conns]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return (mib // n) * n * (1 << 20) * 8 / 1e9 / (time.perf_counter() - t0)
+
+
 def rtts(open_conn, n: int) -> float:
     """p50 of n 64-byte round trips on one connection, us."""
     s = open_conn()
@@ -92,6 +116,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--mib", type=int, default=64)
+    p.add_argument("--streams", type=int, default=8, help="the parallel row's streams (its total: --mib)")
     p.add_argument("--rtts", type=int, default=300)
     p.add_argument("--setups", type=int, default=50)
     p.add_argument("--smc", action="store_true", help="also the kernel's SMC-R (guest b's peer run with --smc)")
@@ -111,27 +136,31 @@ def main() -> int:
             smc.connect(s, peer, SMC_APP_PORT)
             return s
         paths["SMC-R"] = over_smc
-    rows: dict[str, dict[str, list[float]]] = {k: {"gbps": [], "cpu_s_per_gb": [], "rtt_us": [], "setup_us": []}
-                                              for k in paths}
+    rows: dict[str, dict[str, list[float]]] = {k: {"gbps": [], "gbps_parallel": [], "cpu_s_per_gb": [], "rtt_us": [],
+                                                  "setup_us": []} for k in paths}
     for _ in range(a.runs):
         for name, open_conn in paths.items():
             gbps, cpu = stream(open_conn, a.mib)
             rows[name]["gbps"].append(round(gbps, 3))
             rows[name]["cpu_s_per_gb"].append(round(cpu, 2))
+            rows[name]["gbps_parallel"].append(round(parallel(open_conn, a.mib, a.streams), 3))
             rows[name]["rtt_us"].append(round(rtts(open_conn, a.rtts), 1))
             rows[name]["setup_us"].append(round(setups(open_conn, a.setups), 1))
     for node, ctl in nodes.values():
         ctl.close()
         node.close()
     res = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": a.runs, "mib": a.mib,
+           "streams": a.streams,
            "kernel": os.uname().release, "paths": rows}
     tcp = rows["tcp"]
-    print("| path | stream Gb/s (runs) | vs TCP | 64 B RTT p50 us | vs TCP | set-up p50 us | vs TCP | CPU s/GB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| path | stream Gb/s (runs) | vs TCP | {a.streams} streams Gb/s | vs TCP | 64 B RTT p50 us | vs TCP "
+          "| set-up p50 us | vs TCP | CPU s/GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         def ratio(key: str) -> str:
             return f"{statistics.median(r[key]) / statistics.median(tcp[key]):.2f}x"
         print(f"| {name} | {statistics.median(r['gbps']):.3f} ({', '.join(map(str, r['gbps']))}) | {ratio('gbps')} "
+              f"| {statistics.median(r['gbps_parallel']):.3f} | {ratio('gbps_parallel')} "
               f"| {statistics.median(r['rtt_us']):.0f} | {ratio('rtt_us')} | {statistics.median(r['setup_us']):.0f} "
               f"| {ratio('setup_us')} | {statistics.median(r['cpu_s_per_gb']):.1f} |")
     if a.json:
