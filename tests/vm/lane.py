@@ -173,6 +173,16 @@ def _stop(qemu: subprocess.Popen) -> None:
     qemu.wait()
 
 
+def guest_status(results: Path, qemu: subprocess.Popen) -> tuple[int, str]:
+    """The exit status the guest's run.sh reported in its results share, or 1 and why there is none
+    (the guest's own error, else qemu's exit)."""
+    status_file = results / "status"
+    if status_file.exists():
+        return int(status_file.read_text().strip() or 1), ""
+    err = results / "guest-error"
+    return 1, err.read_text().strip() if err.exists() else f"qemu exited {qemu.returncode}"
+
+
 def summary_line(output: str) -> str | None:
     for line in reversed(output.splitlines()):
         m = SUMMARY.match(line.strip())
@@ -208,13 +218,10 @@ def run(pytest_args: list[str], timeout: float, memory: int, smp: int, rdma: boo
         raise
     console.thread.join(5)
     total = time.monotonic() - start
-    status_file = results / "status"
-    if not status_file.exists():
-        err = results / "guest-error"
-        why = err.read_text().strip() if err.exists() else f"qemu exited {qemu.returncode}"
+    status, why = guest_status(results, qemu)
+    if why:
         print(f"\nquark-vm: the guest reported no pytest status ({why}). Its files: {results}", flush=True)
         return 1
-    status = int(status_file.read_text().strip() or 1)
     output = (results / "output.log").read_text(errors="replace")
     if out is not None and (results / "out").is_dir():
         shutil.copytree(results / "out", out, dirs_exist_ok=True)

@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 
 from tests.vm.kernel import LaneError
-from tests.vm.lane import (GUEST_OUT, PROJECT, PYTEST_FIXED, Console, _stop, prepare, qemu_argv, share_argv,
-                           summary_line)
+from tests.vm.lane import (GUEST_OUT, PROJECT, PYTEST_FIXED, Console, _stop, guest_status, prepare, qemu_argv,
+                           share_argv, summary_line)
 
 WIRE = {"a": "10.212.0.1", "b": "10.212.0.2"}
 MACS = {"a": "52:54:00:51:20:01", "b": "52:54:00:51:20:02"}
@@ -132,14 +132,9 @@ def run(commands: dict[str, str], timeout: float, memory: int, smp: int, out: Pa
         shutil.rmtree(pair, ignore_errors=True)
     statuses = {}
     for role, res in results.items():
-        status_file = res / "status"
-        if not status_file.exists():
-            err = res / "guest-error"
-            why = err.read_text().strip() if err.exists() else f"qemu exited {guests[role].returncode}"
+        statuses[role], why = guest_status(res, guests[role])
+        if why:
             print(f"\nquark-pair: guest {role} reported no status ({why}). Its files: {res}", flush=True)
-            statuses[role] = 1
-        else:
-            statuses[role] = int(status_file.read_text().strip() or 1)
         if out is not None and (res / "out").is_dir():
             shutil.copytree(res / "out", out / role, dirs_exist_ok=True)
     output = (results["a"] / "output.log").read_text(errors="replace") if (results["a"] / "output.log").exists() else ""
