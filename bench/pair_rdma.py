@@ -2,11 +2,12 @@
 hosts: the two guests of the pair lane (tests/vm/pair.py), soft-RoCE on each, one wire.
 
     .venv/bin/python -m tests.vm.pair --out /tmp/pair \
-        --a '.venv/bin/python bench/pair_rdma.py --json $QUARK_VM_OUT/pair_rdma.json'
+        --a '.venv/bin/python bench/pair_rdma.py --json $QUARK_VM_OUT/pair_rdma.json' \
+        --b '.venv/bin/python -m tests.pair.peer --no-node'
     # with the kernel's SMC-R beside them (its link comes up over rxe from 6.12 on):
     .venv/bin/python -m tests.vm.pair --kernel-suite bookworm-backports --out /tmp/pair \
         --a '.venv/bin/python bench/pair_rdma.py --smc --json $QUARK_VM_OUT/pair_rdma_smc.json' \
-        --b '.venv/bin/python -m tests.pair.peer --smc'
+        --b '.venv/bin/python -m tests.pair.peer --smc --no-node'
 
 Runs on guest a against guest b's peer (tests/pair/peer.py). The same application protocol over
 each path (tests/pair/rdma_node.py's serve_app: b"S" hash what comes, b"E" echo): over plain TCP to

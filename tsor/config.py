@@ -24,6 +24,8 @@
       port: 1                       # default: its first ACTIVE port
       gid_index: 3                  # default: the port's first RoCE v2 IPv4 GID (tsor/verbs/pyverbs_provider.py)
       pump: compiled                # what moves the bytes: compiled (transport/rdma_pump.c) or python
+      pump_port: 7471               # local_path: sockmap: where the pump takes pods' connections to
+                                    #   other nodes (on `listen`'s address; tsor/remote_path.py)
 
 `transport`: `rdma` carries connections over an RC queue pair on this host's RDMA device (pyverbs),
 `tcp` over one TCP connection each, and `auto` takes rdma where both nodes have an active RDMA port,
@@ -48,7 +50,8 @@ from tsor.errors import ConfigError
 
 _KEYS = {"node", "socket", "listen", "metrics", "routes", "kubernetes", "cluster_secret_file", "insecure_no_auth",
          "transport", "state_dir", "sockopt_offload", "local_path", "rdma"}
-_RDMA_KEYS = {"device", "port", "gid_index", "pump"}
+_RDMA_KEYS = {"device", "port", "gid_index", "pump", "pump_port"}
+DEFAULT_PUMP_PORT = 7471
 PUMPS = ("compiled", "python")
 _KUBE_KEYS = {"kubeconfig", "context", "runtime_class", "tsord_port", "discovery_seconds"}
 DEFAULT_TSORD_PORT = 7470
@@ -85,6 +88,7 @@ class RdmaPort:
     port: int | None = None
     gid_index: int | None = None
     pump: str = "compiled"   # rdma links' data plane: transport/rdma_pump.c, or transport/rdma.py's engine
+    pump_port: int = DEFAULT_PUMP_PORT   # local_path: sockmap: the pump's listener (tsor/remote_path.py), on `listen`'s host
 
 
 @dataclass(frozen=True)
@@ -251,7 +255,10 @@ def _rdma(value: object, path: str) -> RdmaPort:
     pump = value.get("pump", "compiled")
     if pump not in PUMPS:
         raise ConfigError(path, "rdma.pump", f"expected one of {', '.join(PUMPS)}, got {pump!r}")
-    return RdmaPort(device, port, gid, pump)
+    pump_port = value.get("pump_port", DEFAULT_PUMP_PORT)
+    if not isinstance(pump_port, int) or isinstance(pump_port, bool) or not 1 <= pump_port <= 65535:
+        raise ConfigError(path, "rdma.pump_port", f"expected a TCP port, got {pump_port!r}")
+    return RdmaPort(device, port, gid, pump, pump_port)
 
 
 def _transport(value: object, path: str, transports: tuple[str, ...]) -> tuple[tuple[str, str], ...]:

@@ -32,7 +32,7 @@ import threading
 import time
 
 from tsor import DEFAULT_CONFIG, config as configmod, protocol, routes as routesmod
-from tsor import kernel_sockets, local_path_marker, service_lb, sockmap, sockopt_offload
+from tsor import kernel_sockets, local_path_marker, remote_path, service_lb, sockmap, sockopt_offload
 from tsor.addr import Endpoint, family_of, is_unspecified, unmapped
 from tsor.bytecount import TcpByteCounter
 from tsor.errors import ConfigError, NotAllowed, ProtocolError
@@ -44,6 +44,7 @@ from tsor.peers import Generation
 from tsor.pods import Pod, PodRegistry, check_claim
 from tsor.transport.local import LocalTransport
 from tsor.transport.rdma_link import Cabled, RdmaTransport, open_pyverbs
+from tsor.transport.rdma_pump import PumpLink
 from tsor.transport.tcp import TcpTransport
 
 log = logging.getLogger("tsor.daemon")
@@ -177,6 +178,7 @@ class Daemon:
         self.sockmap: sockmap.Registrar | None = None   # local_path: sockmap
         self.service_lb: service_lb.ServiceLB | None = None   # ... and its Services chosen at connect()
         self.service_sync: service_lb.Syncer | None = None
+        self.remote_path: remote_path.RemotePath | None = None   # ... and other nodes' pods into the pump
         self.gate: Gate | None = None
         self.metrics_server: MetricsServer | None = None
         self.metrics.gauges = lambda: {"sandboxes": len(self.sessions), "listeners": len(self.listeners),
@@ -188,7 +190,11 @@ class Daemon:
                                        **({"service_ports": self.service_lb.service_ports(),
                                            "service_endpoints": self.service_lb.service_endpoints(),
                                            "service_ports_left_to_node": self.service_lb.left_to_node()}
-                                          if self.service_lb else {})}
+                                          if self.service_lb else {}),
+                                       **({"remote_path_accepted": self.rdma._pump.listened[0],
+                                           "remote_path_unclaimed": self.rdma._pump.listened[1],
+                                           "remote_path_verdicts": self.remote_path.verdicts}
+                                          if self.remote_path else {})}
         self.bytes = TcpByteCounter()   # tcp path: the kernel counts, see tsor/bytecount.py
         self.metrics.byte_counts = self._byte_counts
         self.metrics.rdma_links = lambda: self.rdma.status() if self.rdma is not None else {}
@@ -219,6 +225,7 @@ class Daemon:
                                   pump=self.cfg.rdma.pump, cabled=self.cabled)
         self.remote = TcpTransport(self.deliver, self.routes, self.cfg.listen, self.cfg.node_key, self.rdma.serve,
                                    offer=self.offer)
+        self._remote_path()
         os.makedirs(os.path.dirname(self.cfg.socket), exist_ok=True)
         try:
             os.unlink(self.cfg.socket)
@@ -279,6 +286,67 @@ class Daemon:
         os.replace(f"{marker}.tmp", marker)
         log.info("local path: sockmap (programs on %s)", root)
 
+    def _remote_path(self) -> None:
+        """local_path: sockmap, with peers and the compiled pump: other nodes' pods through the pump,
+        the path chosen by the kernel at connect() (tsor/remote_path.py)."""
+        if self.service_lb is None or self.cfg.listen is None or self.cfg.node_key is None:
+            return
+        if self.rdma.rdma_device() is None:
+            return   # (logged by rdma_device: node-to-node connections use tcp)
+        pump = self.rdma.compiled_pump()
+        if pump is None:
+            log.info("remote path off: rdma links use the Python pump")
+            return
+        address = (self.cfg.listen.host, self.cfg.rdma.pump_port)
+        try:
+            rp = remote_path.RemotePath(
+                self.service_lb, address, self._pump_links, lambda: self.generation.value,
+                lambda: self.routes.policy, self.sockmap.address_of,
+                lambda src, dst: remote_path.decide_with(self.routes.policy, self.routes.pods, src, dst))
+        except OSError as e:
+            raise ConfigError(self.cfg.path, "rdma.pump_port", f"the pump's listener {address[0]}:{address[1]}: "
+                              f"{e.strerror or e}") from None
+        try:
+            pump.use_maps(self.service_lb.maps[service_lb.CONNS_MAP], self.service_lb.maps[service_lb.PEERS_MAP])
+            pump.listen(rp.listener)
+        except OSError:
+            rp.close()
+            raise
+        self.remote_path = rp
+        self.rdma.direct_for = lambda dst: self.sockmap is not None and self.sockmap.carried(dst[0])
+        self.rdma.direct = rp.connect
+        self.rdma.on_change = rp.changed
+        changed = self.routes.changed
+
+        def routes_changed() -> None:
+            changed()
+            rp.changed()
+        self.routes.changed = routes_changed
+        threading.Thread(target=self._dial_links, name="rdma-dialer", daemon=True).start()
+        log.info("remote path: other nodes' pods through the pump at %s:%d", *address)
+
+    def _pump_links(self) -> dict[str, tuple[tuple[str, ...], int]]:
+        """Each node whose compiled-pump link is up: its pod networks and the link's id."""
+        out = {}
+        for name, link in list(self.rdma.links.items()):
+            node = self.routes.nodes.get(name)
+            if node is not None and isinstance(link, PumpLink) and link.up:
+                out[name] = (tuple(str(n) for n in node.pods), link.id)
+        return out
+
+    def _dial_links(self) -> None:
+        """The remote path needs each rdma peer's link up before any connect can take it (no connect
+        asks tsord for one): links are set up as nodes appear, and again after one goes down. Of two
+        nodes, the one whose name sorts first sets the link up: two set-ups crossing would each replace
+        the other's link (tsor/transport/rdma_link.py)."""
+        while not self._stopped.wait(remote_path.RESYNC):
+            for node in list(self.routes.nodes.values()):
+                if node.name > self.cfg.node and node.address is not None and not self._stopped.is_set():
+                    try:
+                        self.rdma.usable(node)
+                    except OSError as e:   # (usable() logs a failed set-up itself)
+                        log.debug("rdma link to %s: %s", node.name, e)
+
     def _sync_sockmap(self) -> None:
         """The sockmap programs' address map = the addresses of the quark sandboxes registered with
         this tsord (their hellos). Pods quark-cni registered are not enough on their own: the
@@ -305,6 +373,8 @@ class Daemon:
             _remove(local_path_marker(self.cfg.socket))
             self.gate.close()
             self.server.close()
+        if self.remote_path is not None:   # first: connects to other nodes are native from now on
+            self.remote_path.close()
         if self.remote is not None:
             self.remote.close()
         if self.rdma is not None:

@@ -45,7 +45,12 @@ GAUGE_HELP = {"sandboxes": "Sandboxes registered with this node's tsord.",
               "service_ports_left_to_node": "Service ports the connect-time balancer's maps had no room for: "
                                             "the node's NAT (kube-proxy) serves them.",
               "sockmap_addresses_not_carried": "Registered pod addresses the sockmap path's address map had no "
-                                               "room for: their connections take the stack."}
+                                               "room for: their connections take the stack.",
+              "remote_path_accepted": "Pods' connections to other nodes' pods the pump's listener took and "
+                                      "carried (the kernel-chosen remote path, tsor/remote_path.py).",
+              "remote_path_unclaimed": "Connections the pump's listener reset: no note of where they went, "
+                                       "or no link or slot to carry them.",
+              "remote_path_verdicts": "NetworkPolicy verdicts tsord decided for the remote path's connects."}
 CLIENT_TIMEOUT = 2.0   # a scraper that connects and says nothing holds its thread this long
 
 

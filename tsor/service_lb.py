@@ -48,16 +48,20 @@ log = logging.getLogger("tsor.service_lb")
 
 # The programs are tsor/bpf/service_lb.bpf.c, compiled by `make install`; their names there carry
 # the version (bump both when a program or a map's layout changes).
-VERSION = 2          # 2: sessionAffinity: ClientIP (the services map's value holds its timeout)
+VERSION = 3          # 2: sessionAffinity: ClientIP; 3: another node's pods into the pump (remote_path.py)
 PREFIX = "quark_lb"
-CONNECT_NAME, PEER_NAME = f"{PREFIX}{VERSION}_conn", f"{PREFIX}{VERSION}_peer"
+CONNECT_NAME, PEER_NAME, OPS_NAME = f"{PREFIX}{VERSION}_conn", f"{PREFIX}{VERSION}_peer", f"{PREFIX}{VERSION}_ops"
 NETNS_MAP, SERVICES_MAP, BACKENDS_MAP, ORIGS_MAP = "quark_lb_netns", "quark_lb_svcs", "quark_lb_backs", "quark_lb_origs"
 STICKY_MAP = "quark_lb_sticky"
-MAPS = (NETNS_MAP, SERVICES_MAP, BACKENDS_MAP, ORIGS_MAP, STICKY_MAP)
+# the remote leg's maps (tsor/remote_path.py writes and reads them; the pump reads conns, writes peers)
+REMOTE_MAP, VERDICTS_MAP, MISSES_MAP, CONFIG_MAP = "quark_lb_remote", "quark_lb_policy", "quark_lb_misses", "quark_lb_config"
+CONNS_MAP, PEERS_MAP = "quark_lb_conns", "quark_lb_peers"
+MAPS = (NETNS_MAP, SERVICES_MAP, BACKENDS_MAP, ORIGS_MAP, STICKY_MAP, REMOTE_MAP, VERDICTS_MAP, MISSES_MAP,
+        CONFIG_MAP, CONNS_MAP, PEERS_MAP)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bpf", "service_lb.bpf.c")
 OBJECT = SOURCE[:-1] + "o"
-INET4_CONNECT, INET4_GETPEERNAME = 10, 29       # enum bpf_attach_type
-ATTACH = {CONNECT_NAME: INET4_CONNECT, PEER_NAME: INET4_GETPEERNAME}
+INET4_CONNECT, INET4_GETPEERNAME, CGROUP_SOCK_OPS = 10, 29, 3       # enum bpf_attach_type
+ATTACH = {CONNECT_NAME: INET4_CONNECT, PEER_NAME: INET4_GETPEERNAME, OPS_NAME: CGROUP_SOCK_OPS}
 MAX_ENDPOINTS = 65535                            # an index is 16 bits
 SETTLE = 0.05                                    # route changes gathered before the maps are written
 
@@ -125,16 +129,16 @@ class ServiceLB:
         found: dict[str, tuple[int, int, list[int]]] = {}
         try:
             found = _attached(root_fd)
-            if CONNECT_NAME in found and PEER_NAME in found:
-                programs = {name: found.pop(name)[0] for name in (CONNECT_NAME, PEER_NAME)}
+            if all(name in found for name in ATTACH):
+                programs = {name: found.pop(name)[0] for name in ATTACH}
                 fds += programs.values()
-                maps = _maps_by_name(_map_ids(programs[CONNECT_NAME]))
+                maps = _maps_by_name(sorted({m for fd in programs.values() for m in _map_ids(fd)}))
                 fds += maps.values()
                 if set(maps) != set(MAPS):
                     raise OSError(f"{CONNECT_NAME} is attached with the maps {sorted(maps)}, not {sorted(MAPS)}")
                 log.info("service_lb: took over the programs already attached")
             else:
-                loaded = libbpf.load(OBJECT, SOURCE, [CONNECT_NAME, PEER_NAME])
+                loaded = libbpf.load(OBJECT, SOURCE, list(ATTACH))
                 programs, maps = dict(loaded.programs), dict(loaded.maps)
                 fds += [*programs.values(), *maps.values()]
                 for name, fd in programs.items():
@@ -309,10 +313,10 @@ class Syncer:
 
 
 def _attached(root_fd: int) -> dict[str, tuple[int, int, list[int]]]:
-    """quark's connect4 and getpeername4 programs on the root: name -> (an fd, its attach type,
-    its maps' ids)."""
+    """quark's connect4, getpeername4 and sock_ops programs of this module on the root: name -> (an
+    fd, its attach type, its maps' ids)."""
     out = {}
-    for attach_type in (INET4_CONNECT, INET4_GETPEERNAME):
+    for attach_type in (INET4_CONNECT, INET4_GETPEERNAME, CGROUP_SOCK_OPS):
         for pid in bpf.query(root_fd, attach_type)[1]:
             try:
                 fd = bpf.prog_by_id(pid)

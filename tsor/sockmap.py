@@ -94,6 +94,17 @@ class Registrar:
         self._set: dict[str, int] = {}         # address -> cookie, as the map holds them
         self.left_native: set[str] = set()     # addresses the map had no room for
 
+    def carried(self, ip: str) -> bool:
+        """Is `ip` the address of a quark pod registered here (and in the map)?"""
+        return ip in self._set
+
+    def address_of(self, cookie: int) -> str | None:
+        """The IPv4 address of the registered pod whose network namespace has this cookie."""
+        for ip, c in list(self._set.items()):
+            if c == cookie:
+                return ip
+        return None
+
     def sync(self, want: dict[str, tuple[str, int]]) -> None:
         """`want`: address -> (a path naming its network namespace, that namespace's inode)."""
         with self._lock:

@@ -538,7 +538,7 @@ def test_the_next_tsord_takes_the_programs_and_their_services_over(pods):
             assert _readable(ep) and c.getpeername() == (VIP, 80)
             ep.accept()[0].close()
         second = service_lb.ServiceLB.open(root)        # the next tsord
-        assert service_lb.attached_names(root) == {service_lb.CONNECT_NAME, service_lb.PEER_NAME}
+        assert service_lb.attached_names(root) == set(service_lb.ATTACH)
         assert second.services() == {(VIP, 80): service_lb.Target(((two.ip, 8080),)),
                                      ("10.224.250.11", 443): service_lb.Target(())}
         assert second.sync({(VIP, 80): [(two.ip, 8080)]}) == 1   # only the Service that went

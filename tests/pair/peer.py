@@ -9,7 +9,9 @@ It serves, on its wire address, until guest a writes $QUARK_PAIR_DIR/a-done (or 
   not by default: on 6.1's rxe an SMC-R connection hangs, tests/vm/README.md);
 - rdma_node.CONTROL_PORT, TCP: each connection sets up a node of TSoR's rdma transport on this
   guest's RoCE device, linked to guest a's (tests/pair/rdma_node.py), serving what it carries.
-Ready once $QUARK_PAIR_DIR/b-ready exists.
+Ready once $QUARK_PAIR_DIR/b-ready exists. Beside that, unless --no-node, quark node b of the remote path
+(tests/pair/remote_node.py: a tsord, and a quark pod serving remote_node.SERVER); its pod's address
+is in $QUARK_PAIR_DIR/b-node once it serves ($QUARK_PAIR_DIR/b-node-failed: why it does not).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.pair import rdma_node  # noqa: E402
+from tests.pair import rdma_node, remote_node  # noqa: E402
 
 ECHO_PORT, APP_PORT, SMC_APP_PORT = 7601, 7604, 7605
 PEER_TIMEOUT_S = 1500
@@ -41,6 +43,27 @@ def _serve(listener: socket.socket, handle, accept=lambda s: s.accept()[0]) -> N
         threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
 
+def _node_b(pair: str, nodes: list) -> None:
+    """Node b and its server pod; what guest a's tests/pair/test_remote_path.py dials."""
+    try:
+        node = remote_node.PairNode("b", *remote_node.wire())
+        nodes.append(node)
+        pod = node.pod("srv", remote_node.SERVER)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(node.out("server-ready")):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server pod never served; tsord's log: {node.node.log()[-2000:]}")
+            time.sleep(0.1)
+    except Exception as e:   # (guest a's test reads why)
+        with open(os.path.join(pair, "b-node-failed"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+        return
+    with open(os.path.join(pair, "b-node.tmp"), "w") as f:
+        f.write(pod.ip)
+    os.replace(os.path.join(pair, "b-node.tmp"), os.path.join(pair, "b-node"))
+    print("peer: node b serves", flush=True)
+
+
 def main() -> int:
     address, pair = os.environ["QUARK_PAIR_SELF"], os.environ["QUARK_PAIR_DIR"]
     echo = socket.create_server((address, ECHO_PORT))
@@ -55,8 +78,19 @@ def main() -> int:
         smc.bind(over_smc, address, SMC_APP_PORT)
         over_smc.listen(128)
         threading.Thread(target=_serve, args=(over_smc, rdma_node.serve_app, smc.accept), daemon=True).start()
+    nodes: list = []
+    if "--no-node" not in sys.argv[1:]:   # (a benchmark's quiet peer)
+        threading.Thread(target=_node_b, args=(pair, nodes), daemon=True).start()
     open(os.path.join(pair, "b-ready"), "w").close()
     print("peer: serving", flush=True)
+    try:
+        return _wait_for_a(pair)
+    finally:
+        for node in nodes:
+            node.close()
+
+
+def _wait_for_a(pair: str) -> int:
     deadline = time.monotonic() + PEER_TIMEOUT_S
     while not os.path.exists(os.path.join(pair, "a-done")):
         if time.monotonic() > deadline:

@@ -249,8 +249,9 @@ class Testbed:
         self.runc_root = os.path.join(self.dir, "runc")
         self._write_routes()
 
-    def node(self, name: str) -> Node:
-        n = Node(name, f"{self.prefix}n-{name}", len(self.nodes) + 1, self)
+    def node(self, name: str, index: int | None = None) -> Node:
+        """A node (a network namespace); `index` (default: the next) numbers its pod subnet."""
+        n = Node(name, f"{self.prefix}n-{name}", index or len(self.nodes) + 1, self)
         sh("ip", "netns", "add", n.netns)
         self.netns.append(n.netns)
         sh("ip", "-n", n.netns, "link", "set", "lo", "up")

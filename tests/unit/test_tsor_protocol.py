@@ -124,8 +124,12 @@ def test_config_parses_and_names_bad_fields(tmp_path):
     assert c.rdma.pump == "compiled"   # transport/rdma_pump.c; python: transport/rdma.py's engine
     f.write_text("rdma: {pump: python}\n")
     assert config.load(str(f)).rdma.pump == "python"
+    assert c.rdma.pump_port == 7471   # the remote path's pump listener (tsor/remote_path.py)
+    f.write_text("rdma: {pump_port: 9000}\n")
+    assert config.load(str(f)).rdma.pump_port == 9000
     for text, field in [("rdma: rxe0", "rdma"), ("rdma: {pump: c}", "rdma.pump"), ("rdma: {gid: 3}", "rdma.gid"), ("rdma: {port: 0}", "rdma.port"),
                         ("rdma: {gid_index: -1}", "rdma.gid_index"), ("rdma: {device: ''}", "rdma.device"),
+                        ("rdma: {pump_port: 0}", "rdma.pump_port"), ("rdma: {pump_port: true}", "rdma.pump_port"),
                         ("socket: rel.sock", "socket"), ("listen: 7470", "listen"),
                         ("bogus: 1", "bogus"), ("metrics: localhost:x", "metrics"), ("- 1", "mapping"),
                         ("sockopt_offload: maybe", "sockopt_offload"), ("local_path: rdma", "local_path")]:

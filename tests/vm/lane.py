@@ -55,6 +55,7 @@ DEFAULT_TESTS = ["tests/cgroup2", "tests/integration/test_cgroups.py", "tests/in
 # two tsords carrying streams over it
 RDMA_TESTS = ["-m", "rdma_device", "tests"]
 RDMA_SMOKE = ["-m", "rdma_device", "tests/unit/test_pyverbs_provider.py", "tests/unit/test_rdma_ring.py",
+              "tests/unit/test_rdma_pump_listener.py",
               *(f"tests/integration/test_tsor_rdma.py::test_streams_arrive_intact[rdma-{n}]"
                 for n in (1, 65537, 64 << 20))]   # tsord's default: the compiled pump
 PYTEST_FIXED = ["-q", "-ra", "-p", "no:cacheprovider", "--timeout=600"]

@@ -147,6 +147,11 @@ class RdmaTransport:
         self._open_rdma = open_rdma or open_pyverbs
         self._device: Device | None = None
         self._no_device: str | None = None
+        # the kernel-chosen path (tsor/remote_path.py): the pods of this node its far leg connects to
+        # itself (direct_for(dst)), and how (direct(src, dst) -> the connected socket and its peers key)
+        self.direct_for: Callable[[Endpoint], bool] | None = None
+        self.direct: Callable[[Endpoint, Endpoint], tuple[socket.socket, bytes] | None] | None = None
+        self.on_change: Callable[[], None] | None = None   # a link came up or went
 
     # ---- which provider and which pump for which peer -------------------------------------------
     def _engine_for(self, kind: str) -> RdmaEngine | PumpEngine:
@@ -162,6 +167,11 @@ class RdmaTransport:
                     self._pump_setting = chosen
                     log.warning("rdma links use the Python pump: %s", why)
             return self._pump or self.engine
+
+    def compiled_pump(self) -> PumpEngine | None:
+        """The compiled pump rdma links use (started now), or None where they use the Python one."""
+        engine = self._engine_for("rdma")
+        return engine if isinstance(engine, PumpEngine) else None
 
     @property
     def bytes_sent(self) -> int:
@@ -314,6 +324,8 @@ class RdmaTransport:
                 threading.Thread(target=self._watch, args=(link, lifeline), name="rdma-lifeline", daemon=True).start()
         if old is not None and old is not link:
             self._retire(old)
+        if self.on_change is not None:
+            self.on_change()
 
     def _watch(self, link: AnyLink, lifeline: socket.socket) -> None:
         lifeline.settimeout(None)
@@ -327,7 +339,18 @@ class RdmaTransport:
     def _accept(self, link: AnyLink, src: Endpoint, dst: Endpoint, app: socket.socket, answer) -> bool:
         """In the engine's thread. The offer goes out from here when the sandbox's socket takes it at
         once, its supervisor's greeting accepting it in the pump (no thread of ours waits for the
-        answer: one opener with no taker is reset by its OPEN_TIMEOUT); else a thread delivers it."""
+        answer: one opener with no taker is reset by its OPEN_TIMEOUT); else a thread delivers it. A
+        pod of the kernel-chosen path's (no supervisor listens for it) is connected to by tsord itself
+        (a pool thread), the socket given to the pump."""
+        if self.direct is not None and isinstance(link, PumpLink) and self.direct_for and self.direct_for(dst):
+            direct = self.direct
+
+            def connect() -> None:
+                app.close()
+                made = direct(src, dst)
+                answer(made is not None, made)
+            self._pool.submit(connect)
+            return False
         if self.offer is not None:
             fut = self.offer(dst, src, app, self.name)
             if fut is not None:
@@ -357,6 +380,8 @@ class RdmaTransport:
             if link in self._retired:
                 return
             self._retired.add(link)
+        if self.on_change is not None:   # (before the link closes: no connect is sent to it from now on)
+            self.on_change()
         try:
             link.engine.close_link(link)
         except (OSError, concurrent.futures.TimeoutError):

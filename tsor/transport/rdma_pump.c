@@ -16,6 +16,14 @@
  * a message on the event stream socket tsord gave it, with the application's end of a new
  * connection as a plain fd number (same process: ownership passes with the message).
  *
+ * The kernel-chosen path (tsor/remote_path.py) adds a listener: a quark pod's connect() to a pod of
+ * another node is dialled here by the cgroup programs (tsor/bpf/service_lb.bpf.c), and the engine
+ * accepts it, reads where it was going from the programs' conns map (by the client's address), and
+ * opens a channel to that node with the socket itself as the channel's end: no Python and no
+ * socketpair on that side. On the far side tsord connects to the pod and gives the socket to the
+ * channel in place of its socketpair end (pe_attach); the entry it wrote to the peers map (what the
+ * pod's accept() answers as its peer) is deleted here when the channel goes.
+ *
  * Objects that epoll may still name are freed only by the engine thread after the batch that could
  * name them (the graveyard): a channel or link dropped by a tsord call while the engine waits in
  * epoll_wait is marked dead and skipped.
@@ -25,6 +33,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <infiniband/verbs.h>
+#include <linux/bpf.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -37,6 +47,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -63,7 +74,7 @@ enum { OPEN = 1, ACCEPT, REFUSE, CREDIT, RESET, RESET_ACK, CTL_CREDIT, RELEASE }
 enum { OPENING, ACCEPTING, OPEN_, CLOSING };
 enum { R_PROTOCOL, R_STALLED, R_VERBS, R_NONE };      /* why a link went down (pe_stats.resets) */
 enum { EV_ACCEPT = 1, EV_OPENED, EV_DOWN };            /* messages on the event socket */
-enum { H_LINK = 1, H_CHAN, H_EVENTS };
+enum { H_LINK = 1, H_CHAN, H_EVENTS, H_LISTEN };
 
 struct pe_info {            /* rdma.py's SetupInfo, plus what tsord needs to know of the port */
     uint32_t qpn, psn;
@@ -73,7 +84,9 @@ struct pe_info {            /* rdma.py's SetupInfo, plus what tsord needs to kno
     uint32_t rkey, ring, slots, rq_depth, max_msg;
 };
 
-struct pe_stats { uint64_t bytes_sent, bytes_received, resets[3]; };
+/* accepted: connections the listener took and opened a channel for; unclaimed: ones it reset (no
+ * entry in the conns map, or no usable link or slot for it) */
+struct pe_stats { uint64_t bytes_sent, bytes_received, resets[3], accepted, unclaimed; };
 
 struct pe_event {           /* header of one event message; `len` bytes of payload follow */
     uint32_t type;
@@ -96,6 +109,9 @@ struct chan {
     uint64_t base, tx_sent, tx_acked, rx_tail, rx_head, rx_credited;
     bool fin_tx, fin_rx, shut, reset_pending, reading, writing, greeting, registered, dead;
     bool credit_due, blocked, marked;
+    bool pumped;            /* its end is a TCP socket (the listener's, or tsord's pe_attach): resets end it with RST */
+    bool has_peer_key;
+    uint8_t peer_key[12];   /* the peers map's entry to delete when it goes (struct peer_key) */
     int inflight;
     int64_t token;          /* opening: the opener's token, until answered */
     struct chan *next_dead;
@@ -132,6 +148,11 @@ struct link {
     struct link *next_dead;
 };
 
+struct listener {
+    int kind;               /* H_LISTEN */
+    int fd, conns, peers;   /* the listening socket; the programs' conns and peers maps (-1: none) */
+};
+
 struct pe {
     pthread_mutex_t mu;
     pthread_t thread;
@@ -142,6 +163,7 @@ struct pe {
     struct pe_stats stats;
     struct chan *dead_chans;
     struct link *dead_links;
+    struct listener lsn;
 };
 
 static int64_t now_ns(void) {
@@ -187,6 +209,16 @@ static void put16(uint8_t *p, uint16_t v) { p[0] = v >> 8; p[1] = v; }
 static void put32(uint8_t *p, uint32_t v) { p[0] = v >> 24; p[1] = v >> 16; p[2] = v >> 8; p[3] = v; }
 static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] << 8 | p[1]); }
 static uint32_t get32(const uint8_t *p) { return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3]; }
+
+/* the BPF maps the kernel-chosen path shares with the cgroup programs */
+static int map_call(int cmd, int fd, const void *key, void *value) {
+    union bpf_attr a;
+    memset(&a, 0, sizeof a);
+    a.map_fd = (uint32_t)fd;
+    a.key = (uint64_t)(uintptr_t)key;
+    a.value = (uint64_t)(uintptr_t)value;
+    return (int)syscall(__NR_bpf, cmd, &a, sizeof a);
+}
 
 static void pack_ctl(uint8_t *p, int kind, uint32_t slot, uint32_t gen, uint32_t v1, uint32_t v2, uint32_t n) {
     p[0] = kind;
@@ -300,8 +332,15 @@ static void close_sock(struct chan *ch) {
 static void ctl(struct link *l, int kind, uint32_t slot, uint32_t gen, uint32_t v1, uint32_t v2,
                 const void *payload, uint32_t n);
 
+/* end a TCP socket with a reset, as the connection's peer failing would */
+static void linger0(int fd) {
+    struct linger lg = {1, 0};
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+}
+
 static void abort_chan(struct chan *ch) {
     struct link *l = ch->link;
+    if (ch->pumped && ch->fd >= 0) linger0(ch->fd);
     if (ch->token) {   /* the opener waits: tell it no */
         emit(l->pe, EV_OPENED, l->id, ch->slot, ch->gen, ch->token, -1, 0, NULL, 0);
         ch->token = 0;
@@ -658,7 +697,8 @@ static bool record(struct link *l, int kind, uint32_t slot, uint32_t gen, uint32
         update(ch);
     } else if (kind == ACCEPT && ch->state == OPENING) {
         ch->state = OPEN_;
-        emit(l->pe, EV_OPENED, l->id, slot, ch->gen, ch->token, -1, 1, NULL, 0);
+        if (ch->token)   /* (the listener's channels have no opener waiting) */
+            emit(l->pe, EV_OPENED, l->id, slot, ch->gen, ch->token, -1, 1, NULL, 0);
         ch->token = 0;
         update(ch);
     } else if (kind == REFUSE && ch->state == OPENING) {
@@ -878,6 +918,7 @@ static void reap(struct pe *pe) {
     while (pe->dead_chans) {
         struct chan *ch = pe->dead_chans;
         pe->dead_chans = ch->next_dead;
+        if (ch->has_peer_key && pe->lsn.peers >= 0) map_call(BPF_MAP_DELETE_ELEM, pe->lsn.peers, ch->peer_key, NULL);
         free(ch);
     }
     while (pe->dead_links) {
@@ -886,6 +927,8 @@ static void reap(struct pe *pe) {
         link_free(l);
     }
 }
+
+static void on_listener(struct pe *pe);
 
 static void *run(void *arg) {
     struct pe *pe = arg;
@@ -906,6 +949,10 @@ static void *run(void *arg) {
             }
             if (*(int *)p == H_EVENTS) {
                 flush_events(pe);
+                continue;
+            }
+            if (*(int *)p == H_LISTEN) {
+                on_listener(pe);
                 continue;
             }
             if (*(int *)p == H_LINK) {
@@ -944,6 +991,7 @@ struct pe *pe_new(int events) {
     pthread_mutex_init(&pe->mu, NULL);
     pe->events = events;
     pe->events_kind = H_EVENTS;
+    pe->lsn = (struct listener){H_LISTEN, -1, -1, -1};
     pe->running = true;
     pe->ep = epoll_create1(EPOLL_CLOEXEC);
     pe->bell = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -973,6 +1021,9 @@ void pe_free(struct pe *pe) {
     reap(pe);
     close(pe->ep);
     close(pe->bell);
+    if (pe->lsn.fd >= 0) close(pe->lsn.fd);
+    if (pe->lsn.conns >= 0) close(pe->lsn.conns);
+    if (pe->lsn.peers >= 0) close(pe->lsn.peers);
     free(pe->evq.p);
     pthread_mutex_destroy(&pe->mu);
     free(pe);
@@ -1170,6 +1221,132 @@ static int free_slot(struct link *l) {
         }
     }
     return -1;
+}
+
+/* ---- the kernel-chosen path's listener -------------------------------------------------------- */
+static void set_socket(int fd) {
+    int sz = PUMP_SNDBUF;
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
+}
+
+/* one accepted connection: a channel to the node the conns map names, or a reset */
+static void take(struct pe *pe, int fd) {
+    struct sockaddr_in peer;
+    socklen_t len = sizeof peer;
+    struct { uint32_t ip4; uint16_t port, pad; } key = {0, 0, 0};
+    struct { uint32_t ip4; uint16_t port, link; } to;
+    struct link *l = NULL;
+    int slot = -1;
+    if (getpeername(fd, (struct sockaddr *)&peer, &len) == 0 && peer.sin_family == AF_INET) {
+        key.ip4 = peer.sin_addr.s_addr;
+        key.port = peer.sin_port;
+        if (map_call(BPF_MAP_LOOKUP_ELEM, pe->lsn.conns, &key, &to) == 0) {
+            map_call(BPF_MAP_DELETE_ELEM, pe->lsn.conns, &key, NULL);
+            l = to.link > 0 && to.link < MAX_LINKS ? pe->links[to.link] : NULL;
+            slot = l && l->up && !l->dead ? free_slot(l) : -1;
+        }
+    }
+    if (slot < 0) {   /* not a connection the programs sent here, or no way to carry it now */
+        pe->stats.unclaimed++;
+        linger0(fd);
+        close(fd);
+        return;
+    }
+    char src[INET_ADDRSTRLEN], dst[INET_ADDRSTRLEN], payload[128];
+    struct in_addr d = {to.ip4};
+    inet_ntop(AF_INET, &peer.sin_addr, src, sizeof src);
+    inet_ntop(AF_INET, &d, dst, sizeof dst);
+    int n = snprintf(payload, sizeof payload, "{\"src\": [\"%s\", %u], \"dst\": [\"%s\", %u]}", src,
+                     ntohs(peer.sin_port), dst, ntohs(to.port));
+    set_socket(fd);
+    l->gens[slot] = (uint16_t)(l->gens[slot] + 1);
+    struct chan *ch = chan_new(l, (uint32_t)slot, l->gens[slot], fd, OPENING);
+    if (!ch) {
+        pe->stats.unclaimed++;
+        linger0(fd);
+        close(fd);
+        return;
+    }
+    ch->pumped = true;
+    l->unreleased[slot] = true;
+    pe->stats.accepted++;
+    ctl(l, OPEN, (uint32_t)slot, ch->gen, 0, 0, payload, (uint32_t)n);
+    flush_ctl(l);
+}
+
+static void on_listener(struct pe *pe) {
+    for (int i = 0; i < 64 && pe->lsn.fd >= 0; i++) {   /* a batch, then the links get their turn */
+        int fd = accept4(pe->lsn.fd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) return;   /* EAGAIN: none left (the listener is non-blocking) */
+        take(pe, fd);
+    }
+}
+
+/* the kernel-chosen path's maps: the programs' conns map (the listener reads where each connection
+ * goes) and peers map (entries deleted when their channel goes); duplicated here. 0, or -1 with errno. */
+int pe_maps(struct pe *pe, int conns, int peers) {
+    int c = fcntl(conns, F_DUPFD_CLOEXEC, 0), p = fcntl(peers, F_DUPFD_CLOEXEC, 0);
+    if (c < 0 || p < 0) {
+        int err = errno;
+        if (c >= 0) close(c);
+        if (p >= 0) close(p);
+        errno = err;
+        return -1;
+    }
+    pthread_mutex_lock(&pe->mu);
+    if (pe->lsn.conns >= 0) close(pe->lsn.conns);
+    if (pe->lsn.peers >= 0) close(pe->lsn.peers);
+    pe->lsn.conns = c;
+    pe->lsn.peers = p;
+    pthread_mutex_unlock(&pe->mu);
+    return 0;
+}
+
+/* the kernel-chosen path: accept connections on `fd` (a listening TCP socket; the engine takes it
+ * over) once pe_maps gave the conns map. 0, or -1 with errno. */
+int pe_listen(struct pe *pe, int fd) {
+    pthread_mutex_lock(&pe->mu);
+    int rc = -1;
+    struct epoll_event e = {.events = EPOLLIN, .data.ptr = &pe->lsn};
+    if (pe->lsn.fd >= 0 || pe->lsn.conns < 0) {
+        errno = pe->lsn.fd >= 0 ? EBUSY : EINVAL;
+    } else {
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+        if (epoll_ctl(pe->ep, EPOLL_CTL_ADD, fd, &e) == 0) {
+            pe->lsn.fd = fd;
+            rc = 0;
+        }
+    }
+    pthread_mutex_unlock(&pe->mu);
+    return rc;
+}
+
+/* The answer to an EV_ACCEPT that tsord connected to the pod itself: `fd` (a connected TCP socket;
+ * the engine takes it over) replaces the channel's socketpair end and the connection is accepted;
+ * `key` (12 bytes, or NULL) is the peers map entry to delete when it goes (at once if the channel is
+ * gone). 1, or 0 (the channel is gone: the caller keeps fd). */
+int pe_attach(struct pe *pe, int id, uint32_t slot, uint32_t gen, int fd, const void *key) {
+    int rc = 0;
+    pthread_mutex_lock(&pe->mu);
+    struct link *l = find(pe, id);
+    struct chan *ch = l && l->up && slot < l->slots ? l->chans[slot] : NULL;
+    if (ch && ch->gen == gen && ch->state == ACCEPTING && !ch->greeting) {
+        close_sock(ch);
+        set_socket(fd);
+        ch->fd = fd;
+        ch->pumped = true;
+        if (key) {
+            memcpy(ch->peer_key, key, sizeof ch->peer_key);
+            ch->has_peer_key = true;
+        }
+        answer(l, ch, true);
+        rc = 1;
+    } else if (key && pe->lsn.peers >= 0) {
+        map_call(BPF_MAP_DELETE_ELEM, pe->lsn.peers, key, NULL);
+    }
+    pthread_mutex_unlock(&pe->mu);
+    return rc;
 }
 
 /* ask the peer for a connection (payload: the OPEN's, rdma.py's JSON {src, dst}). The application's

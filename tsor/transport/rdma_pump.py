@@ -48,7 +48,7 @@ class _Info(ctypes.Structure):
 
 class _Stats(ctypes.Structure):
     _fields_ = [("bytes_sent", ctypes.c_uint64), ("bytes_received", ctypes.c_uint64),
-                ("resets", ctypes.c_uint64 * 3)]
+                ("resets", ctypes.c_uint64 * 3), ("accepted", ctypes.c_uint64), ("unclaimed", ctypes.c_uint64)]
 
 
 def unavailable() -> str | None:
@@ -84,7 +84,10 @@ def _lib() -> ctypes.CDLL:
                 ("pe_link_fail", None, [vp, i, cp]),
                 ("pe_link_state", i, [vp, i]),
                 ("pe_link_close", None, [vp, i]),
-                ("pe_get_stats", None, [vp, ctypes.POINTER(_Stats)])):
+                ("pe_get_stats", None, [vp, ctypes.POINTER(_Stats)]),
+                ("pe_maps", i, [vp, i, i]),
+                ("pe_listen", i, [vp, i]),
+                ("pe_attach", i, [vp, i, u32, u32, i, cp])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
         _loaded = lib
@@ -160,6 +163,29 @@ class PumpEngine:
     def resets(self) -> collections.Counter[str]:
         st = self._stats()
         return collections.Counter({r: st.resets[i] for i, r in enumerate(_REASONS) if st.resets[i]})
+
+    @property
+    def listened(self) -> tuple[int, int]:
+        """The kernel-chosen path's listener: connections it carried, and ones it reset (unclaimed)."""
+        st = self._stats()
+        return st.accepted, st.unclaimed
+
+    def use_maps(self, conns_map: int, peers_map: int) -> None:
+        """The kernel-chosen path's maps (tsor/remote_path.py): the listener reads the conns map, and
+        a channel given a socket by `answer(True, (sock, key))` deletes its peers map entry when it
+        goes (the pump keeps its own descriptors)."""
+        if self._call("pe_maps", conns_map, peers_map) < 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"the rdma pump cannot use the maps: {os.strerror(e)}")
+
+    def listen(self, sock: socket.socket) -> None:
+        """Accept the kernel-chosen path's connections on `sock` in the pump (after use_maps; the
+        pump keeps its own descriptor of the socket)."""
+        fd = os.dup(sock.fileno())
+        if self._call("pe_listen", fd) < 0:
+            e = ctypes.get_errno()
+            os.close(fd)
+            raise OSError(e, f"the rdma pump does not listen: {os.strerror(e)}")
 
     # ---- links ---------------------------------------------------------------------------------
     def add_link(self, name: str, device: Device, cfg: RingConfig | None = None) -> PumpLink:
@@ -298,7 +324,14 @@ class PumpEngine:
         lock = threading.Lock()
         state: dict[str, bool | None] = {"greeting": None, "early": None}
 
-        def answer(ok: bool) -> None:
+        def answer(ok: bool, attach: tuple[socket.socket, bytes] | None = None) -> None:
+            if attach is not None:   # tsord connected to the pod itself: the socket replaces the app end
+                sock, key = attach
+                if self._call("pe_attach", link.id, slot, gen, sock.fileno(), key):
+                    sock.detach()
+                else:
+                    sock.close()
+                return
             with lock:
                 if state["greeting"] is None:   # the callback has not returned yet
                     state["early"] = ok

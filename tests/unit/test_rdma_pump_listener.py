@@ -1,0 +1,132 @@
+"""The compiled pump's side of the kernel-chosen remote leg (tsor/remote_path.py), on a real verbs
+device (marked rdma_device: `make test-rdma` runs them on soft-RoCE in the RDMA lane): node A's pump
+accepts a connection on its listener, reads where it goes from the conns map (kernel maps of the
+programs' layouts, made here; on a node the sock_ops program writes the note), and carries it over
+the link; node B's accept callback connects to the server itself and hands the socket to the
+channel (pe_attach), whose peers map entry the pump deletes when the connection ends. A connection
+with no note is reset."""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from qlib import bpf
+from tests.support.rdma import device_or_skip
+from tsor import remote_path
+from tsor.transport.rdma import RingConfig
+from tsor.transport.rdma_pump import PumpEngine
+from tsor.verbs import pyverbs_provider
+
+pytestmark = pytest.mark.rdma_device
+LRU_HASH = 9
+
+
+class Pumps:
+    def __init__(self) -> None:
+        self.conns = bpf.map_create(LRU_HASH, 8, 8, 1024)
+        self.peers = bpf.map_create(LRU_HASH, 12, 8, 1024)
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.seen: list[tuple] = []
+        self.a = PumpEngine(lambda *a: False, RingConfig(ring=64 * 1024, slots=64))
+        self.b = PumpEngine(self._accept, RingConfig(ring=64 * 1024, slots=64))
+        self.devices = [pyverbs_provider.open_device(), pyverbs_provider.open_device()]
+        self.la, self.lb = self.a.add_link("node-b", self.devices[0]), self.b.add_link("node-a", self.devices[1])
+        self.a.connect(self.la, self.lb.info)
+        self.b.connect(self.lb, self.la.info)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        for engine in (self.a, self.b):
+            engine.use_maps(self.conns, self.peers)
+        self.a.listen(self.listener)
+
+    def _accept(self, link, src, dst, app, answer) -> bool:
+        """Node B's tsord for a pod of the remote path: connect to it, the peers entry written first."""
+        app.close()
+        self.seen.append((src, dst))
+
+        def connect() -> None:
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            key = remote_path.peer_key(dst, s.getsockname())
+            bpf.map_update(self.peers, key, remote_path.endpoint_value(src))
+            s.connect(dst)
+            answer(True, (s, key))
+        threading.Thread(target=connect).start()
+        return False
+
+    def client(self, noted: bool = True) -> socket.socket:
+        c = socket.socket()
+        c.bind(("127.0.0.1", 0))
+        if noted:   # what the sock_ops program writes: the client's address -> where it goes, the link
+            bpf.map_update(self.conns, socket.inet_aton("127.0.0.1") + struct.pack("!H", c.getsockname()[1]) + b"\0\0",
+                           socket.inet_aton("127.0.0.1") + struct.pack("!H", self.server.getsockname()[1])
+                           + struct.pack("=H", self.la.id))
+        c.settimeout(10)
+        c.connect(self.listener.getsockname())
+        return c
+
+    def close(self) -> None:
+        for engine, link in ((self.a, self.la), (self.b, self.lb)):
+            engine.close_link(link)
+        self.a.close()
+        self.b.close()
+        for d in self.devices:
+            d.close()
+        for s in (self.listener, self.server):
+            s.close()
+        for fd in (self.conns, self.peers):
+            os.close(fd)
+
+
+@pytest.fixture
+def pumps():
+    device_or_skip().close()
+    p = Pumps()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_a_noted_connection_is_carried_to_the_server_the_note_names(pumps):
+    c = pumps.client()
+    with c:
+        conn, _ = pumps.server.accept()
+        with conn:
+            conn.settimeout(10)
+            data = bytes(range(256)) * 4096   # 1 MiB each way
+            threading.Thread(target=c.sendall, args=(data,)).start()
+            got = b""
+            while len(got) < len(data):
+                got += conn.recv(1 << 16)
+            assert got == data
+            conn.sendall(data[::-1])
+            got = b""
+            while len(got) < len(data):
+                got += c.recv(1 << 16)
+            assert got == data[::-1]
+            assert pumps.seen == [(c.getsockname(), pumps.server.getsockname())]
+            assert pumps.a.listened == (1, 0)
+            # the note was taken out; the far side's peers entry is there while the connection is
+            assert bpf.map_keys(pumps.conns, 8) == []
+            assert len(bpf.map_keys(pumps.peers, 12)) == 1
+            c.shutdown(socket.SHUT_WR)
+            assert conn.recv(10) == b""                 # half-close crosses
+            conn.sendall(b"after")
+            assert c.recv(10) == b"after"
+    deadline = time.monotonic() + 10
+    while bpf.map_keys(pumps.peers, 12) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert bpf.map_keys(pumps.peers, 12) == [], "the peers entry outlived the connection"
+
+
+def test_a_connection_without_a_note_is_reset(pumps):
+    with pumps.client(noted=False) as c:
+        with pytest.raises(ConnectionResetError):
+            c.recv(10)
+    assert pumps.a.listened == (0, 1)
+    assert pumps.seen == []

@@ -1,0 +1,203 @@
+"""The remote leg of the kernel-chosen path: a quark pod's connection to a pod of another node, carried
+over the node pair's RDMA link by the compiled pump with nothing trapped and no Python on its way.
+
+With `local_path: sockmap` and an rdma link to a node (tsor.yaml's `transport`, the compiled pump),
+the connect4 program (tsor/bpf/service_lb.bpf.c) sends a registered pod's connect() to an address
+of that node's pods (after a Service ClusterIP became one of its endpoints) to this node's pump
+listener instead; the kernel's own handshake makes it, and a sock_ops program notes, by the
+client's address, where it was going. The pump (tsor/transport/rdma_pump.c) accepts it, reads that
+note, and opens a channel to the far node with the accepted socket as the channel's end. The far
+node's tsord connects to the pod from its own address (`connect`), after writing the client pod's
+address into the peers map, so that the pod's accept() and getpeername() answer the client pod,
+and gives the socket to the channel. Both applications see the real pod addresses and ports:
+getpeername() on the client answers what it dialled (the programs' getpeername4), getsockname() is
+its own; the server's accept() and getpeername() answer the client pod's address and port.
+
+NetworkPolicy is never bypassed: the legs into and out of the pump skip the node's packet filters,
+so a connect takes the pump only with tsord's verdict (tsor/netpol.py; egress and ingress both, as
+the route source knows every pod's policies) for the client pod's namespace, the endpoint and the
+current route generation. None yet: the connect is native (the filters decide it) and the miss is
+noted; tsord decides it within `VERDICT_POLL` seconds for the connects after. Routes from a file
+(no Kubernetes): no policy, every pumped connect allowed. The far node decides ingress again before
+it connects.
+
+tsord is the control plane: it writes the remote map (each linked node's pod networks -> this
+node's pump listener and the link), the verdicts and the route generation, and is on no
+connection's path. A link that goes down leaves the map at once; connects to that node are native
+until it is up again.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+from qlib import bpf
+from tsor import service_lb
+from tsor.addr import Endpoint
+from tsor.netpol import ALLOW, PodRef
+
+log = logging.getLogger("tsor.remote_path")
+VERDICT_POLL = 0.02     # how often the misses map is read
+RESYNC = 1.0            # the remote map is checked against the links at least this often
+CONNECT_TIMEOUT = 5.0   # the far node's connect to the pod
+
+_VERDICT_KEY = struct.Struct("=QIHH")    # struct verdict_key {u64 netns; u32 ip4; u16 port (network order); pad}
+
+
+def remote_value(pump: Endpoint, link_id: int) -> bytes:
+    """struct remote {u32 pump_ip4; u16 pump_port (network order); u16 link}"""
+    return socket.inet_aton(pump[0]) + struct.pack("!H", pump[1]) + struct.pack("=H", link_id)
+
+
+def remote_key(network: str) -> bytes:
+    """struct remote_key {u32 prefixlen; u32 ip4}: an LPM trie's key"""
+    ip, _, bits = network.partition("/")
+    return struct.pack("=I", int(bits or 32)) + socket.inet_aton(ip)
+
+
+def peer_key(pod: Endpoint, pump: Endpoint) -> bytes:
+    """struct peer_key {u32 local_ip4; u32 remote_ip4; u16 local_port; u16 remote_port} (the pod's end)"""
+    return socket.inet_aton(pod[0]) + socket.inet_aton(pump[0]) + struct.pack("!HH", pod[1], pump[1])
+
+
+def endpoint_value(ep: Endpoint) -> bytes:
+    return socket.inet_aton(ep[0]) + struct.pack("!H", ep[1]) + b"\0\0"
+
+
+class RemotePath:
+    """tsord's side of the remote leg: the listener it gives the pump, the maps it keeps, and the far
+    node's connect to the pod."""
+
+    def __init__(self, lb: service_lb.ServiceLB, pump_address: Endpoint,
+                 links: Callable[[], dict[str, tuple[tuple[str, ...], int]]],
+                 generation: Callable[[], int], policy: Callable[[], object | None],
+                 pod_of: Callable[[int], str | None], decide: Callable[[str, Endpoint], bool],
+                 listener: socket.socket | None = None) -> None:
+        """links() -> {node: (its pod networks, the pump's link id)} for every node whose link is up;
+        generation() -> the route generation; policy() -> the NetworkPolicy evaluator (None: no
+        Kubernetes); pod_of(netns cookie) -> that registered pod's IPv4 address; decide(src ip, dst)
+        -> whether NetworkPolicy allows src's connection to dst. listener: the pump's listening socket
+        at pump_address (default: one made here, in tsord's network namespace)."""
+        self.lb, self.pump_address = lb, pump_address
+        self.links, self.generation, self.policy, self.pod_of, self.decide = links, generation, policy, pod_of, decide
+        self.maps = lb.maps
+        self._remote: dict[bytes, bytes] = {}
+        self._lock = threading.Lock()
+        self._stop, self._dirty = threading.Event(), threading.Event()
+        self.verdicts = 0
+        if listener is None:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(pump_address)
+            listener.listen(4096)
+        self.listener = listener
+        for key in bpf.map_keys(self.maps[service_lb.REMOTE_MAP], 8):   # a predecessor's: rewritten below
+            self._remote[key] = b""
+        self._thread = threading.Thread(target=self._run, name="remote-path", daemon=True)
+        self._thread.start()
+
+    # ---- the client's node -------------------------------------------------------------------------
+    def changed(self) -> None:
+        """Routes or links changed: the maps follow."""
+        self._dirty.set()
+
+    def _run(self) -> None:
+        last = 0.0
+        while not self._stop.wait(VERDICT_POLL):
+            try:
+                now = time.monotonic()
+                if self._dirty.is_set() or now - last >= RESYNC:
+                    self._dirty.clear()
+                    last = now
+                    self.sync()
+                self.answer_misses()
+            except (OSError, RuntimeError) as e:   # (RuntimeError: a table changed while read)
+                log.warning("remote path: maps not updated: %s", e)
+
+    def sync(self) -> None:
+        """The config and remote maps made to match the routes and the links up now."""
+        cfg = struct.pack("=II", self.generation() & 0xFFFFFFFF, 0 if self.policy() is None else 1)
+        bpf.map_update(self.maps[service_lb.CONFIG_MAP], struct.pack("=I", 0), cfg)
+        want: dict[bytes, bytes] = {}
+        for node, (networks, link_id) in self.links().items():
+            for net in networks:
+                if ":" not in net:
+                    want[remote_key(net)] = remote_value(self.pump_address, link_id)
+        with self._lock:
+            for key in set(self._remote) - set(want):
+                bpf.map_delete(self.maps[service_lb.REMOTE_MAP], key)
+                del self._remote[key]
+            for key, value in want.items():
+                if self._remote.get(key) != value:
+                    bpf.map_update(self.maps[service_lb.REMOTE_MAP], key, value)
+                    self._remote[key] = value
+
+    def answer_misses(self) -> int:
+        """Decide the verdicts connects found missing; how many."""
+        misses = self.maps[service_lb.MISSES_MAP]
+        keys = bpf.map_keys(misses, _VERDICT_KEY.size)
+        generation = self.generation() & 0xFFFFFFFF
+        for key in keys:
+            netns, ip4, port, _ = _VERDICT_KEY.unpack(key)
+            src = self.pod_of(netns)
+            dst = (socket.inet_ntoa(struct.pack("=I", ip4)), socket.ntohs(port))
+            allow = src is not None and self.decide(src, dst)
+            bpf.map_update(self.maps[service_lb.VERDICTS_MAP], key, struct.pack("=II", generation, int(allow)))
+            bpf.map_delete(misses, key)
+            self.verdicts += 1
+        return len(keys)
+
+    # ---- the server's node -------------------------------------------------------------------------
+    def connect(self, src: Endpoint, dst: Endpoint) -> tuple[socket.socket, bytes] | None:
+        """The far node's leg: a socket connected from this node's pump address to the pod at `dst`,
+        whose accept() will answer `src` (the client pod) as its peer, and the peers map's key to
+        delete when the connection ends; None where NetworkPolicy does not allow it or the pod
+        refuses (the channel is refused: the client's connection is reset)."""
+        if not self.decide(src[0], dst):
+            return None
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        key = None
+        try:
+            s.bind((self.pump_address[0], 0))
+            key = peer_key(dst, s.getsockname())
+            bpf.map_update(self.maps[service_lb.PEERS_MAP], key, endpoint_value(src))
+            s.settimeout(CONNECT_TIMEOUT)
+            s.connect(dst)
+            return s, key
+        except OSError as e:
+            log.debug("remote path: %s -> %s not delivered: %s", src, dst, e)
+            if key is not None:
+                bpf.map_delete(self.maps[service_lb.PEERS_MAP], key)
+            s.close()
+            return None
+
+    def close(self) -> None:
+        """tsord exits: nothing goes to a pump that is gone (connects are native until the next tsord)."""
+        self._stop.set()
+        self._thread.join(5)
+        with self._lock:
+            for key in list(self._remote):
+                try:
+                    bpf.map_delete(self.maps[service_lb.REMOTE_MAP], key)
+                except OSError:
+                    pass
+            self._remote.clear()
+        self.listener.close()
+
+
+def decide_with(policy: object | None, pods: dict, src_ip: str, dst: Endpoint) -> bool:
+    """NetworkPolicy's answer for a connection from the quark pod at src_ip to dst (both must be pods
+    the route source lists; anything it cannot tell: no)."""
+    if policy is None:
+        return True
+    src_pod, dst_pod = pods.get(src_ip), pods.get(dst[0])
+    if src_pod is None or dst_pod is None:
+        return False
+    verdict, _ = policy.decide(PodRef(src_pod.namespace, src_pod.name, src_pod.labels, src_ip),
+                               PodRef(dst_pod.namespace, dst_pod.name, dst_pod.labels, dst[0], dict(dst_pod.ports)),
+                               dst[1])
+    return verdict == ALLOW
