@@ -307,14 +307,13 @@ class Daemon:
             raise ConfigError(self.cfg.path, "rdma.pump_port", f"the pump's listener {address[0]}:{address[1]}: "
                               f"{e.strerror or e}") from None
         try:
-            pump.use_maps(self.service_lb.maps[service_lb.CONNS_MAP], self.service_lb.maps[service_lb.PEERS_MAP])
+            pump.use_maps(self.service_lb.maps[service_lb.CONNS_MAP], self.service_lb.maps[service_lb.PEERS_MAP],
+                          self.sockmap.path.addrs, address[0])
             pump.listen(rp.listener)
         except OSError:
             rp.close()
             raise
         self.remote_path = rp
-        self.rdma.direct_for = lambda dst: self.sockmap is not None and self.sockmap.carried(dst[0])
-        self.rdma.direct = rp.connect
         self.rdma.on_change = rp.changed
         changed = self.routes.changed
 

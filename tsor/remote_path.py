@@ -7,9 +7,10 @@ of that node's pods (after a Service ClusterIP became one of its endpoints) to t
 listener instead; the kernel's own handshake makes it, and a sock_ops program notes, by the
 client's address, where it was going. The pump (tsor/transport/rdma_pump.c) accepts it, reads that
 note, and opens a channel to the far node with the accepted socket as the channel's end. The far
-node's tsord connects to the pod from its own address (`connect`), after writing the client pod's
+node's pump, for a pod of its node (the sockmap path's address map), writes the client pod's
 address into the peers map, so that the pod's accept() and getpeername() answer the client pod,
-and gives the socket to the channel. Both applications see the real pod addresses and ports:
+connects to the pod from its node's address and makes that socket the channel's far end. No Python
+and no trapped call on either side. Both applications see the real pod addresses and ports:
 getpeername() on the client answers what it dialled (the programs' getpeername4), getsockname() is
 its own; the server's accept() and getpeername() answer the client pod's address and port.
 
@@ -18,8 +19,8 @@ so a connect takes the pump only with tsord's verdict (tsor/netpol.py; egress an
 the route source knows every pod's policies) for the client pod's namespace, the endpoint and the
 current route generation. None yet: the connect is native (the filters decide it) and the miss is
 noted; tsord decides it within `VERDICT_POLL` seconds for the connects after. Routes from a file
-(no Kubernetes): no policy, every pumped connect allowed. The far node decides ingress again before
-it connects.
+(no Kubernetes): no policy, every pumped connect allowed. The far node trusts the verdict of the
+node that proved the cluster secret, as the tcp and rdma paths' far sides always have.
 
 tsord is the control plane: it writes the remote map (each linked node's pod networks -> this
 node's pump listener and the link), the verdicts and the route generation, and is on no
@@ -43,7 +44,6 @@ from tsor.netpol import ALLOW, PodRef
 log = logging.getLogger("tsor.remote_path")
 VERDICT_POLL = 0.02     # how often the misses map is read
 RESYNC = 1.0            # the remote map is checked against the links at least this often
-CONNECT_TIMEOUT = 5.0   # the far node's connect to the pod
 
 _VERDICT_KEY = struct.Struct("=QIHH")    # struct verdict_key {u64 netns; u32 ip4; u16 port (network order); pad}
 
@@ -69,8 +69,7 @@ def endpoint_value(ep: Endpoint) -> bytes:
 
 
 class RemotePath:
-    """tsord's side of the remote leg: the listener it gives the pump, the maps it keeps, and the far
-    node's connect to the pod."""
+    """tsord's side of the remote leg: the listener it gives the pump and the maps it keeps."""
 
     def __init__(self, lb: service_lb.ServiceLB, pump_address: Endpoint,
                  links: Callable[[], dict[str, tuple[tuple[str, ...], int]]],
@@ -150,30 +149,6 @@ class RemotePath:
             bpf.map_delete(misses, key)
             self.verdicts += 1
         return len(keys)
-
-    # ---- the server's node -------------------------------------------------------------------------
-    def connect(self, src: Endpoint, dst: Endpoint) -> tuple[socket.socket, bytes] | None:
-        """The far node's leg: a socket connected from this node's pump address to the pod at `dst`,
-        whose accept() will answer `src` (the client pod) as its peer, and the peers map's key to
-        delete when the connection ends; None where NetworkPolicy does not allow it or the pod
-        refuses (the channel is refused: the client's connection is reset)."""
-        if not self.decide(src[0], dst):
-            return None
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        key = None
-        try:
-            s.bind((self.pump_address[0], 0))
-            key = peer_key(dst, s.getsockname())
-            bpf.map_update(self.maps[service_lb.PEERS_MAP], key, endpoint_value(src))
-            s.settimeout(CONNECT_TIMEOUT)
-            s.connect(dst)
-            return s, key
-        except OSError as e:
-            log.debug("remote path: %s -> %s not delivered: %s", src, dst, e)
-            if key is not None:
-                bpf.map_delete(self.maps[service_lb.PEERS_MAP], key)
-            s.close()
-            return None
 
     def close(self) -> None:
         """tsord exits: nothing goes to a pump that is gone (connects are native until the next tsord)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from tests.support import testbed
 from tests.support.testbed import TSORD_PORT, sh
@@ -23,15 +24,19 @@ INDEX = {"a": 1, "b": 2}
 SECRET = "pair-lane-" + "5a" * 16   # both guests' tsords prove the same one (a test's, on a private wire)
 SERVER_PORT = 7700
 
-# a quark pod's server: per connection, the bytes until the client's half-close hashed, then what
-# accept() and the socket said about the two ends
+# a quark pod's server, by a connection's first byte: b"E" echoes, b"S" hashes until the client's
+# half-close and answers the hash (tests/pair/rdma_node.py's serve_app: what bench/pathprobe.py
+# speaks), b"R" does the same but answers what accept() and the socket said about the two ends
 SERVER = ("import hashlib, json, socket, threading\n"
           "l = socket.create_server(('0.0.0.0', %d), backlog=256)\n"
           "def serve(c, peer):\n"
-          " h = hashlib.sha256()\n"
-          " while d := c.recv(1 << 16): h.update(d)\n"
-          " c.sendall(json.dumps({'accept': peer, 'peer': c.getpeername(), 'sock': c.getsockname(),"
-          " 'sha': h.hexdigest()}).encode()); c.close()\n"
+          " first = c.recv(1); h = hashlib.sha256()\n"
+          " while d := c.recv(1 << 16):\n"
+          "  c.sendall(d) if first == b'E' else h.update(d)\n"
+          " if first == b'S': c.sendall(h.hexdigest().encode())\n"
+          " if first == b'R': c.sendall(json.dumps({'accept': peer, 'peer': c.getpeername(),"
+          " 'sock': c.getsockname(), 'sha': h.hexdigest()}).encode())\n"
+          " c.close()\n"
           "open('/out/server-ready', 'w').close()\n"
           "while True:\n"
           " c, peer = l.accept(); threading.Thread(target=serve, args=(c, peer)).start()\n") % SERVER_PORT
@@ -95,3 +100,33 @@ class PairNode:
 
 def wire() -> tuple[str, str]:
     return os.environ["QUARK_PAIR_SELF"], os.environ["QUARK_PAIR_PEER"]
+
+
+def wait_for_b(a: PairNode) -> str:
+    """Once guest b's server pod serves and node a's link to b is up (the remote map follows within
+    tsor/remote_path.py's RESYNC): that pod's address. RuntimeError: b said why it did not start."""
+    from tsor import remote_path
+    from tsor.metrics import fetch, parse
+    pair = os.environ["QUARK_PAIR_DIR"]
+    deadline = time.monotonic() + 300
+    while not os.path.exists(os.path.join(pair, "b-node")):
+        if os.path.exists(os.path.join(pair, "b-node-failed")):
+            with open(os.path.join(pair, "b-node-failed")) as f:
+                raise RuntimeError(f"node b did not start: {f.read()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("node b's server pod never served")
+        time.sleep(0.2)
+    with open(os.path.join(pair, "b-node")) as f:
+        server_ip = f.read().strip()
+    def linked() -> bool:
+        try:
+            return any(k.startswith("tsor_rdma_links{") and 'node="b"' in k for k in parse(fetch(a.node.metrics)))
+        except OSError:   # its metrics socket is bound just after its sandbox socket
+            return False
+    deadline = time.monotonic() + 120
+    while not linked():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no rdma link to node b: {a.node.log()[-3000:]}")
+        time.sleep(0.2)
+    time.sleep(2 * remote_path.RESYNC)
+    return server_ip

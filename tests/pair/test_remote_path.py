@@ -7,20 +7,19 @@ byte arrives, and nothing went through the wire natively."""
 from __future__ import annotations
 
 import json
-import os
-import time
 
 import pytest
 
 from tests.pair import remote_node
 from tsor.metrics import fetch, parse
 
-# a quark pod's client: N bytes to ip:port, half-close, the server's report; what the socket says
+# a quark pod's client: N bytes to ip:port (after b"R": remote_node.SERVER's report), half-close,
+# the server's report; what the socket said
 CLIENT = ("import hashlib, json, os, socket, sys\n"
           "ip, port, n, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]\n"
           "s = socket.create_connection((ip, port), timeout=60)\n"
           "ends = {'sock': s.getsockname(), 'peer': s.getpeername()}   # (once both sides closed: ENOTCONN)\n"
-          "data = os.urandom(n); s.sendall(data); s.shutdown(socket.SHUT_WR)\n"
+          "data = os.urandom(n); s.sendall(b'R' + data); s.shutdown(socket.SHUT_WR)\n"
           "reply = b''\n"
           "while d := s.recv(1 << 16): reply += d\n"
           "json.dump({**ends, 'sha': hashlib.sha256(data).hexdigest(), 'server': json.loads(reply)}, open(out, 'w'))\n")
@@ -32,23 +31,9 @@ def counters(node) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def nodes(peer):
-    pair = os.environ["QUARK_PAIR_DIR"]
     a = remote_node.PairNode("a", *remote_node.wire())
     try:
-        deadline = time.monotonic() + 300
-        while not os.path.exists(os.path.join(pair, "b-node")):
-            if os.path.exists(os.path.join(pair, "b-node-failed")):
-                pytest.fail(f"node b did not start: {open(os.path.join(pair, 'b-node-failed')).read()}")
-            assert time.monotonic() < deadline, "node b's server pod never served"
-            time.sleep(0.2)
-        server_ip = open(os.path.join(pair, "b-node")).read().strip()
-        # the link to b up (tsord sets it up once b is in its routes) and the remote map written
-        deadline = time.monotonic() + 120
-        while not any(k.startswith("tsor_rdma_links{") and 'node="b"' in k for k in counters(a.node)):
-            assert time.monotonic() < deadline, f"no rdma link to node b: {a.node.log()[-3000:]}"
-            time.sleep(0.2)
-        time.sleep(2 * 1.0)   # remote_path.RESYNC: the map follows the link within it
-        yield a, server_ip
+        yield a, remote_node.wait_for_b(a)
     finally:
         a.close()
 

@@ -2,9 +2,9 @@
 device (marked rdma_device: `make test-rdma` runs them on soft-RoCE in the RDMA lane): node A's pump
 accepts a connection on its listener, reads where it goes from the conns map (kernel maps of the
 programs' layouts, made here; on a node the sock_ops program writes the note), and carries it over
-the link; node B's accept callback connects to the server itself and hands the socket to the
-channel (pe_attach), whose peers map entry the pump deletes when the connection ends. A connection
-with no note is reset."""
+the link; node B's pump connects to the server itself, since the address map names it as a pod of
+its node, with the client's address in the peers map until the connection ends. No Python callback
+runs on either side. A connection with no note is reset; so is one whose pod refuses."""
 from __future__ import annotations
 
 import os
@@ -23,13 +23,15 @@ from tsor.transport.rdma_pump import PumpEngine
 from tsor.verbs import pyverbs_provider
 
 pytestmark = pytest.mark.rdma_device
-LRU_HASH = 9
+HASH, LRU_HASH = 1, 9
 
 
 class Pumps:
     def __init__(self) -> None:
         self.conns = bpf.map_create(LRU_HASH, 8, 8, 1024)
         self.peers = bpf.map_create(LRU_HASH, 12, 8, 1024)
+        self.addrs = bpf.map_create(HASH, 4, 8, 16)     # the sockmap path's: the pods of node B
+        bpf.map_update(self.addrs, socket.inet_aton("127.0.0.1"), struct.pack("=Q", 1))
         self.server = socket.create_server(("127.0.0.1", 0))
         self.seen: list[tuple] = []
         self.a = PumpEngine(lambda *a: False, RingConfig(ring=64 * 1024, slots=64))
@@ -40,31 +42,23 @@ class Pumps:
         self.b.connect(self.lb, self.la.info)
         self.listener = socket.create_server(("127.0.0.1", 0))
         for engine in (self.a, self.b):
-            engine.use_maps(self.conns, self.peers)
+            engine.use_maps(self.conns, self.peers, self.addrs, "127.0.0.1")
         self.a.listen(self.listener)
 
     def _accept(self, link, src, dst, app, answer) -> bool:
-        """Node B's tsord for a pod of the remote path: connect to it, the peers entry written first."""
-        app.close()
+        """tsord's callback: only for what the pump does not connect itself."""
         self.seen.append((src, dst))
-
-        def connect() -> None:
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            key = remote_path.peer_key(dst, s.getsockname())
-            bpf.map_update(self.peers, key, remote_path.endpoint_value(src))
-            s.connect(dst)
-            answer(True, (s, key))
-        threading.Thread(target=connect).start()
+        app.close()
+        answer(False)
         return False
 
-    def client(self, noted: bool = True) -> socket.socket:
+    def client(self, noted: bool = True, to: tuple[str, int] | None = None) -> socket.socket:
         c = socket.socket()
         c.bind(("127.0.0.1", 0))
+        ip, port = to or self.server.getsockname()
         if noted:   # what the sock_ops program writes: the client's address -> where it goes, the link
             bpf.map_update(self.conns, socket.inet_aton("127.0.0.1") + struct.pack("!H", c.getsockname()[1]) + b"\0\0",
-                           socket.inet_aton("127.0.0.1") + struct.pack("!H", self.server.getsockname()[1])
-                           + struct.pack("=H", self.la.id))
+                           socket.inet_aton(ip) + struct.pack("!H", port) + struct.pack("=H", self.la.id))
         c.settimeout(10)
         c.connect(self.listener.getsockname())
         return c
@@ -78,7 +72,7 @@ class Pumps:
             d.close()
         for s in (self.listener, self.server):
             s.close()
-        for fd in (self.conns, self.peers):
+        for fd in (self.conns, self.peers, self.addrs):
             os.close(fd)
 
 
@@ -95,8 +89,11 @@ def pumps():
 def test_a_noted_connection_is_carried_to_the_server_the_note_names(pumps):
     c = pumps.client()
     with c:
-        conn, _ = pumps.server.accept()
+        conn, peer = pumps.server.accept()
         with conn:
+            assert peer[0] == "127.0.0.1"   # (the programs would answer the client's: host test)
+            key = remote_path.peer_key(pumps.server.getsockname(), peer)
+            assert bpf.map_lookup(pumps.peers, key, 8) == remote_path.endpoint_value(c.getsockname())
             conn.settimeout(10)
             data = bytes(range(256)) * 4096   # 1 MiB each way
             threading.Thread(target=c.sendall, args=(data,)).start()
@@ -109,7 +106,7 @@ def test_a_noted_connection_is_carried_to_the_server_the_note_names(pumps):
             while len(got) < len(data):
                 got += c.recv(1 << 16)
             assert got == data[::-1]
-            assert pumps.seen == [(c.getsockname(), pumps.server.getsockname())]
+            assert pumps.seen == []                     # no Python on either side
             assert pumps.a.listened == (1, 0)
             # the note was taken out; the far side's peers entry is there while the connection is
             assert bpf.map_keys(pumps.conns, 8) == []
@@ -130,3 +127,19 @@ def test_a_connection_without_a_note_is_reset(pumps):
             c.recv(10)
     assert pumps.a.listened == (0, 1)
     assert pumps.seen == []
+
+
+def test_a_pod_that_refuses_resets_the_client_and_an_address_not_of_the_node_goes_to_tsord(pumps):
+    with socket.socket() as closed:   # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pumps.client(to=("127.0.0.1", port)) as c:
+        with pytest.raises(ConnectionResetError):
+            c.recv(10)
+    assert bpf.map_keys(pumps.peers, 12) == []
+    with pumps.client(to=("127.0.0.2", port)) as c:   # not in the address map: tsord's callback answers
+        me = c.getsockname()
+        with pytest.raises(ConnectionResetError):
+            c.recv(10)
+    assert pumps.seen == [(me, ("127.0.0.2", port))]
+    assert pumps.a.listened == (2, 0)

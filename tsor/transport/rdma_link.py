@@ -147,10 +147,6 @@ class RdmaTransport:
         self._open_rdma = open_rdma or open_pyverbs
         self._device: Device | None = None
         self._no_device: str | None = None
-        # the kernel-chosen path (tsor/remote_path.py): the pods of this node its far leg connects to
-        # itself (direct_for(dst)), and how (direct(src, dst) -> the connected socket and its peers key)
-        self.direct_for: Callable[[Endpoint], bool] | None = None
-        self.direct: Callable[[Endpoint, Endpoint], tuple[socket.socket, bytes] | None] | None = None
         self.on_change: Callable[[], None] | None = None   # a link came up or went
 
     # ---- which provider and which pump for which peer -------------------------------------------
@@ -339,18 +335,8 @@ class RdmaTransport:
     def _accept(self, link: AnyLink, src: Endpoint, dst: Endpoint, app: socket.socket, answer) -> bool:
         """In the engine's thread. The offer goes out from here when the sandbox's socket takes it at
         once, its supervisor's greeting accepting it in the pump (no thread of ours waits for the
-        answer: one opener with no taker is reset by its OPEN_TIMEOUT); else a thread delivers it. A
-        pod of the kernel-chosen path's (no supervisor listens for it) is connected to by tsord itself
-        (a pool thread), the socket given to the pump."""
-        if self.direct is not None and isinstance(link, PumpLink) and self.direct_for and self.direct_for(dst):
-            direct = self.direct
-
-            def connect() -> None:
-                app.close()
-                made = direct(src, dst)
-                answer(made is not None, made)
-            self._pool.submit(connect)
-            return False
+        answer: one opener with no taker is reset by its OPEN_TIMEOUT); else a thread delivers it.
+        (A pod of the kernel-chosen path's never comes here: the compiled pump connects to it.)"""
         if self.offer is not None:
             fut = self.offer(dst, src, app, self.name)
             if fut is not None:

@@ -20,9 +20,10 @@
  * another node is dialled here by the cgroup programs (tsor/bpf/service_lb.bpf.c), and the engine
  * accepts it, reads where it was going from the programs' conns map (by the client's address), and
  * opens a channel to that node with the socket itself as the channel's end: no Python and no
- * socketpair on that side. On the far side tsord connects to the pod and gives the socket to the
- * channel in place of its socketpair end (pe_attach); the entry it wrote to the peers map (what the
- * pod's accept() answers as its peer) is deleted here when the channel goes.
+ * socketpair on that side. On the far side an OPEN for a pod registered here (the sockmap path's
+ * address map) is connected to by the engine itself, from the node's address, after it wrote the
+ * client pod's address into the peers map (what the pod's accept() answers as its peer); the entry
+ * is deleted when the channel goes. No Python on either side of such a connection.
  *
  * Objects that epoll may still name are freed only by the engine thread after the batch that could
  * name them (the graveyard): a channel or link dropped by a tsord call while the engine waits in
@@ -109,7 +110,8 @@ struct chan {
     uint64_t base, tx_sent, tx_acked, rx_tail, rx_head, rx_credited;
     bool fin_tx, fin_rx, shut, reset_pending, reading, writing, greeting, registered, dead;
     bool credit_due, blocked, marked;
-    bool pumped;            /* its end is a TCP socket (the listener's, or tsord's pe_attach): resets end it with RST */
+    bool pumped;            /* its end is a TCP socket (the listener's, or the engine's connect): resets end it with RST */
+    bool connecting;        /* accepting: the engine's connect to the pod is in progress */
     bool has_peer_key;
     uint8_t peer_key[12];   /* the peers map's entry to delete when it goes (struct peer_key) */
     int inflight;
@@ -151,6 +153,8 @@ struct link {
 struct listener {
     int kind;               /* H_LISTEN */
     int fd, conns, peers;   /* the listening socket; the programs' conns and peers maps (-1: none) */
+    int addrs;              /* the sockmap path's address map: the pods of this node (-1: none) */
+    uint32_t bind_ip;       /* where the engine's connects to pods come from (network order) */
 };
 
 struct pe {
@@ -612,6 +616,87 @@ static void answer(struct link *l, struct chan *ch, bool ok) {
     flush_ctl(l);
 }
 
+/* one end of an OPEN's JSON payload ({"src": ["a.b.c.d", port], "dst": [...]}, as rdma.py and take()
+ * write it): false where it is not that */
+static bool payload_end(const uint8_t *payload, uint32_t n, const char *name, struct sockaddr_in *out) {
+    char text[MAX_CTL_PAYLOAD + 1], ip[INET_ADDRSTRLEN];
+    memcpy(text, payload, n);
+    text[n] = 0;
+    char *p = strstr(text, name);
+    if (!p || !(p = strchr(p + strlen(name), '"'))) return false;
+    char *end = strchr(++p, '"');
+    if (!end || end - p >= (long)sizeof ip) return false;
+    memcpy(ip, p, (size_t)(end - p));
+    ip[end - p] = 0;
+    p = strchr(end, ',');
+    char *after;
+    unsigned long port = p ? strtoul(p + 1, &after, 10) : 0;
+    if (!p || after == p + 1 || port == 0 || port > 65535) return false;
+    memset(out, 0, sizeof *out);
+    out->sin_family = AF_INET;
+    out->sin_port = htons((uint16_t)port);
+    return inet_pton(AF_INET, ip, &out->sin_addr) == 1;
+}
+
+/* The kernel-chosen path's far side: an OPEN for a pod of this node (the sockmap path's address map)
+ * is connected to here, from the node's address, the client pod's address written to the peers map
+ * first (the pod's accept() answers it). The connection is accepted once the connect completes
+ * (connected()). false: not such an OPEN (tsord answers it). */
+static bool connect_pod(struct link *l, uint32_t slot, uint32_t gen, const uint8_t *payload, uint32_t n) {
+    struct pe *pe = l->pe;
+    struct sockaddr_in src, dst, me = {.sin_family = AF_INET};
+    uint64_t cookie;
+    if (pe->lsn.addrs < 0 || pe->lsn.peers < 0 || !payload_end(payload, n, "\"dst\"", &dst) ||
+        !payload_end(payload, n, "\"src\"", &src) ||
+        map_call(BPF_MAP_LOOKUP_ELEM, pe->lsn.addrs, &dst.sin_addr.s_addr, &cookie) != 0)
+        return false;
+    me.sin_addr.s_addr = pe->lsn.bind_ip;
+    socklen_t len = sizeof me;
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    struct { uint32_t local_ip4, remote_ip4; uint16_t local_port, remote_port; } key;
+    struct { uint32_t ip4; uint16_t port, pad; } client = {src.sin_addr.s_addr, src.sin_port, 0};
+    struct chan *ch = NULL;
+    if (fd < 0 || bind(fd, (struct sockaddr *)&me, sizeof me) < 0 ||
+        getsockname(fd, (struct sockaddr *)&me, &len) < 0)
+        goto refuse;
+    key.local_ip4 = dst.sin_addr.s_addr;
+    key.remote_ip4 = me.sin_addr.s_addr;
+    key.local_port = dst.sin_port;
+    key.remote_port = me.sin_port;
+    if (map_call(BPF_MAP_UPDATE_ELEM, pe->lsn.peers, &key, &client) != 0) goto refuse;
+    int sz = PUMP_SNDBUF;
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
+    if (connect(fd, (struct sockaddr *)&dst, sizeof dst) < 0 && errno != EINPROGRESS) {
+        map_call(BPF_MAP_DELETE_ELEM, pe->lsn.peers, &key, NULL);
+        goto refuse;
+    }
+    if (!(ch = chan_new(l, slot, gen, fd, ACCEPTING))) {
+        map_call(BPF_MAP_DELETE_ELEM, pe->lsn.peers, &key, NULL);
+        goto refuse;
+    }
+    ch->pumped = ch->connecting = ch->has_peer_key = true;
+    memcpy(ch->peer_key, &key, sizeof ch->peer_key);
+    ch->writing = true;   /* writable: the connect is done */
+    interest(ch);
+    return true;
+refuse:
+    if (fd >= 0) close(fd);
+    ctl(l, REFUSE, slot, gen, 0, 0, NULL, 0);
+    return true;
+}
+
+
+/* the engine's connect to a pod completed (or failed): the peer's OPEN is answered */
+static void connected(struct chan *ch) {
+    int err = 0;
+    socklen_t len = sizeof err;
+    if (getsockopt(ch->fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0) err = errno;
+    if (err == EINPROGRESS || err == EALREADY) return;
+    ch->connecting = ch->writing = false;
+    interest(ch);
+    answer(ch->link, ch, err == 0);
+}
+
 static void opened(struct link *l, uint32_t slot, uint32_t gen, const uint8_t *payload, uint32_t n) {
     if (slot % 2 == (uint32_t)l->parity) {
         char why[64];
@@ -623,6 +708,7 @@ static void opened(struct link *l, uint32_t slot, uint32_t gen, const uint8_t *p
         snprintf(why, sizeof why, "the peer opened slot %u again before it was released", slot);
         return violation(l, why);
     }
+    if (connect_pod(l, slot, gen, payload, n)) return;
     int ours, app;
     if (socketpair_for(&ours, &app) < 0) {
         ctl(l, REFUSE, slot, gen, 0, 0, NULL, 0);
@@ -964,7 +1050,9 @@ static void *run(void *arg) {
             struct link *l = ch->link;
             if (ch->dead || l->dead || !l->up) continue;
             uint32_t e = evs[i].events;
-            if (ch->state == ACCEPTING && ch->greeting) {
+            if (ch->state == ACCEPTING && ch->connecting) {
+                connected(ch);
+            } else if (ch->state == ACCEPTING && ch->greeting) {
                 greeted(ch);
             } else {
                 if (ch->reading && e & (EPOLLIN | EPOLLHUP | EPOLLERR)) readable(ch);
@@ -991,7 +1079,7 @@ struct pe *pe_new(int events) {
     pthread_mutex_init(&pe->mu, NULL);
     pe->events = events;
     pe->events_kind = H_EVENTS;
-    pe->lsn = (struct listener){H_LISTEN, -1, -1, -1};
+    pe->lsn = (struct listener){H_LISTEN, -1, -1, -1, -1, 0};
     pe->running = true;
     pe->ep = epoll_create1(EPOLL_CLOEXEC);
     pe->bell = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -1024,6 +1112,7 @@ void pe_free(struct pe *pe) {
     if (pe->lsn.fd >= 0) close(pe->lsn.fd);
     if (pe->lsn.conns >= 0) close(pe->lsn.conns);
     if (pe->lsn.peers >= 0) close(pe->lsn.peers);
+    if (pe->lsn.addrs >= 0) close(pe->lsn.addrs);
     free(pe->evq.p);
     pthread_mutex_destroy(&pe->mu);
     free(pe);
@@ -1284,21 +1373,28 @@ static void on_listener(struct pe *pe) {
 }
 
 /* the kernel-chosen path's maps: the programs' conns map (the listener reads where each connection
- * goes) and peers map (entries deleted when their channel goes); duplicated here. 0, or -1 with errno. */
-int pe_maps(struct pe *pe, int conns, int peers) {
-    int c = fcntl(conns, F_DUPFD_CLOEXEC, 0), p = fcntl(peers, F_DUPFD_CLOEXEC, 0);
-    if (c < 0 || p < 0) {
+ * goes), peers map (written before the engine connects to a pod, deleted when the channel goes) and
+ * the sockmap path's address map (the pods of this node, which the engine connects to from
+ * `bind_ip`, network order); duplicated here. 0, or -1 with errno. */
+int pe_maps(struct pe *pe, int conns, int peers, int addrs, uint32_t bind_ip) {
+    int c = fcntl(conns, F_DUPFD_CLOEXEC, 0), p = fcntl(peers, F_DUPFD_CLOEXEC, 0),
+        a = fcntl(addrs, F_DUPFD_CLOEXEC, 0);
+    if (c < 0 || p < 0 || a < 0) {
         int err = errno;
         if (c >= 0) close(c);
         if (p >= 0) close(p);
+        if (a >= 0) close(a);
         errno = err;
         return -1;
     }
     pthread_mutex_lock(&pe->mu);
     if (pe->lsn.conns >= 0) close(pe->lsn.conns);
     if (pe->lsn.peers >= 0) close(pe->lsn.peers);
+    if (pe->lsn.addrs >= 0) close(pe->lsn.addrs);
     pe->lsn.conns = c;
     pe->lsn.peers = p;
+    pe->lsn.addrs = a;
+    pe->lsn.bind_ip = bind_ip;
     pthread_mutex_unlock(&pe->mu);
     return 0;
 }
@@ -1317,33 +1413,6 @@ int pe_listen(struct pe *pe, int fd) {
             pe->lsn.fd = fd;
             rc = 0;
         }
-    }
-    pthread_mutex_unlock(&pe->mu);
-    return rc;
-}
-
-/* The answer to an EV_ACCEPT that tsord connected to the pod itself: `fd` (a connected TCP socket;
- * the engine takes it over) replaces the channel's socketpair end and the connection is accepted;
- * `key` (12 bytes, or NULL) is the peers map entry to delete when it goes (at once if the channel is
- * gone). 1, or 0 (the channel is gone: the caller keeps fd). */
-int pe_attach(struct pe *pe, int id, uint32_t slot, uint32_t gen, int fd, const void *key) {
-    int rc = 0;
-    pthread_mutex_lock(&pe->mu);
-    struct link *l = find(pe, id);
-    struct chan *ch = l && l->up && slot < l->slots ? l->chans[slot] : NULL;
-    if (ch && ch->gen == gen && ch->state == ACCEPTING && !ch->greeting) {
-        close_sock(ch);
-        set_socket(fd);
-        ch->fd = fd;
-        ch->pumped = true;
-        if (key) {
-            memcpy(ch->peer_key, key, sizeof ch->peer_key);
-            ch->has_peer_key = true;
-        }
-        answer(l, ch, true);
-        rc = 1;
-    } else if (key && pe->lsn.peers >= 0) {
-        map_call(BPF_MAP_DELETE_ELEM, pe->lsn.peers, key, NULL);
     }
     pthread_mutex_unlock(&pe->mu);
     return rc;

@@ -85,9 +85,8 @@ def _lib() -> ctypes.CDLL:
                 ("pe_link_state", i, [vp, i]),
                 ("pe_link_close", None, [vp, i]),
                 ("pe_get_stats", None, [vp, ctypes.POINTER(_Stats)]),
-                ("pe_maps", i, [vp, i, i]),
-                ("pe_listen", i, [vp, i]),
-                ("pe_attach", i, [vp, i, u32, u32, i, cp])):
+                ("pe_maps", i, [vp, i, i, i, u32]),
+                ("pe_listen", i, [vp, i])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
         _loaded = lib
@@ -170,11 +169,13 @@ class PumpEngine:
         st = self._stats()
         return st.accepted, st.unclaimed
 
-    def use_maps(self, conns_map: int, peers_map: int) -> None:
-        """The kernel-chosen path's maps (tsor/remote_path.py): the listener reads the conns map, and
-        a channel given a socket by `answer(True, (sock, key))` deletes its peers map entry when it
-        goes (the pump keeps its own descriptors)."""
-        if self._call("pe_maps", conns_map, peers_map) < 0:
+    def use_maps(self, conns_map: int, peers_map: int, addrs_map: int, bind_ip: str) -> None:
+        """The kernel-chosen path's maps (tsor/remote_path.py): the listener reads the conns map; a
+        peer's connection to a pod of the sockmap path's address map is connected to by the pump
+        itself, from `bind_ip`, with the client's address in the peers map for the pod's accept()
+        (deleted when it ends). The pump keeps its own descriptors of the maps."""
+        ip = struct.unpack("=I", socket.inet_aton(bind_ip))[0]
+        if self._call("pe_maps", conns_map, peers_map, addrs_map, ip) < 0:
             e = ctypes.get_errno()
             raise OSError(e, f"the rdma pump cannot use the maps: {os.strerror(e)}")
 
@@ -324,14 +325,7 @@ class PumpEngine:
         lock = threading.Lock()
         state: dict[str, bool | None] = {"greeting": None, "early": None}
 
-        def answer(ok: bool, attach: tuple[socket.socket, bytes] | None = None) -> None:
-            if attach is not None:   # tsord connected to the pod itself: the socket replaces the app end
-                sock, key = attach
-                if self._call("pe_attach", link.id, slot, gen, sock.fileno(), key):
-                    sock.detach()
-                else:
-                    sock.close()
-                return
+        def answer(ok: bool) -> None:
             with lock:
                 if state["greeting"] is None:   # the callback has not returned yet
                     state["early"] = ok
