@@ -308,7 +308,7 @@ class Daemon:
                               f"{e.strerror or e}") from None
         try:
             pump.use_maps(self.service_lb.maps[service_lb.CONNS_MAP], self.service_lb.maps[service_lb.PEERS_MAP],
-                          self.sockmap.path.addrs, address[0])
+                          self.sockmap.path.addrs, self.service_lb.maps[service_lb.ROOM_MAP], address[0])
             pump.listen(rp.listener)
         except OSError:
             rp.close()

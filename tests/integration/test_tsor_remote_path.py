@@ -65,9 +65,19 @@ def _config(lb, generation: int, policy: bool) -> None:
     bpf.map_update(lb.maps[service_lb.CONFIG_MAP], struct.pack("=I", 0), struct.pack("=II", generation, int(policy)))
 
 
-def _route(lb, net: str, gateway: str) -> None:
+def _route(lb, net: str, gateway: str, room: int = 1000) -> None:
     bpf.map_update(lb.maps[service_lb.REMOTE_MAP], remote_path.remote_key(net),
                    remote_path.remote_value((gateway, PUMP_PORT), LINK))
+    _set_room(lb, room)
+
+
+def _set_room(lb, room: int) -> None:
+    """What the pump would write: how many more connections its link LINK can take."""
+    bpf.map_update(lb.maps[service_lb.ROOM_MAP], struct.pack("=I", LINK), struct.pack("=i", room))
+
+
+def _room(lb) -> int:
+    return struct.unpack("=i", bpf.map_lookup(lb.maps[service_lb.ROOM_MAP], struct.pack("=I", LINK), 4))[0]
 
 
 def _listen(pod: testbed.Pod, port: int) -> socket.socket:
@@ -199,3 +209,19 @@ def test_networkpolicy_verdicts_decide_per_generation_and_a_missing_one_is_nativ
     finally:
         server.close()
         rp.listener.close()
+
+
+def test_a_link_with_no_room_leaves_connects_native_and_each_pumped_one_takes_room(bed, lb):
+    _, _, one, two, gateway, pump = bed
+    _config(lb, 1, policy=False)
+    _route(lb, f"{two.ip}/32", gateway, room=2)
+    server = _listen(two, 8083)
+    try:
+        for expect, left in (("pump", 1), ("pump", 0), ("native", 0)):
+            with _dial(one, two.ip, 8083):
+                ready = select.select([server, pump], [], [], 2.0)[0]
+                assert ready == ([pump] if expect == "pump" else [server])
+                ready[0].accept()[0].close()
+            assert _room(lb) == left
+    finally:
+        server.close()

@@ -23,7 +23,7 @@ from tsor.transport.rdma_pump import PumpEngine
 from tsor.verbs import pyverbs_provider
 
 pytestmark = pytest.mark.rdma_device
-HASH, LRU_HASH = 1, 9
+HASH, ARRAY, LRU_HASH = 1, 2, 9
 
 
 class Pumps:
@@ -32,6 +32,8 @@ class Pumps:
         self.peers = bpf.map_create(LRU_HASH, 12, 8, 1024)
         self.addrs = bpf.map_create(HASH, 4, 8, 16)     # the sockmap path's: the pods of node B
         bpf.map_update(self.addrs, socket.inet_aton("127.0.0.1"), struct.pack("=Q", 1))
+        self.room = bpf.map_create(ARRAY, 4, 4, 1024)
+        self.room_b = bpf.map_create(ARRAY, 4, 4, 1024)   # (each node has its own; link ids are per pump)
         self.server = socket.create_server(("127.0.0.1", 0))
         self.seen: list[tuple] = []
         self.a = PumpEngine(lambda *a: False, RingConfig(ring=64 * 1024, slots=64))
@@ -41,8 +43,8 @@ class Pumps:
         self.a.connect(self.la, self.lb.info)
         self.b.connect(self.lb, self.la.info)
         self.listener = socket.create_server(("127.0.0.1", 0))
-        for engine in (self.a, self.b):
-            engine.use_maps(self.conns, self.peers, self.addrs, "127.0.0.1")
+        for engine, room in ((self.a, self.room), (self.b, self.room_b)):
+            engine.use_maps(self.conns, self.peers, self.addrs, room, "127.0.0.1")
         self.a.listen(self.listener)
 
     def _accept(self, link, src, dst, app, answer) -> bool:
@@ -63,6 +65,10 @@ class Pumps:
         c.connect(self.listener.getsockname())
         return c
 
+    def room_of(self, link) -> int:
+        """What the room map says link can take now."""
+        return struct.unpack("=i", bpf.map_lookup(self.room, struct.pack("=I", link.id), 4))[0]
+
     def close(self) -> None:
         for engine, link in ((self.a, self.la), (self.b, self.lb)):
             engine.close_link(link)
@@ -72,7 +78,7 @@ class Pumps:
             d.close()
         for s in (self.listener, self.server):
             s.close()
-        for fd in (self.conns, self.peers, self.addrs):
+        for fd in (self.conns, self.peers, self.addrs, self.room, self.room_b):
             os.close(fd)
 
 
@@ -86,7 +92,16 @@ def pumps():
         p.close()
 
 
+def wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
 def test_a_noted_connection_is_carried_to_the_server_the_note_names(pumps):
+    room = pumps.room_of(pumps.la)
+    assert 0 < room < 32   # the link's half of 64 slots, less the reserve
     c = pumps.client()
     with c:
         conn, peer = pumps.server.accept()
@@ -107,6 +122,7 @@ def test_a_noted_connection_is_carried_to_the_server_the_note_names(pumps):
                 got += c.recv(1 << 16)
             assert got == data[::-1]
             assert pumps.seen == []                     # no Python on either side
+            wait_for(lambda: pumps.room_of(pumps.la) == room - 1)   # one channel of the link taken
             assert pumps.a.listened == (1, 0)
             # the note was taken out; the far side's peers entry is there while the connection is
             assert bpf.map_keys(pumps.conns, 8) == []
@@ -119,12 +135,18 @@ def test_a_noted_connection_is_carried_to_the_server_the_note_names(pumps):
     while bpf.map_keys(pumps.peers, 12) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert bpf.map_keys(pumps.peers, 12) == [], "the peers entry outlived the connection"
+    wait_for(lambda: pumps.room_of(pumps.la) == room)        # and given back
+
+
+def reset(pumps, **kw) -> None:
+    """A client's connection is reset by the pump (before its connect() returned, or after)."""
+    with pytest.raises(ConnectionResetError):
+        with pumps.client(**kw) as c:
+            c.recv(10)
 
 
 def test_a_connection_without_a_note_is_reset(pumps):
-    with pumps.client(noted=False) as c:
-        with pytest.raises(ConnectionResetError):
-            c.recv(10)
+    reset(pumps, noted=False)
     assert pumps.a.listened == (0, 1)
     assert pumps.seen == []
 
@@ -133,13 +155,8 @@ def test_a_pod_that_refuses_resets_the_client_and_an_address_not_of_the_node_goe
     with socket.socket() as closed:   # a port nobody listens on
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    with pumps.client(to=("127.0.0.1", port)) as c:
-        with pytest.raises(ConnectionResetError):
-            c.recv(10)
+    reset(pumps, to=("127.0.0.1", port))
     assert bpf.map_keys(pumps.peers, 12) == []
-    with pumps.client(to=("127.0.0.2", port)) as c:   # not in the address map: tsord's callback answers
-        me = c.getsockname()
-        with pytest.raises(ConnectionResetError):
-            c.recv(10)
-    assert pumps.seen == [(me, ("127.0.0.2", port))]
+    reset(pumps, to=("127.0.0.2", port))   # not in the address map: tsord's callback answers
+    assert [dst for _, dst in pumps.seen] == [("127.0.0.2", port)]
     assert pumps.a.listened == (2, 0)

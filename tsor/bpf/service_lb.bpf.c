@@ -147,6 +147,16 @@ struct {
 	__type(value, struct remote);
 } quark_lb_remote SEC(".maps");
 
+/* the pump's link id -> connections it has room for now (channel slots free, less a reserve); a
+ * pumped connect takes one, the pump writes the count again as its slots change. None: native (a
+ * connection past what the link can carry takes the stack rather than a reset) */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __s32);
+} quark_lb_room SEC(".maps");
+
 /* NetworkPolicy's verdict for (client pod by its namespace, endpoint) at a route generation */
 struct verdict_key {
 	__u64 netns;
@@ -251,6 +261,18 @@ static __always_inline int allowed(__u64 netns, __u32 ip4, __u16 port)
 	return 0;
 }
 
+/* One of the link's free channels for this connect; none: native. Concurrent connects may take a
+ * few past zero before they see it (the pump's reserve covers them). */
+static __always_inline int room_taken(__u32 link)
+{
+	__s32 *room = bpf_map_lookup_elem(&quark_lb_room, &link);
+
+	if (!room || *room <= 0)
+		return 0;
+	__sync_fetch_and_add(room, -1);
+	return 1;
+}
+
 SEC("cgroup/connect4")
 int quark_lb3_conn(struct bpf_sock_addr *ctx)
 {
@@ -310,7 +332,7 @@ int quark_lb3_conn(struct bpf_sock_addr *ctx)
 	}
 	struct remote_key rkey = {.prefixlen = 32, .ip4 = target.ip4};
 	struct remote *remote = bpf_map_lookup_elem(&quark_lb_remote, &rkey);
-	int pumped = remote && allowed(netns, target.ip4, target.port);
+	int pumped = remote && allowed(netns, target.ip4, target.port) && room_taken(remote->link);
 
 	if (!svc && !pumped)
 		return 1;

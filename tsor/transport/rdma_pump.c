@@ -66,6 +66,7 @@ enum { OPEN = 1, ACCEPT, REFUSE, CREDIT, RESET, RESET_ACK, CTL_CREDIT, RELEASE }
 #define STALL_CHECK_MS 1000
 #define PUMP_SNDBUF (1 << 20)
 #define MAX_LINKS 1024
+#define ROOM_RESERVE 8              /* channels kept back from the programs' room count: connects racing it */
 /* the QP's attributes: rdma.py's pyverbs provider uses the same (tsor/verbs/pyverbs_provider.py) */
 #define RNR_RETRY_INFINITE 7
 #define MIN_RNR_TIMER 12
@@ -132,7 +133,7 @@ struct link {
     size_t size;
     uint32_t ring, slots, sq_depth, rq_depth, max_write;
     int port, gid_index, parity, unacked_events;
-    bool up, closed, dead, watching;
+    bool up, closed, dead, watching, room_dirty;
     struct pe_info info, remote;
     struct chan **chans;
     uint16_t *gens;
@@ -154,6 +155,7 @@ struct listener {
     int kind;               /* H_LISTEN */
     int fd, conns, peers;   /* the listening socket; the programs' conns and peers maps (-1: none) */
     int addrs;              /* the sockmap path's address map: the pods of this node (-1: none) */
+    int room;               /* the programs' room map: connections each link can take now (-1: none) */
     uint32_t bind_ip;       /* where the engine's connects to pods come from (network order) */
 };
 
@@ -168,6 +170,7 @@ struct pe {
     struct chan *dead_chans;
     struct link *dead_links;
     struct listener lsn;
+    bool room_dirty;        /* some link's room_dirty is set */
 };
 
 static int64_t now_ns(void) {
@@ -222,6 +225,23 @@ static int map_call(int cmd, int fd, const void *key, void *value) {
     a.key = (uint64_t)(uintptr_t)key;
     a.value = (uint64_t)(uintptr_t)value;
     return (int)syscall(__NR_bpf, cmd, &a, sizeof a);
+}
+
+/* how many more connections the link can open from this side, for the programs' room map */
+static void room_changed(struct link *l) {
+    l->room_dirty = true;
+    l->pe->room_dirty = true;
+}
+
+static void publish_room(struct link *l) {
+    l->room_dirty = false;
+    if (l->pe->lsn.room < 0) return;
+    int32_t room = 0;
+    for (uint32_t s = 1; l->up && !l->closed && s < l->slots; s++)
+        if (s % 2 == (uint32_t)l->parity && !l->chans[s] && !l->unreleased[s]) room++;
+    room = room > ROOM_RESERVE ? room - ROOM_RESERVE : 0;
+    uint32_t key = (uint32_t)l->id;
+    map_call(BPF_MAP_UPDATE_ELEM, l->pe->lsn.room, &key, &room);
 }
 
 static void pack_ctl(uint8_t *p, int kind, uint32_t slot, uint32_t gen, uint32_t v1, uint32_t v2, uint32_t n) {
@@ -305,6 +325,7 @@ static void chan_drop(struct link *l, struct chan *ch) {
     if (l->chans[ch->slot] == ch) {
         l->chans[ch->slot] = NULL;
         l->n_channels--;
+        room_changed(l);
     }
     if (ch->credit_due) { ch->credit_due = false; l->n_credit_due--; }
     if (ch->blocked) { ch->blocked = false; l->n_blocked--; }
@@ -760,7 +781,10 @@ static bool record(struct link *l, int kind, uint32_t slot, uint32_t gen, uint32
         opened(l, slot, gen, payload, n);
         return l->up;
     case RELEASE:
-        if (slot % 2 == (uint32_t)l->parity && gen == l->gens[slot]) l->unreleased[slot] = false;
+        if (slot % 2 == (uint32_t)l->parity && gen == l->gens[slot]) {
+            l->unreleased[slot] = false;
+            room_changed(l);
+        }
         return true;
     case RESET:
         ctl(l, RESET_ACK, slot, gen, 0, 0, NULL, 0);
@@ -791,6 +815,7 @@ static bool record(struct link *l, int kind, uint32_t slot, uint32_t gen, uint32
         abort_chan(ch);
         chan_drop(l, ch);
         l->unreleased[slot] = false;
+        room_changed(l);
     } else if (kind == RESET_ACK && ch->reset_pending) {
         ch->reset_pending = false;
         update(ch);
@@ -942,6 +967,7 @@ static void greeted(struct chan *ch) {
 static void down(struct link *l, int reason, const char *fmt, ...) {
     if (!l->up) return;
     l->up = false;
+    room_changed(l);
     char why[256];
     va_list ap;
     va_start(ap, fmt);
@@ -994,6 +1020,7 @@ static void link_close(struct link *l) {
     l->closed = true;
     l->pe->links[l->id] = NULL;
     down(l, R_NONE, "closed");   /* drops every channel: a link has channels only while it is up */
+    publish_room(l);             /* none: its id's connects are native until a new link has it */
     l->dead = true;
     l->next_dead = l->pe->dead_links;
     l->pe->dead_links = l;
@@ -1066,6 +1093,11 @@ static void *run(void *arg) {
                 if (pe->links[i]) check_stall(pe->links[i], now);
             next_check = now + STALL_CHECK_MS * 1000000LL;
         }
+        if (pe->room_dirty) {
+            pe->room_dirty = false;
+            for (int i = 1; i < MAX_LINKS; i++)
+                if (pe->links[i] && pe->links[i]->room_dirty) publish_room(pe->links[i]);
+        }
         reap(pe);
     }
     pthread_mutex_unlock(&pe->mu);
@@ -1079,7 +1111,7 @@ struct pe *pe_new(int events) {
     pthread_mutex_init(&pe->mu, NULL);
     pe->events = events;
     pe->events_kind = H_EVENTS;
-    pe->lsn = (struct listener){H_LISTEN, -1, -1, -1, -1, 0};
+    pe->lsn = (struct listener){H_LISTEN, -1, -1, -1, -1, -1, 0};
     pe->running = true;
     pe->ep = epoll_create1(EPOLL_CLOEXEC);
     pe->bell = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -1113,6 +1145,7 @@ void pe_free(struct pe *pe) {
     if (pe->lsn.conns >= 0) close(pe->lsn.conns);
     if (pe->lsn.peers >= 0) close(pe->lsn.peers);
     if (pe->lsn.addrs >= 0) close(pe->lsn.addrs);
+    if (pe->lsn.room >= 0) close(pe->lsn.room);
     free(pe->evq.p);
     pthread_mutex_destroy(&pe->mu);
     free(pe);
@@ -1288,6 +1321,7 @@ int pe_link_connect(struct pe *pe, int id, const struct pe_info *remote, int par
     l->parity = parity;
     l->peer_rq_total = remote->rq_depth;
     l->up = true;
+    publish_room(l);
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = l};
     if (epoll_ctl(pe->ep, EPOLL_CTL_ADD, l->cc->fd, &ev) < 0 || ibv_req_notify_cq(l->cq, 0)) {
         seterr(err, errlen, "watch the completion channel: %s", strerror(errno));
@@ -1359,6 +1393,7 @@ static void take(struct pe *pe, int fd) {
     }
     ch->pumped = true;
     l->unreleased[slot] = true;
+    room_changed(l);
     pe->stats.accepted++;
     ctl(l, OPEN, (uint32_t)slot, ch->gen, 0, 0, payload, (uint32_t)n);
     flush_ctl(l);
@@ -1375,26 +1410,28 @@ static void on_listener(struct pe *pe) {
 /* the kernel-chosen path's maps: the programs' conns map (the listener reads where each connection
  * goes), peers map (written before the engine connects to a pod, deleted when the channel goes) and
  * the sockmap path's address map (the pods of this node, which the engine connects to from
- * `bind_ip`, network order); duplicated here. 0, or -1 with errno. */
-int pe_maps(struct pe *pe, int conns, int peers, int addrs, uint32_t bind_ip) {
-    int c = fcntl(conns, F_DUPFD_CLOEXEC, 0), p = fcntl(peers, F_DUPFD_CLOEXEC, 0),
-        a = fcntl(addrs, F_DUPFD_CLOEXEC, 0);
-    if (c < 0 || p < 0 || a < 0) {
-        int err = errno;
-        if (c >= 0) close(c);
-        if (p >= 0) close(p);
-        if (a >= 0) close(a);
-        errno = err;
-        return -1;
+ * `bind_ip`, network order) and the room map (each link's free channels, which connects take and
+ * the engine writes again as they change); duplicated here. 0, or -1 with errno. */
+int pe_maps(struct pe *pe, int conns, int peers, int addrs, int room, uint32_t bind_ip) {
+    int fds[4] = {conns, peers, addrs, room}, dup[4];
+    for (int i = 0; i < 4; i++) {
+        dup[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 0);
+        if (dup[i] < 0) {
+            int err = errno;
+            while (i--) close(dup[i]);
+            errno = err;
+            return -1;
+        }
     }
     pthread_mutex_lock(&pe->mu);
-    if (pe->lsn.conns >= 0) close(pe->lsn.conns);
-    if (pe->lsn.peers >= 0) close(pe->lsn.peers);
-    if (pe->lsn.addrs >= 0) close(pe->lsn.addrs);
-    pe->lsn.conns = c;
-    pe->lsn.peers = p;
-    pe->lsn.addrs = a;
+    int *mine[4] = {&pe->lsn.conns, &pe->lsn.peers, &pe->lsn.addrs, &pe->lsn.room};
+    for (int i = 0; i < 4; i++) {
+        if (*mine[i] >= 0) close(*mine[i]);
+        *mine[i] = dup[i];
+    }
     pe->lsn.bind_ip = bind_ip;
+    for (int i = 1; i < MAX_LINKS; i++)   /* links already up: their room now */
+        if (pe->links[i]) publish_room(pe->links[i]);
     pthread_mutex_unlock(&pe->mu);
     return 0;
 }
@@ -1439,6 +1476,7 @@ int pe_open(struct pe *pe, int id, int64_t token, const void *payload, uint32_t 
     ch->token = token;
     rc = 1;
     l->unreleased[slot] = true;
+    room_changed(l);
     *app_fd = app;
     ctl(l, OPEN, slot, ch->gen, 0, 0, payload, n);
     flush_ctl(l);

@@ -85,7 +85,7 @@ def _lib() -> ctypes.CDLL:
                 ("pe_link_state", i, [vp, i]),
                 ("pe_link_close", None, [vp, i]),
                 ("pe_get_stats", None, [vp, ctypes.POINTER(_Stats)]),
-                ("pe_maps", i, [vp, i, i, i, u32]),
+                ("pe_maps", i, [vp, i, i, i, i, u32]),
                 ("pe_listen", i, [vp, i])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
@@ -169,13 +169,14 @@ class PumpEngine:
         st = self._stats()
         return st.accepted, st.unclaimed
 
-    def use_maps(self, conns_map: int, peers_map: int, addrs_map: int, bind_ip: str) -> None:
+    def use_maps(self, conns_map: int, peers_map: int, addrs_map: int, room_map: int, bind_ip: str) -> None:
         """The kernel-chosen path's maps (tsor/remote_path.py): the listener reads the conns map; a
         peer's connection to a pod of the sockmap path's address map is connected to by the pump
         itself, from `bind_ip`, with the client's address in the peers map for the pod's accept()
-        (deleted when it ends). The pump keeps its own descriptors of the maps."""
+        (deleted when it ends); the room map gets each link's free channels (less a reserve), which
+        the programs' connects take. The pump keeps its own descriptors of the maps."""
         ip = struct.unpack("=I", socket.inet_aton(bind_ip))[0]
-        if self._call("pe_maps", conns_map, peers_map, addrs_map, ip) < 0:
+        if self._call("pe_maps", conns_map, peers_map, addrs_map, room_map, ip) < 0:
             e = ctypes.get_errno()
             raise OSError(e, f"the rdma pump cannot use the maps: {os.strerror(e)}")
 
