@@ -193,7 +193,8 @@ class Daemon:
                                           if self.service_lb else {}),
                                        **({"remote_path_accepted": self.rdma._pump.listened[0],
                                            "remote_path_unclaimed": self.rdma._pump.listened[1],
-                                           "remote_path_verdicts": self.remote_path.verdicts}
+                                           "remote_path_verdicts": self.remote_path.verdicts,
+                                           "remote_path_networks_left_native": len(self.remote_path.left_native)}
                                           if self.remote_path else {})}
         self.bytes = TcpByteCounter()   # tcp path: the kernel counts, see tsor/bytecount.py
         self.metrics.byte_counts = self._byte_counts
@@ -325,12 +326,16 @@ class Daemon:
         log.info("remote path: other nodes' pods through the pump at %s:%d", *address)
 
     def _pump_links(self) -> dict[str, tuple[tuple[str, ...], int]]:
-        """Each node whose compiled-pump link is up: its pod networks and the link's id."""
+        """Each node whose compiled-pump link is up: what the route table routes to it (its pod
+        networks from a routes file; from Kubernetes, its quark pods' own addresses) and the link's id."""
+        by_node: dict[str, list[str]] = {}
+        for ip, pod in list(self.routes.pods.items()):
+            by_node.setdefault(pod.node, []).append(f"{ip}/32" if ":" not in ip else f"{ip}/128")
         out = {}
         for name, link in list(self.rdma.links.items()):
             node = self.routes.nodes.get(name)
             if node is not None and isinstance(link, PumpLink) and link.up:
-                out[name] = (tuple(str(n) for n in node.pods), link.id)
+                out[name] = (tuple(str(n) for n in node.pods) + tuple(by_node.get(name, ())), link.id)
         return out
 
     def _dial_links(self) -> None:

@@ -50,7 +50,9 @@ GAUGE_HELP = {"sandboxes": "Sandboxes registered with this node's tsord.",
                                       "carried (the kernel-chosen remote path, tsor/remote_path.py).",
               "remote_path_unclaimed": "Connections the pump's listener reset: no note of where they went, "
                                        "or no link or slot to carry them.",
-              "remote_path_verdicts": "NetworkPolicy verdicts tsord decided for the remote path's connects."}
+              "remote_path_verdicts": "NetworkPolicy verdicts tsord decided for the remote path's connects.",
+              "remote_path_networks_left_native": "Linked nodes' pod networks the remote path's map had no room "
+                                                  "for: their connects are native."}
 CLIENT_TIMEOUT = 2.0   # a scraper that connects and says nothing holds its thread this long
 
 

@@ -25,7 +25,9 @@ node that proved the cluster secret, as the tcp and rdma paths' far sides always
 tsord is the control plane: it writes the remote map (each linked node's pod networks -> this
 node's pump listener and the link), the verdicts and the route generation, and is on no
 connection's path. A link that goes down leaves the map at once; connects to that node are native
-until it is up again.
+until it is up again. The pump's listening socket is in the programs' pump map: when it closes
+(tsord exits or dies, and the pump with it), the kernel takes it out, and connects to other nodes
+are native from that moment, not refused.
 """
 from __future__ import annotations
 
@@ -88,12 +90,16 @@ class RemotePath:
         self._lock = threading.Lock()
         self._stop, self._dirty = threading.Event(), threading.Event()
         self.verdicts = 0
+        self.left_native: set[bytes] = set()   # pod networks the remote map had no room for
+        self._verdicts_full = False
         if listener is None:
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind(pump_address)
             listener.listen(4096)
         self.listener = listener
+        # while it listens, the programs send connects to it (the kernel removes it when it closes)
+        bpf.map_update(self.maps[service_lb.PUMP_MAP], struct.pack("=I", 0), struct.pack("=Q", listener.fileno()))
         for key in bpf.map_keys(self.maps[service_lb.REMOTE_MAP], 8):   # a predecessor's: rewritten below
             self._remote[key] = b""
         self._thread = threading.Thread(target=self._run, name="remote-path", daemon=True)
@@ -130,10 +136,23 @@ class RemotePath:
             for key in set(self._remote) - set(want):
                 bpf.map_delete(self.maps[service_lb.REMOTE_MAP], key)
                 del self._remote[key]
+            full = set()
             for key, value in want.items():
                 if self._remote.get(key) != value:
-                    bpf.map_update(self.maps[service_lb.REMOTE_MAP], key, value)
+                    try:
+                        bpf.map_update(self.maps[service_lb.REMOTE_MAP], key, value)
+                    except OSError as e:
+                        if not bpf.full(e):
+                            raise
+                        full.add(key)   # its pods' connects stay native
+                        continue
                     self._remote[key] = value
+            if full and not self.left_native:
+                log.warning("remote path: the remote map is full: %d pod networks of linked nodes are left native "
+                            "until there is room", len(full))
+            elif self.left_native and not full:
+                log.info("remote path: every linked node's pod networks are in the remote map again")
+            self.left_native = full
 
     def answer_misses(self) -> int:
         """Decide the verdicts connects found missing; how many."""
@@ -145,15 +164,40 @@ class RemotePath:
             src = self.pod_of(netns)
             dst = (socket.inet_ntoa(struct.pack("=I", ip4)), socket.ntohs(port))
             allow = src is not None and self.decide(src, dst)
-            bpf.map_update(self.maps[service_lb.VERDICTS_MAP], key, struct.pack("=II", generation, int(allow)))
+            self._verdict(key, struct.pack("=II", generation, int(allow)), generation)
             bpf.map_delete(misses, key)
             self.verdicts += 1
         return len(keys)
+
+    def _verdict(self, key: bytes, value: bytes, generation: int) -> None:
+        """A verdict into its map; a full map first loses the verdicts of older generations, and
+        where that is not room enough the connect stays native (logged once)."""
+        verdicts = self.maps[service_lb.VERDICTS_MAP]
+        for attempt in range(2):
+            try:
+                bpf.map_update(verdicts, key, value)
+                self._verdicts_full = False
+                return
+            except OSError as e:
+                if not bpf.full(e):
+                    raise
+            if attempt == 0:
+                for old in bpf.map_keys(verdicts, _VERDICT_KEY.size):
+                    raw = bpf.map_lookup(verdicts, old, 8)
+                    if raw is not None and struct.unpack("=I", raw[:4])[0] != generation:
+                        bpf.map_delete(verdicts, old)
+        if not self._verdicts_full:
+            log.warning("remote path: the verdict map is full: connects without a verdict stay native")
+        self._verdicts_full = True
 
     def close(self) -> None:
         """tsord exits: nothing goes to a pump that is gone (connects are native until the next tsord)."""
         self._stop.set()
         self._thread.join(5)
+        try:
+            bpf.map_delete(self.maps[service_lb.PUMP_MAP], struct.pack("=I", 0))
+        except OSError:
+            pass
         with self._lock:
             for key in list(self._remote):
                 try:

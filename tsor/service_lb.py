@@ -55,9 +55,9 @@ NETNS_MAP, SERVICES_MAP, BACKENDS_MAP, ORIGS_MAP = "quark_lb_netns", "quark_lb_s
 STICKY_MAP = "quark_lb_sticky"
 # the remote leg's maps (tsor/remote_path.py writes and reads them; the pump reads conns, writes peers)
 REMOTE_MAP, VERDICTS_MAP, MISSES_MAP, CONFIG_MAP = "quark_lb_remote", "quark_lb_policy", "quark_lb_misses", "quark_lb_config"
-CONNS_MAP, PEERS_MAP, ROOM_MAP = "quark_lb_conns", "quark_lb_peers", "quark_lb_room"
+CONNS_MAP, PEERS_MAP, ROOM_MAP, PUMP_MAP = "quark_lb_conns", "quark_lb_peers", "quark_lb_room", "quark_lb_pump"
 MAPS = (NETNS_MAP, SERVICES_MAP, BACKENDS_MAP, ORIGS_MAP, STICKY_MAP, REMOTE_MAP, VERDICTS_MAP, MISSES_MAP,
-        CONFIG_MAP, CONNS_MAP, PEERS_MAP, ROOM_MAP)
+        CONFIG_MAP, CONNS_MAP, PEERS_MAP, ROOM_MAP, PUMP_MAP)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bpf", "service_lb.bpf.c")
 OBJECT = SOURCE[:-1] + "o"
 INET4_CONNECT, INET4_GETPEERNAME, CGROUP_SOCK_OPS = 10, 29, 3       # enum bpf_attach_type

@@ -52,13 +52,19 @@ def _cookie(pod: testbed.Pod) -> int:
 
 @pytest.fixture
 def lb(bed):
-    _, _, one, two, gateway, _ = bed
+    _, _, one, two, _, _ = bed
     balancer = service_lb.ServiceLB.open(cgroup2_root())
     balancer.set_namespaces({_cookie(one), _cookie(two)})
+    _listening(balancer, bed[5])
     try:
         yield balancer
     finally:
         balancer.remove()
+
+
+def _listening(lb, listener: socket.socket) -> None:
+    """What tsord does for the pump: its listening socket into the pump map."""
+    bpf.map_update(lb.maps[service_lb.PUMP_MAP], struct.pack("=I", 0), struct.pack("=Q", listener.fileno()))
 
 
 def _config(lb, generation: int, policy: bool) -> None:
@@ -182,7 +188,7 @@ def test_networkpolicy_verdicts_decide_per_generation_and_a_missing_one_is_nativ
         return allow
 
     rp = remote_path.RemotePath(lb, (gateway, PUMP_PORT), dict, lambda: generation, lambda: object(),
-                                {_cookie(one): one.ip}.get, decide, listener=socket.socket())
+                                {_cookie(one): one.ip}.get, decide, listener=pump)
     rp._stop.set()   # this test turns the wheel itself
     rp._thread.join()
 
@@ -208,7 +214,6 @@ def test_networkpolicy_verdicts_decide_per_generation_and_a_missing_one_is_nativ
         assert rp.answer_misses() == 0
     finally:
         server.close()
-        rp.listener.close()
 
 
 def test_a_link_with_no_room_leaves_connects_native_and_each_pumped_one_takes_room(bed, lb):
@@ -224,4 +229,32 @@ def test_a_link_with_no_room_leaves_connects_native_and_each_pumped_one_takes_ro
                 ready[0].accept()[0].close()
             assert _room(lb) == left
     finally:
+        server.close()
+
+
+def test_once_the_pumps_listener_closes_connects_are_native_not_refused(bed, lb):
+    """tsord gone (its pump and listener with it): the kernel takes the listener out of the pump map,
+    and a connect to another node's pod goes to the pod, not to a port nobody listens on."""
+    _, node, one, two, gateway, _ = bed
+    _config(lb, 1, policy=False)
+    server = _listen(two, 8084)
+    other = kernel_sockets.socket_at(f"/var/run/netns/{node.netns}")
+    try:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind((gateway, PUMP_PORT + 1))
+        other.listen(16)
+        bpf.map_update(lb.maps[service_lb.REMOTE_MAP], remote_path.remote_key(f"{two.ip}/32"),
+                       remote_path.remote_value((gateway, PUMP_PORT + 1), LINK))
+        _set_room(lb, 100)
+        _listening(lb, other)
+        with _dial(one, two.ip, 8084):
+            assert _readable(other)
+            other.accept()[0].close()
+        other.close()
+        with _dial(one, two.ip, 8084) as c:
+            assert _readable(server)
+            server.accept()[0].close()
+            assert c.getpeername() == (two.ip, 8084)
+    finally:
+        other.close()
         server.close()

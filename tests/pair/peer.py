@@ -12,6 +12,8 @@ It serves, on its wire address, until guest a writes $QUARK_PAIR_DIR/a-done (or 
 Ready once $QUARK_PAIR_DIR/b-ready exists. Beside that, unless --no-node, quark node b of the remote path
 (tests/pair/remote_node.py: a tsord, and a quark pod serving remote_node.SERVER); its pod's address
 is in $QUARK_PAIR_DIR/b-node once it serves ($QUARK_PAIR_DIR/b-node-failed: why it does not).
+When guest a writes $QUARK_PAIR_DIR/b-kill-tsord, node b's tsord is killed (SIGKILL) and, after
+KILLED_FOR seconds, started again; $QUARK_PAIR_DIR/b-tsord-back says when it serves again.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from tests.pair import rdma_node, remote_node  # noqa: E402
 
 ECHO_PORT, APP_PORT, SMC_APP_PORT = 7601, 7604, 7605
 PEER_TIMEOUT_S = 1500
+KILLED_FOR = 3.0
 
 
 def _echo(conn: socket.socket) -> None:
@@ -84,15 +87,23 @@ def main() -> int:
     open(os.path.join(pair, "b-ready"), "w").close()
     print("peer: serving", flush=True)
     try:
-        return _wait_for_a(pair)
+        return _wait_for_a(pair, nodes)
     finally:
         for node in nodes:
             node.close()
 
 
-def _wait_for_a(pair: str) -> int:
+def _wait_for_a(pair: str, nodes: list) -> int:
     deadline = time.monotonic() + PEER_TIMEOUT_S
     while not os.path.exists(os.path.join(pair, "a-done")):
+        if nodes and os.path.exists(os.path.join(pair, "b-kill-tsord")):
+            os.unlink(os.path.join(pair, "b-kill-tsord"))
+            nodes[0].kill_tsord()
+            print("peer: node b's tsord killed", flush=True)
+            time.sleep(KILLED_FOR)
+            nodes[0].start_tsord()
+            open(os.path.join(pair, "b-tsord-back"), "w").close()
+            print("peer: node b's tsord back", flush=True)
         if time.monotonic() > deadline:
             print("peer: guest a never said it was done", flush=True)
             return 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 from tests.support import testbed
@@ -45,7 +46,10 @@ SERVER = ("import hashlib, json, socket, threading\n"
 class PairNode:
     """This guest's node (role "a" or "b"); close() removes all of it."""
 
-    def __init__(self, role: str, self_wire: str, peer_wire: str) -> None:
+    def __init__(self, role: str, self_wire: str, peer_wire: str, kubeconfig: str | None = None) -> None:
+        """kubeconfig: routes from that API server (tsor/routes_k8s.py: nodes, quark pods, Services,
+        NetworkPolicies) instead of the routes file both guests share."""
+        self.kubeconfig = kubeconfig
         other = "b" if role == "a" else "a"
         i, j = INDEX[role], INDEX[other]
         self.bed = testbed.Testbed(prefix=f"qr{role}", octet=OCTET)
@@ -73,10 +77,18 @@ class PairNode:
                      for n, k in sorted(INDEX.items())]
             with open(self.bed.routes_file, "w") as f:
                 json.dump({"nodes": nodes}, f)
-            self.node.start_tsord(transport="rdma", local_path="sockmap", rdma={"device": "rxe0"})
+            self.start_tsord()
         except BaseException:
             self.close()
             raise
+
+    def start_tsord(self) -> None:
+        self.node.start_tsord(transport="rdma", local_path="sockmap", rdma={"device": "rxe0"},
+                              kubeconfig=self.kubeconfig)
+
+    def kill_tsord(self) -> None:
+        """tsord dies (SIGKILL), its pump with it; nothing cleans up after it."""
+        self.node.stop_tsord(signal.SIGKILL)
 
     def pod(self, name: str, program: str, args: list[str] = ()) -> testbed.Pod:
         """A quark pod running `program` (Python) detached."""
@@ -102,11 +114,8 @@ def wire() -> tuple[str, str]:
     return os.environ["QUARK_PAIR_SELF"], os.environ["QUARK_PAIR_PEER"]
 
 
-def wait_for_b(a: PairNode) -> str:
-    """Once guest b's server pod serves and node a's link to b is up (the remote map follows within
-    tsor/remote_path.py's RESYNC): that pod's address. RuntimeError: b said why it did not start."""
-    from tsor import remote_path
-    from tsor.metrics import fetch, parse
+def wait_for_b_pod() -> str:
+    """Once guest b's server pod serves: its address. RuntimeError: b said why it did not start."""
     pair = os.environ["QUARK_PAIR_DIR"]
     deadline = time.monotonic() + 300
     while not os.path.exists(os.path.join(pair, "b-node")):
@@ -117,7 +126,16 @@ def wait_for_b(a: PairNode) -> str:
             raise RuntimeError("node b's server pod never served")
         time.sleep(0.2)
     with open(os.path.join(pair, "b-node")) as f:
-        server_ip = f.read().strip()
+        return f.read().strip()
+
+
+def wait_for_b(a: PairNode) -> str:
+    """Once guest b's server pod serves and node a's link to b is up (the remote map follows within
+    tsor/remote_path.py's RESYNC): that pod's address."""
+    from tsor import remote_path
+    from tsor.metrics import fetch, parse
+    server_ip = wait_for_b_pod()
+
     def linked() -> bool:
         try:
             return any(k.startswith("tsor_rdma_links{") and 'node="b"' in k for k in parse(fetch(a.node.metrics)))

@@ -7,6 +7,8 @@ byte arrives, and nothing went through the wire natively."""
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 
@@ -98,3 +100,87 @@ def test_1000_connections_at_once_all_arrive_those_past_the_links_room_natively(
     # the rest went natively; none was reset for want of room
     assert 0 < carried < n
     assert after["tsor_remote_path_unclaimed"] == before["tsor_remote_path_unclaimed"]
+
+
+# a quark pod's stream that runs until its connection fails: /out/NAME-connected once it is
+# connected, /out/NAME-failed with the error and when (the guest's clock) once it fails
+STREAMER = ("import json, socket, sys, time\n"
+            "ip, port, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]\n"
+            "s = socket.create_connection((ip, port), timeout=60); s.sendall(b'S')\n"
+            "block = bytes(1 << 16); s.sendall(block)\n"
+            "open(f'/out/{name}-connected', 'w').close()\n"
+            "try:\n"
+            " while True: s.sendall(block); time.sleep(0.01)\n"
+            "except OSError as e:\n"
+            " json.dump({'error': type(e).__name__, 'at': time.time()}, open(f'/out/{name}-failed', 'w'))\n")
+
+
+def stream_until_it_fails(a, server_ip: str, name: str) -> str:
+    """A streaming pod on node a, connected (through the pump) to b's server pod; its failure file."""
+    pod = a.node.pod(name)
+    before = counters(a.node)["tsor_remote_path_accepted"]
+    a.bed.start("quark", name, a.bed.bundle(name, ["python3", "-c", STREAMER, server_ip,
+                                                   str(remote_node.SERVER_PORT), name], pod))
+    wait_for(lambda: os.path.exists(a.out(f"{name}-connected")), 120)
+    assert counters(a.node)["tsor_remote_path_accepted"] == before + 1, "the stream did not take the pump"
+    return a.out(f"{name}-failed")
+
+
+def wait_for(cond, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def one_connection_works(a, server_ip: str, name: str) -> None:
+    pod = a.node.pod(name)
+    r = a.bed.run("quark", name, a.bed.bundle(name, ["python3", "-c", CLIENT, server_ip, str(remote_node.SERVER_PORT),
+                                                     str(4096), f"/out/{name}.json"], pod))
+    assert r.returncode == 0, r.stderr
+    with open(a.out(f"{name}.json")) as f:
+        got = json.load(f)
+    assert got["server"]["sha"] == got["sha"] and tuple(got["server"]["accept"]) == tuple(got["sock"])
+
+
+def test_the_far_nodes_tsord_killed_mid_stream_resets_the_stream_within_the_stall_timeout(nodes):
+    """Node b's tsord (and its pump) killed: a's pump finds the link gone and resets the stream (no
+    hang); once b's tsord is back, a sets up a new link and connections take the pump again."""
+    a, server_ip = nodes
+    pair = os.environ["QUARK_PAIR_DIR"]
+    failed = stream_until_it_fails(a, server_ip, "far")
+    killed = time.time()
+    open(os.path.join(pair, "b-kill-tsord"), "w").close()
+    wait_for(lambda: os.path.exists(failed), 60)
+    with open(failed) as f:
+        got = json.load(f)
+    assert got["error"] in ("ConnectionResetError", "BrokenPipeError"), got
+    assert got["at"] - killed < 10 + 20   # the pump's stall timeout, and rxe's retries under TCG
+    wait_for(lambda: os.path.exists(os.path.join(pair, "b-tsord-back")), 60)
+    remote_node.wait_for_b(a)
+    before = counters(a.node)["tsor_remote_path_accepted"]
+    one_connection_works(a, server_ip, "afterfar")
+    assert counters(a.node)["tsor_remote_path_accepted"] == before + 1
+
+
+def test_the_clients_tsord_killed_resets_its_streams_and_connects_go_native_until_it_is_back(nodes):
+    """Node a's own tsord (and its pump) killed: the stream through it is reset at once; the pump's
+    listener left the programs' pump map with it, so a new connection to b's pod is native and
+    works (not refused at a port nobody listens on); a tsord started again carries them again."""
+    a, server_ip = nodes
+    failed = stream_until_it_fails(a, server_ip, "near")
+    killed = time.time()
+    a.kill_tsord()
+    try:
+        wait_for(lambda: os.path.exists(failed), 30)
+        with open(failed) as f:
+            got = json.load(f)
+        assert got["error"] in ("ConnectionResetError", "BrokenPipeError"), got
+        assert got["at"] - killed < 10
+        one_connection_works(a, server_ip, "whiledown")
+    finally:
+        a.start_tsord()
+    remote_node.wait_for_b(a)
+    before = counters(a.node)["tsor_remote_path_accepted"]
+    one_connection_works(a, server_ip, "afternear")
+    assert counters(a.node)["tsor_remote_path_accepted"] == before + 1

@@ -157,6 +157,15 @@ struct {
 	__type(value, __s32);
 } quark_lb_room SEC(".maps");
 
+/* [0]: the pump's listening socket, while it listens: the kernel takes it out when it closes (tsord
+ * gone), and from then on connects to other nodes are native, not refused */
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKMAP);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} quark_lb_pump SEC(".maps");
+
 /* NetworkPolicy's verdict for (client pod by its namespace, endpoint) at a route generation */
 struct verdict_key {
 	__u64 netns;
@@ -263,6 +272,17 @@ static __always_inline int allowed(__u64 netns, __u32 ip4, __u16 port)
 
 /* One of the link's free channels for this connect; none: native. Concurrent connects may take a
  * few past zero before they see it (the pump's reserve covers them). */
+static __always_inline int pump_listens(void)
+{
+	__u32 zero = 0;
+	struct bpf_sock *listener = bpf_map_lookup_elem(&quark_lb_pump, &zero);
+
+	if (!listener)
+		return 0;
+	bpf_sk_release(listener);
+	return 1;
+}
+
 static __always_inline int room_taken(__u32 link)
 {
 	__s32 *room = bpf_map_lookup_elem(&quark_lb_room, &link);
@@ -332,7 +352,7 @@ int quark_lb3_conn(struct bpf_sock_addr *ctx)
 	}
 	struct remote_key rkey = {.prefixlen = 32, .ip4 = target.ip4};
 	struct remote *remote = bpf_map_lookup_elem(&quark_lb_remote, &rkey);
-	int pumped = remote && allowed(netns, target.ip4, target.port) && room_taken(remote->link);
+	int pumped = remote && pump_listens() && allowed(netns, target.ip4, target.port) && room_taken(remote->link);
 
 	if (!svc && !pumped)
 		return 1;
