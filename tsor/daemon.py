@@ -311,9 +311,9 @@ class Daemon:
             pump.use_maps(self.service_lb.maps[service_lb.CONNS_MAP], self.service_lb.maps[service_lb.PEERS_MAP],
                           self.sockmap.path.addrs, self.service_lb.maps[service_lb.ROOM_MAP], address[0])
             pump.listen(rp.listener)
-        except OSError:
+        except OSError as e:
             rp.close()
-            raise
+            raise ConfigError(self.cfg.path, "rdma.pump_port", f"the pump cannot take the listener: {e}") from None
         self.remote_path = rp
         self.rdma.on_change = rp.changed
         changed = self.routes.changed
