@@ -45,6 +45,7 @@ from tsor.netpol import ALLOW, PodRef
 
 log = logging.getLogger("tsor.remote_path")
 VERDICT_POLL = 0.02     # how often the misses map is read
+REFRESH_MAX = 4096      # verdicts decided again at once when the route generation changes
 RESYNC = 1.0            # the remote map is checked against the links at least this often
 
 _VERDICT_KEY = struct.Struct("=QIHH")    # struct verdict_key {u64 netns; u32 ip4; u16 port (network order); pad}
@@ -92,6 +93,7 @@ class RemotePath:
         self.verdicts = 0
         self.left_native: set[bytes] = set()   # pod networks the remote map had no room for
         self._verdicts_full = False
+        self._generation: int | None = None   # the one the config map holds
         if listener is None:
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -124,9 +126,15 @@ class RemotePath:
                 log.warning("remote path: maps not updated: %s", e)
 
     def sync(self) -> None:
-        """The config and remote maps made to match the routes and the links up now."""
-        cfg = struct.pack("=II", self.generation() & 0xFFFFFFFF, 0 if self.policy() is None else 1)
+        """The config and remote maps made to match the routes and the links up now. A new route
+        generation first gets the verdicts in use decided again (up to REFRESH_MAX), so that the
+        connects after a change of routes or policies do not all go native once to ask again."""
+        generation = self.generation() & 0xFFFFFFFF
+        if generation != self._generation and self._generation is not None and self.policy() is not None:
+            self._refresh(generation)
+        cfg = struct.pack("=II", generation, 0 if self.policy() is None else 1)
         bpf.map_update(self.maps[service_lb.CONFIG_MAP], struct.pack("=I", 0), cfg)
+        self._generation = generation
         want: dict[bytes, bytes] = {}
         for node, (networks, link_id) in self.links().items():
             for net in networks:
@@ -153,6 +161,18 @@ class RemotePath:
             elif self.left_native and not full:
                 log.info("remote path: every linked node's pod networks are in the remote map again")
             self.left_native = full
+
+    def _refresh(self, generation: int) -> None:
+        verdicts = self.maps[service_lb.VERDICTS_MAP]
+        for key in bpf.map_keys(verdicts, _VERDICT_KEY.size)[:REFRESH_MAX]:
+            netns, ip4, port, _ = _VERDICT_KEY.unpack(key)
+            src = self.pod_of(netns)
+            if src is None:   # that pod is gone
+                bpf.map_delete(verdicts, key)
+                continue
+            dst = (socket.inet_ntoa(struct.pack("=I", ip4)), socket.ntohs(port))
+            self._verdict(key, struct.pack("=II", generation, int(self.decide(src, dst))), generation)
+            self.verdicts += 1
 
     def answer_misses(self) -> int:
         """Decide the verdicts connects found missing; how many."""

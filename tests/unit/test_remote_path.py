@@ -108,3 +108,32 @@ def test_a_full_verdict_map_gives_up_older_generations_then_leaves_connects_nati
         assert len([r for r in caplog.records if "verdict map is full" in r.getMessage()]) == 1
     finally:
         rp.close()
+
+
+@needs_root
+def test_a_new_route_generation_gets_the_verdicts_in_use_decided_again(maps):
+    gen, allow = [1], [True]
+    decided = []
+
+    def decide(src, dst):
+        decided.append((src, dst))
+        return allow[0]
+    rp = path(maps, generation=lambda: gen[0], pod_of={7: "10.1.0.5"}.get, decide=decide)
+    verdicts = maps[service_lb.VERDICTS_MAP]
+    try:
+        rp.sync()
+        ip4 = struct.unpack("=I", socket.inet_aton("10.2.0.9"))[0]
+        ours, gone = (struct.pack("=QIHH", cookie, ip4, socket.htons(80), 0) for cookie in (7, 8))
+        for key in (ours, gone):
+            bpf.map_update(maps[service_lb.MISSES_MAP], key, struct.pack("=I", 1))
+        rp.answer_misses()
+        assert bpf.map_lookup(verdicts, ours, 8) == struct.pack("=II", 1, 1)
+        gen[0], allow[0] = 2, False     # a policy changed: the verdict in use is decided again, now
+        decided.clear()
+        rp.sync()
+        assert decided == [("10.1.0.5", ("10.2.0.9", 80))]
+        assert bpf.map_lookup(verdicts, ours, 8) == struct.pack("=II", 2, 0)
+        assert bpf.map_lookup(verdicts, gone, 8) is None    # its pod left: dropped, not decided
+        assert bpf.map_lookup(maps[service_lb.CONFIG_MAP], struct.pack("=I", 0), 8) == struct.pack("=II", 2, 1)
+    finally:
+        rp.close()
