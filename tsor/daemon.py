@@ -39,7 +39,7 @@ from tsor.errors import ConfigError, NotAllowed, ProtocolError
 from tsor.gate import Gate, Pending
 from tsor.identity import Identity, ProcVerifier, Verifier
 from tsor.metrics import Metrics, MetricsServer
-from tsor.netpol import ALLOW, UNKNOWN, PodRef
+from tsor.netpol import ALLOW
 from tsor.peers import Generation
 from tsor.pods import Pod, PodRegistry, check_claim
 from tsor.transport.local import LocalTransport
@@ -303,7 +303,7 @@ class Daemon:
             rp = remote_path.RemotePath(
                 self.service_lb, address, self._pump_links, lambda: self.generation.value,
                 lambda: self.routes.policy, self.sockmap.address_of,
-                lambda src, dst: remote_path.decide_with(self.routes.policy, self.routes.pods, src, dst))
+                lambda src, dst: self.routes.verdict(src, dst)[0] == ALLOW)
         except OSError as e:
             raise ConfigError(self.cfg.path, "rdma.pump_port", f"the pump's listener {address[0]}:{address[1]}: "
                               f"{e.strerror or e}") from None
@@ -705,16 +705,7 @@ class Daemon:
         """With routes from Kubernetes, whether the NetworkPolicies allow a connection TSoR would
         carry (tsor/netpol.py). Both ends must be quark pods the route source knows; anything else,
         or a policy tsord cannot evaluate, is native."""
-        policy = self.routes.policy
-        if policy is None:
-            return True   # routes from a file: no Kubernetes, no NetworkPolicy
-        src_pod, dst_pod = self.routes.pods.get(unmapped(src_ip)), self.routes.pods.get(unmapped(dst[0]))
-        if src_pod is None or dst_pod is None:
-            verdict, why = UNKNOWN, f"{src_ip if src_pod is None else dst[0]} is no quark pod the API server lists"
-        else:
-            verdict, why = policy.decide(PodRef(src_pod.namespace, src_pod.name, src_pod.labels, src_ip),
-                                         PodRef(dst_pod.namespace, dst_pod.name, dst_pod.labels, dst[0],
-                                                dict(dst_pod.ports)), dst[1])
+        verdict, why = self.routes.verdict(src_ip, dst)
         if verdict != ALLOW:
             self.metrics.policy_native(verdict)
             log.debug("connect %s -> %s:%d native: %s (%s)", sess.name, dst[0], dst[1], verdict, why)

@@ -41,7 +41,6 @@ from collections.abc import Callable
 from qlib import bpf
 from tsor import service_lb
 from tsor.addr import Endpoint
-from tsor.netpol import ALLOW, PodRef
 
 log = logging.getLogger("tsor.remote_path")
 VERDICT_POLL = 0.02     # how often the misses map is read
@@ -227,16 +226,3 @@ class RemotePath:
             self._remote.clear()
         self.listener.close()
 
-
-def decide_with(policy: object | None, pods: dict, src_ip: str, dst: Endpoint) -> bool:
-    """NetworkPolicy's answer for a connection from the quark pod at src_ip to dst (both must be pods
-    the route source lists; anything it cannot tell: no)."""
-    if policy is None:
-        return True
-    src_pod, dst_pod = pods.get(src_ip), pods.get(dst[0])
-    if src_pod is None or dst_pod is None:
-        return False
-    verdict, _ = policy.decide(PodRef(src_pod.namespace, src_pod.name, src_pod.labels, src_ip),
-                               PodRef(dst_pod.namespace, dst_pod.name, dst_pod.labels, dst[0], dict(dst_pod.ports)),
-                               dst[1])
-    return verdict == ALLOW

@@ -220,6 +220,21 @@ class RouteTable:
         """The quark pod (namespace, name), None if the table has none of that name."""
         return self._pod_keys.get(key)
 
+    def verdict(self, src_ip: str, dst: Endpoint) -> tuple[str, str]:
+        """NetworkPolicy's verdict (tsor/netpol.py: ALLOW, DENY, UNKNOWN) on a connection from the
+        quark pod at src_ip to dst, and why. Routes from a file: allowed (no Kubernetes, no policy).
+        Both ends must be quark pods the route source lists, else UNKNOWN."""
+        from tsor.netpol import ALLOW, UNKNOWN, PodRef
+        policy = self.policy
+        if policy is None:
+            return ALLOW, "no NetworkPolicy: routes from a file"
+        src_pod, dst_pod = self.pods.get(unmapped(src_ip)), self.pods.get(unmapped(dst[0]))
+        if src_pod is None or dst_pod is None:
+            return UNKNOWN, f"{src_ip if src_pod is None else dst[0]} is no quark pod the API server lists"
+        return policy.decide(PodRef(src_pod.namespace, src_pod.name, src_pod.labels, src_ip),
+                             PodRef(dst_pod.namespace, dst_pod.name, dst_pod.labels, dst[0], dict(dst_pod.ports)),
+                             dst[1])
+
     def service(self, ip: str, port: int) -> ServicePort | None:
         """The Service port at ClusterIP `ip`:`port`, None if that is not one."""
         return self.services.get((unmapped(ip), port))

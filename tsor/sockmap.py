@@ -92,18 +92,12 @@ class Registrar:
         self._lock = threading.Lock()
         self._cookies: dict[int, int] = {}     # netns inode -> cookie
         self._set: dict[str, int] = {}         # address -> cookie, as the map holds them
+        self._by_cookie: dict[int, str] = {}   # ... and the other way (the remote path's verdicts)
         self.left_native: set[str] = set()     # addresses the map had no room for
-
-    def carried(self, ip: str) -> bool:
-        """Is `ip` the address of a quark pod registered here (and in the map)?"""
-        return ip in self._set
 
     def address_of(self, cookie: int) -> str | None:
         """The IPv4 address of the registered pod whose network namespace has this cookie."""
-        for ip, c in list(self._set.items()):
-            if c == cookie:
-                return ip
-        return None
+        return self._by_cookie.get(cookie)
 
     def sync(self, want: dict[str, tuple[str, int]]) -> None:
         """`want`: address -> (a path naming its network namespace, that namespace's inode)."""
@@ -141,6 +135,7 @@ class Registrar:
                 log.info("sockmap: every registered pod address is carried again")
             self.left_native = full
             self._cookies = cookies
+            self._by_cookie = {c: ip for ip, c in self._set.items()}
             if self.namespaces is not None:
                 self.namespaces(set(wanted.values()))
 

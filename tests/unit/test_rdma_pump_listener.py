@@ -17,6 +17,7 @@ import pytest
 
 from qlib import bpf
 from tests.support.rdma import device_or_skip
+from tests.unit.test_rdma_ring import wait_for
 from tsor import remote_path
 from tsor.transport.rdma import RingConfig
 from tsor.transport.rdma_pump import PumpEngine
@@ -92,13 +93,6 @@ def pumps():
         p.close()
 
 
-def wait_for(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def test_a_noted_connection_is_carried_to_the_server_the_note_names(pumps):
     room = pumps.room_of(pumps.la)
     assert 0 < room < 32   # the link's half of 64 slots, less the reserve
@@ -122,7 +116,7 @@ def test_a_noted_connection_is_carried_to_the_server_the_note_names(pumps):
                 got += c.recv(1 << 16)
             assert got == data[::-1]
             assert pumps.seen == []                     # no Python on either side
-            wait_for(lambda: pumps.room_of(pumps.la) == room - 1)   # one channel of the link taken
+            wait_for(lambda: pumps.room_of(pumps.la) == room - 1, 10)   # one channel of the link taken
             assert pumps.a.listened == (1, 0)
             # the note was taken out; the far side's peers entry is there while the connection is
             assert bpf.map_keys(pumps.conns, 8) == []
@@ -135,7 +129,7 @@ def test_a_noted_connection_is_carried_to_the_server_the_note_names(pumps):
     while bpf.map_keys(pumps.peers, 12) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert bpf.map_keys(pumps.peers, 12) == [], "the peers entry outlived the connection"
-    wait_for(lambda: pumps.room_of(pumps.la) == room)        # and given back
+    wait_for(lambda: pumps.room_of(pumps.la) == room, 10)    # and given back
 
 
 def reset(pumps, **kw) -> None:
