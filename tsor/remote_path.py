@@ -66,9 +66,6 @@ def peer_key(pod: Endpoint, pump: Endpoint) -> bytes:
     return socket.inet_aton(pod[0]) + socket.inet_aton(pump[0]) + struct.pack("!HH", pod[1], pump[1])
 
 
-def endpoint_value(ep: Endpoint) -> bytes:
-    return socket.inet_aton(ep[0]) + struct.pack("!H", ep[1]) + b"\0\0"
-
 
 class RemotePath:
     """tsord's side of the remote leg: the listener it gives the pump and the maps it keeps."""

@@ -86,7 +86,9 @@ def _backend_key(ip: str, port: int, index: int) -> bytes:
     return socket.inet_aton(ip) + struct.pack("!H", port) + struct.pack("=H", index)
 
 
-def _endpoint(ep: Endpoint) -> bytes:
+def endpoint_value(ep: Endpoint) -> bytes:
+    """struct endpoint {u32 ip4; u16 port (network order); u16 pad}: a backend, and the remote path's
+    peers map value"""
     return socket.inet_aton(ep[0]) + struct.pack("!H", ep[1]) + b"\0\0"
 
 
@@ -205,7 +207,7 @@ class ServiceLB:
         eps, before = want.endpoints, old.endpoints if old else ()
         for i, ep in enumerate(eps):           # endpoints first ...
             if i >= len(before) or before[i] != ep:
-                bpf.map_update(backs, _backend_key(ip, port, i), _endpoint(ep))
+                bpf.map_update(backs, _backend_key(ip, port, i), endpoint_value(ep))
         bpf.map_update(svcs, _service_key(ip, port), struct.pack("=II", len(eps), want.affinity_s))   # ... then the count
         for i in range(len(eps), len(before)):    # and what is past it now
             bpf.map_delete(backs, _backend_key(ip, port, i))

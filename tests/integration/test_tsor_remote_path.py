@@ -157,7 +157,7 @@ def test_a_pod_accepts_the_far_pumps_connection_as_from_the_client_pod(bed, lb):
     try:
         far.bind((gateway, 0))
         key = remote_path.peer_key((two.ip, 8081), far.getsockname())
-        bpf.map_update(lb.maps[service_lb.PEERS_MAP], key, remote_path.endpoint_value(("10.9.8.7", 4242)))
+        bpf.map_update(lb.maps[service_lb.PEERS_MAP], key, service_lb.endpoint_value(("10.9.8.7", 4242)))
         far.connect((two.ip, 8081))
         conn, peer = server.accept()
         with conn:

@@ -18,7 +18,7 @@ import pytest
 from qlib import bpf
 from tests.support.rdma import device_or_skip
 from tests.unit.test_rdma_ring import wait_for
-from tsor import remote_path
+from tsor import remote_path, service_lb
 from tsor.transport.rdma import RingConfig
 from tsor.transport.rdma_pump import PumpEngine
 from tsor.verbs import pyverbs_provider
@@ -102,7 +102,7 @@ def test_a_noted_connection_is_carried_to_the_server_the_note_names(pumps):
         with conn:
             assert peer[0] == "127.0.0.1"   # (the programs would answer the client's: host test)
             key = remote_path.peer_key(pumps.server.getsockname(), peer)
-            assert bpf.map_lookup(pumps.peers, key, 8) == remote_path.endpoint_value(c.getsockname())
+            assert bpf.map_lookup(pumps.peers, key, 8) == service_lb.endpoint_value(c.getsockname())
             conn.settimeout(10)
             data = bytes(range(256)) * 4096   # 1 MiB each way
             threading.Thread(target=c.sendall, args=(data,)).start()

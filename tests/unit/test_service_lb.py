@@ -63,7 +63,7 @@ def test_the_map_layouts_match_the_c_structs():
     assert service_lb._backend_key("10.96.0.10", 80, 3) == socket.inet_aton("10.96.0.10") + b"\x00\x50" + \
         struct.pack("=H", 3)
     # struct endpoint {u32 ip4; u16 port (network order: written into user_port as it is); u16 pad}
-    raw = service_lb._endpoint(("10.1.0.7", 8080))
+    raw = service_lb.endpoint_value(("10.1.0.7", 8080))
     assert raw == socket.inet_aton("10.1.0.7") + b"\x1f\x90\0\0" and service_lb._parse_endpoint(raw) == ("10.1.0.7", 8080)
     assert len(service_lb.CONNECT_NAME) <= 15 and len(service_lb.PEER_NAME) <= 15   # BPF_OBJ_NAME_LEN - 1
     assert all(len(name) <= 15 for name in service_lb.MAPS)

@@ -1335,6 +1335,19 @@ out:
     return rc;
 }
 
+/* a new channel of ours in `slot` (from free_slot) with `fd` as its end, and the OPEN asking the
+ * peer for it; NULL: no memory (nothing changed) */
+static struct chan *open_slot(struct link *l, uint32_t slot, int fd, const void *payload, uint32_t n) {
+    struct chan *ch = chan_new(l, slot, (uint16_t)(l->gens[slot] + 1), fd, OPENING);
+    if (!ch) return NULL;
+    l->gens[slot] = ch->gen;
+    l->unreleased[slot] = true;
+    room_changed(l);
+    ctl(l, OPEN, slot, ch->gen, 0, 0, payload, n);
+    flush_ctl(l);
+    return ch;
+}
+
 static int free_slot(struct link *l) {
     for (uint32_t i = 0; i < l->slots; i++) {
         uint32_t s = (l->cursor + i) % l->slots;
@@ -1383,8 +1396,7 @@ static void take(struct pe *pe, int fd) {
     int n = snprintf(payload, sizeof payload, "{\"src\": [\"%s\", %u], \"dst\": [\"%s\", %u]}", src,
                      ntohs(peer.sin_port), dst, ntohs(to.port));
     set_socket(fd);
-    l->gens[slot] = (uint16_t)(l->gens[slot] + 1);
-    struct chan *ch = chan_new(l, (uint32_t)slot, l->gens[slot], fd, OPENING);
+    struct chan *ch = open_slot(l, (uint32_t)slot, fd, payload, (uint32_t)n);
     if (!ch) {
         pe->stats.unclaimed++;
         linger0(fd);
@@ -1392,11 +1404,7 @@ static void take(struct pe *pe, int fd) {
         return;
     }
     ch->pumped = true;
-    l->unreleased[slot] = true;
-    room_changed(l);
     pe->stats.accepted++;
-    ctl(l, OPEN, (uint32_t)slot, ch->gen, 0, 0, payload, (uint32_t)n);
-    flush_ctl(l);
 }
 
 static void on_listener(struct pe *pe) {
@@ -1466,8 +1474,7 @@ int pe_open(struct pe *pe, int id, int64_t token, const void *payload, uint32_t 
     int slot = l && l->up ? free_slot(l) : -1;
     int ours, app;
     if (slot < 0 || socketpair_for(&ours, &app) < 0) goto out;
-    l->gens[slot] = (uint16_t)(l->gens[slot] + 1);
-    struct chan *ch = chan_new(l, slot, l->gens[slot], ours, OPENING);
+    struct chan *ch = open_slot(l, (uint32_t)slot, ours, payload, n);
     if (!ch) {
         close(ours);
         close(app);
@@ -1475,11 +1482,7 @@ int pe_open(struct pe *pe, int id, int64_t token, const void *payload, uint32_t 
     }
     ch->token = token;
     rc = 1;
-    l->unreleased[slot] = true;
-    room_changed(l);
     *app_fd = app;
-    ctl(l, OPEN, slot, ch->gen, 0, 0, payload, n);
-    flush_ctl(l);
 out:
     pthread_mutex_unlock(&pe->mu);
     return rc;
